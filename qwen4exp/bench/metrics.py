@@ -1,0 +1,331 @@
+"""Metric definitions of the agentic benchmark.
+
+The definitions follow the ones the field publishes numbers with (TokenSpeed's
+``bench.py`` / ``collect_outputs.py``, EvalScope ``perf``, vLLM ``bench serve``):
+
+* TTFT: time from sending the request to the first streamed chunk that carries
+  a token.
+* latency: time from sending the request to the last streamed token chunk (the
+  trailing usage-only chunk does not count).
+* TPOT of one turn: ``(latency - TTFT) / (output_tokens - 1)``, defined only for
+  turns with more than one output token; ``output_tokens`` is the server's
+  ``usage.completion_tokens``.
+* per-user rate (``tok_s_user``): ``1000 / mean TPOT in ms``, the mean taken over
+  every completed turn of the level, each turn weighted equally.
+* P90 interactivity (``tok_s_user_p90``): ``1000 / P90 TPOT in ms``, the per-user
+  rate that 90 % of the turns reach or beat.
+* output throughput: all output tokens of the level's completed turns divided by
+  the level's wall time (first request sent -> last response finished); per GPU
+  it is divided by ``--num-gpus``; per GPU per minute it is multiplied by 60.
+* ITL: gaps between consecutive token chunks of a turn, pooled over all
+  completed turns of the level (with speculative decoding one chunk may carry
+  several tokens, exactly as in ``vllm bench serve``).
+* prefix-cache hit rate: ``100 * d(vllm:prefix_cache_hits) /
+  d(vllm:prefix_cache_queries)`` over the level, from the server's Prometheus
+  ``/metrics``; blank when the server does not expose the counters.
+* acceptance length: ``1 + d(vllm:spec_decode_num_accepted_tokens) /
+  d(vllm:spec_decode_num_drafts)`` over the level; blank without speculative
+  decoding.
+
+Percentiles use linear interpolation (numpy's default), so they agree with the
+numbers ``vllm bench serve`` prints.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+# Turn status values.
+OK = "ok"
+TRUNCATED = "truncated"
+FAILED = "failed"
+
+# Columns of summary.csv, in order.
+SUMMARY_COLUMNS: list[str] = [
+    "label",
+    "concurrency",
+    "num_gpus",
+    "conversations",
+    "turns_sent",
+    "turns_ok",
+    "turns_truncated",
+    "turns_failed",
+    "turns_not_sent",
+    "tok_s_user",
+    "tok_s_user_p90",
+    "tok_s_gpu",
+    "tok_min_gpu",
+    "output_tok_s",
+    "total_tok_s",
+    "tpot_mean_ms",
+    "tpot_p90_ms",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "ttft_p99_ms",
+    "ttft_mean_ms",
+    "itl_p50_ms",
+    "itl_p90_ms",
+    "itl_p99_ms",
+    "cache_hit_pct",
+    "cache_hit_usage_pct",
+    "acceptance_length",
+    "prompt_tokens_mean",
+    "prompt_tokens_max",
+    "output_tokens",
+    "prompt_tokens_mismatch",
+    "duration_s",
+]
+
+# What each column means (used for --help and the README-style note).
+COLUMN_DOC: dict[str, str] = {
+    "label": "the run's --label (one line per label in the plot)",
+    "concurrency": "simultaneous conversations",
+    "num_gpus": "--num-gpus",
+    "conversations": "conversations started at this level",
+    "turns_sent": "turns whose request was sent (ok + truncated + failed)",
+    "turns_ok": "turns that returned exactly --max-output-tokens tokens",
+    "turns_truncated": "turns that returned fewer tokens than asked",
+    "turns_failed": "turns that errored (HTTP error, refused, reset, timeout)",
+    "turns_not_sent": "planned turns never sent (conversation stopped, time limit, abort)",
+    "tok_s_user": "per-user rate: 1000 / mean TPOT (ms)",
+    "tok_s_user_p90": "P90 interactivity: 1000 / P90 TPOT (ms)",
+    "tok_s_gpu": "output tokens/s / num_gpus",
+    "tok_min_gpu": "output tokens/min / num_gpus",
+    "output_tok_s": "output tokens/s, all GPUs",
+    "total_tok_s": "(prompt + output) tokens/s, all GPUs",
+    "tpot_mean_ms": "mean TPOT, (latency - TTFT) / (output tokens - 1)",
+    "tpot_p90_ms": "P90 TPOT",
+    "ttft_p50_ms": "TTFT P50",
+    "ttft_p90_ms": "TTFT P90",
+    "ttft_p99_ms": "TTFT P99",
+    "ttft_mean_ms": "TTFT mean",
+    "itl_p50_ms": "inter-token latency P50",
+    "itl_p90_ms": "inter-token latency P90",
+    "itl_p99_ms": "inter-token latency P99",
+    "cache_hit_pct": "prefix-cache hit rate from /metrics (blank if not exposed)",
+    "cache_hit_usage_pct": "cached prompt tokens from usage.prompt_tokens_details (blank if not sent)",
+    "acceptance_length": "MTP/spec-decode mean acceptance length, 1 + accepted/drafts (blank if none)",
+    "prompt_tokens_mean": "mean prompt tokens per completed turn (server's usage)",
+    "prompt_tokens_max": "largest prompt of the level (server's usage)",
+    "output_tokens": "output tokens of the completed turns",
+    "prompt_tokens_mismatch": "completed turns whose server prompt size differs from the plan",
+    "duration_s": "level wall time, first request sent to last response finished",
+}
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Percentile with linear interpolation (numpy's default method)."""
+    if not values:
+        return None
+    xs = sorted(values)
+    if len(xs) == 1:
+        return float(xs[0])
+    pos = (len(xs) - 1) * (q / 100.0)
+    lo = math.floor(pos)
+    hi = math.ceil(pos)
+    if lo == hi:
+        return float(xs[lo])
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return float(sum(values) / len(values)) if values else None
+
+
+def tpot_ms(latency_ms: float | None, ttft_ms: float | None, output_tokens: int | None) -> float | None:
+    """TPOT of one turn, ``(latency - TTFT) / (output_tokens - 1)``; None for <= 1 token."""
+    if latency_ms is None or ttft_ms is None or output_tokens is None or output_tokens <= 1:
+        return None
+    return (latency_ms - ttft_ms) / (output_tokens - 1)
+
+
+# ---------------------------------------------------------------------------
+# Prometheus
+
+
+_SAMPLE_RE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
+
+PREFIX_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
+PREFIX_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
+SPEC_ACCEPTED = ("vllm:spec_decode_num_accepted_tokens",)
+SPEC_DRAFTS = ("vllm:spec_decode_num_drafts",)
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum every sample of a Prometheus text exposition by metric name.
+
+    Label sets are summed (one vLLM server with data parallelism exposes one
+    series per engine). A ``_total`` suffix is removed so ``foo_total`` and
+    ``foo`` read the same; ``_created`` series are skipped.
+    """
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_RE.match(line)
+        if not m:
+            continue
+        name = m.group(1)
+        if name.endswith("_created"):
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        if math.isnan(value):
+            continue
+        if name.endswith("_total"):
+            name = name[: -len("_total")]
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def _first(sample: Mapping[str, float], names: Iterable[str]) -> tuple[str, float] | None:
+    for n in names:
+        if n in sample:
+            return n, sample[n]
+    return None
+
+
+def counter_delta(
+    before: Mapping[str, float] | None, after: Mapping[str, float] | None, names: Iterable[str]
+) -> float | None:
+    """Increase of the first of ``names`` found in ``after``; None when absent."""
+    if after is None:
+        return None
+    hit = _first(after, names)
+    if hit is None:
+        return None
+    name, value = hit
+    start = (before or {}).get(name, 0.0)
+    return value - start
+
+
+def server_metrics(before: Mapping[str, float] | None, after: Mapping[str, float] | None) -> dict[str, Any]:
+    """Prefix-cache hit rate (%) and spec-decode acceptance length over a level."""
+    hits = counter_delta(before, after, PREFIX_HITS)
+    queries = counter_delta(before, after, PREFIX_QUERIES)
+    accepted = counter_delta(before, after, SPEC_ACCEPTED)
+    drafts = counter_delta(before, after, SPEC_DRAFTS)
+    res: dict[str, Any] = {
+        "prefix_cache_hits": hits,
+        "prefix_cache_queries": queries,
+        "spec_accepted_tokens": accepted,
+        "spec_drafts": drafts,
+        "cache_hit_pct": None,
+        "acceptance_length": None,
+    }
+    if hits is not None and queries:
+        res["cache_hit_pct"] = 100.0 * hits / queries
+    if accepted is not None and drafts:
+        res["acceptance_length"] = 1.0 + accepted / drafts
+    return res
+
+
+# ---------------------------------------------------------------------------
+# Aggregation
+
+
+def summarize_level(
+    turns: Sequence[Mapping[str, Any]],
+    *,
+    label: str,
+    concurrency: int,
+    num_gpus: float,
+    conversations: int,
+    turns_not_sent: int,
+    duration_s: float,
+    server: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One summary row from the per-turn records of one concurrency level.
+
+    ``turns`` holds every turn that was sent, with ``status`` one of ok /
+    truncated / failed. Completed turns (ok + truncated) feed the latency and
+    throughput metrics; failed turns only feed the counts.
+    """
+    done = [t for t in turns if t["status"] in (OK, TRUNCATED)]
+    n_ok = sum(1 for t in turns if t["status"] == OK)
+    n_trunc = sum(1 for t in turns if t["status"] == TRUNCATED)
+    n_fail = sum(1 for t in turns if t["status"] == FAILED)
+
+    tpots = [t["tpot_ms"] for t in done if t.get("tpot_ms") is not None]
+    ttfts = [t["ttft_ms"] for t in done if t.get("ttft_ms") is not None]
+    itls = [x for t in done for x in (t.get("itl_ms") or [])]
+    out_tokens = sum(int(t.get("completion_tokens") or 0) for t in done)
+    prompt_tokens = [int(t["prompt_tokens"]) for t in done if t.get("prompt_tokens") is not None]
+    cached = [t.get("cached_tokens") for t in done]
+    mismatch = sum(
+        1
+        for t in done
+        if t.get("prompt_tokens") is not None
+        and t.get("planned_prompt_tokens") is not None
+        and int(t["prompt_tokens"]) != int(t["planned_prompt_tokens"])
+    )
+
+    tpot_mean = mean(tpots)
+    tpot_p90 = percentile(tpots, 90)
+    out_tps = out_tokens / duration_s if duration_s > 0 else None
+    total_tps = (out_tokens + sum(prompt_tokens)) / duration_s if duration_s > 0 else None
+    per_gpu = out_tps / num_gpus if out_tps is not None and num_gpus > 0 else None
+
+    cache_usage = None
+    if done and all(c is not None for c in cached) and sum(prompt_tokens) > 0:
+        cache_usage = 100.0 * sum(int(c) for c in cached) / sum(prompt_tokens)
+
+    server = server or {}
+    row: dict[str, Any] = {
+        "label": label,
+        "concurrency": concurrency,
+        "num_gpus": num_gpus,
+        "conversations": conversations,
+        "turns_sent": len(turns),
+        "turns_ok": n_ok,
+        "turns_truncated": n_trunc,
+        "turns_failed": n_fail,
+        "turns_not_sent": turns_not_sent,
+        "tok_s_user": 1000.0 / tpot_mean if tpot_mean else None,
+        "tok_s_user_p90": 1000.0 / tpot_p90 if tpot_p90 else None,
+        "tok_s_gpu": per_gpu,
+        "tok_min_gpu": per_gpu * 60.0 if per_gpu is not None else None,
+        "output_tok_s": out_tps,
+        "total_tok_s": total_tps,
+        "tpot_mean_ms": tpot_mean,
+        "tpot_p90_ms": tpot_p90,
+        "ttft_p50_ms": percentile(ttfts, 50),
+        "ttft_p90_ms": percentile(ttfts, 90),
+        "ttft_p99_ms": percentile(ttfts, 99),
+        "ttft_mean_ms": mean(ttfts),
+        "itl_p50_ms": percentile(itls, 50),
+        "itl_p90_ms": percentile(itls, 90),
+        "itl_p99_ms": percentile(itls, 99),
+        "cache_hit_pct": server.get("cache_hit_pct"),
+        "cache_hit_usage_pct": cache_usage,
+        "acceptance_length": server.get("acceptance_length"),
+        "prompt_tokens_mean": mean(prompt_tokens),
+        "prompt_tokens_max": max(prompt_tokens) if prompt_tokens else None,
+        "output_tokens": out_tokens,
+        "prompt_tokens_mismatch": mismatch,
+        "duration_s": duration_s,
+    }
+    return row
+
+
+def format_cell(value: Any) -> str:
+    """CSV cell: blank for None, integers as-is, floats with sensible precision."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value.is_integer() and abs(value) < 1e15:
+            return str(int(value))
+        if abs(value) >= 100:
+            return f"{value:.2f}"
+        return f"{value:.4g}" if abs(value) < 0.01 else f"{value:.3f}"
+    return str(value)

@@ -1,0 +1,280 @@
+"""Seeded synthetic agent conversations shaped like SWE-Smith traces.
+
+Shape (the field's SWE-Smith replay, EvalScope ``build_swe_smith_dataset.py`` with
+``--first-turn-length 50000 --subsequent-turn-length 800 --min-turns 10
+--max-turns 15`` and ``--max-tokens 500 --extra-args '{"ignore_eos": true}'``):
+
+* turn 1 is one user message (a code base being read) whose chat prompt is
+  exactly ``first_turn_tokens`` tokens, chat template included;
+* every later turn appends the model's real reply of the previous turn as an
+  assistant message plus one user message (tool output) so that the prompt
+  grows by exactly ``turn_tokens`` new tokens on top of the previous prompt and
+  its reply::
+
+      prompt[k] = prompt[k-1] + completion_tokens[k-1] + turn_tokens
+
+  i.e. "+800 new tokens per turn" counts everything added after the reused
+  prefix (end of the assistant message, the user message with its template
+  tokens, the generation prompt);
+* the number of turns of a conversation is drawn uniformly from
+  ``[min_turns, max_turns]``.
+
+Counts are exact for the served model's tokenizer: turn 1 is fitted when the
+workload is planned; later turns are fitted just before they are sent (outside
+the timed window), because the reply is only known then and a reply's text does
+not always re-tokenize to the same number of tokens the server generated. Every
+conversation has its own random text from the first tokens on, so conversations
+never share a cached prefix beyond the chat template's preamble.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from .tokenizer import Tokenizer
+
+_WORDS = (
+    "get set value config parse request response handler user item index count buffer token cache "
+    "state node tree path file data result error logger client server queue batch model layer weight "
+    "shape size offset limit key name type field schema record entry session context manager factory "
+    "builder reader writer stream event task job worker pool lock timer retry policy option flag mode "
+    "level format encode decode load save update delete create build check validate resolve render "
+    "apply merge split filter map reduce sort find match scan fetch send recv open close init reset "
+    "start stop run step commit rollback payload header route table column row query cursor engine "
+    "plugin module package registry version patch diff hunk line block chunk frame page slot window"
+).split()
+_ERRORS = ("ValueError", "KeyError", "TypeError", "RuntimeError", "IndexError", "AssertionError", "OSError")
+_BASES = ("object", "Base", "Mixin", "Protocol", "Exception", "dict", "NamedTuple")
+
+
+class CodeText:
+    """Deterministic source of code-like text (pseudo Python, shell, test logs)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def _w(self) -> str:
+        return self.rng.choice(_WORDS)
+
+    def _ident(self) -> str:
+        n = self.rng.choice((1, 2, 2, 3))
+        return "_".join(self._w() for _ in range(n))
+
+    def _cls(self) -> str:
+        return "".join(self._w().capitalize() for _ in range(self.rng.choice((1, 2, 3))))
+
+    def _num(self) -> str:
+        return str(self.rng.choice((0, 1, 2, 3, 8, 16, 32, 64, 100, 256, 1024, self.rng.randint(0, 99999))))
+
+    def _path(self) -> str:
+        return f"src/{self._w()}/{self._ident()}.py"
+
+    def _code_line(self, indent: int) -> str:
+        pad = "    " * indent
+        r = self.rng.random()
+        a, b, c = self._ident(), self._ident(), self._ident()
+        if r < 0.22:
+            return f"{pad}{a} = {b}.{self._w()}({c}, {self._num()})"
+        if r < 0.32:
+            return f"{pad}if {a} is None or {b} > {self._num()}:"
+        if r < 0.40:
+            return f"{pad}for {a} in {b}.{self._w()}s():"
+        if r < 0.48:
+            return f'{pad}raise {self.rng.choice(_ERRORS)}(f"{self._w()} {self._w()}: {{{a}!r}}")'
+        if r < 0.56:
+            return f"{pad}return {a}"
+        if r < 0.63:
+            return f"{pad}{a}[{self._num()}] = {b}.{c} + {self._num()}"
+        if r < 0.70:
+            return f"{pad}# {self._w()} the {self._w()} {self._w()} before {self._w()}ing"
+        if r < 0.78:
+            return f"{pad}self.{a} = {b}"
+        if r < 0.85:
+            return f"{pad}logger.{self.rng.choice(('debug', 'info', 'warning'))}(\"{self._w()} %s\", {a})"
+        return f"{pad}{a} = [{b} for {c} in {self._ident()} if {c}]"
+
+    def code_file(self, lines: int) -> str:
+        out = [f"### {self._path()}", f"import {self._w()}", f"from {self._w()}.{self._w()} import {self._cls()}", ""]
+        while len(out) < lines:
+            if self.rng.random() < 0.3:
+                out.append(f"class {self._cls()}({self.rng.choice(_BASES)}):")
+                out.append(f'    """{self._w().capitalize()} the {self._w()} {self._w()} for {self._w()}."""')
+                indent = 1
+            else:
+                indent = 0
+            out.append(f"{'    ' * indent}def {self._ident()}(self, {self._ident()}, {self._ident()}={self._num()}):")
+            for _ in range(self.rng.randint(3, 12)):
+                out.append(self._code_line(indent + 1 + (1 if self.rng.random() < 0.3 else 0)))
+            out.append("")
+        return "\n".join(out) + "\n"
+
+    def tool_output(self, lines: int) -> str:
+        r = self.rng.random()
+        out: list[str] = []
+        if r < 0.35:
+            out.append(f"$ python -m pytest tests/test_{self._ident()}.py -x -q")
+            out.append(f"F.{'.' * self.rng.randint(0, 20)}")
+            out.append(f"___ test_{self._ident()} ___")
+            while len(out) < lines:
+                out.append(f"{self._path()}:{self.rng.randint(1, 900)}: in {self._ident()}")
+                out.append(self._code_line(1))
+                if self.rng.random() < 0.2:
+                    out.append(f"E   {self.rng.choice(_ERRORS)}: {self._w()} {self._w()} {self._num()}")
+        elif r < 0.65:
+            out.append(f"$ grep -rn {self._ident()} src/")
+            while len(out) < lines:
+                out.append(f"{self._path()}:{self.rng.randint(1, 900)}:{self._code_line(self.rng.randint(0, 2))}")
+        else:
+            out.append(f"$ cat {self._path()}")
+            out.append(self.code_file(lines))
+        return "\n".join(out) + "\n"
+
+    def chunk(self, chars: int, kind: str) -> str:
+        parts: list[str] = []
+        n = 0
+        while n < chars:
+            s = self.code_file(self.rng.randint(20, 80)) if kind == "code" else self.tool_output(self.rng.randint(10, 40))
+            parts.append(s)
+            n += len(s)
+        return "".join(parts)
+
+
+@dataclass
+class WorkloadSpec:
+    first_turn_tokens: int = 50000
+    turn_tokens: int = 800
+    min_turns: int = 10
+    max_turns: int = 15
+    max_output_tokens: int = 500
+    seed: int = 42
+
+    def max_prompt_tokens(self) -> int:
+        """Largest prompt the workload can produce (last turn of the longest conversation)."""
+        return self.first_turn_tokens + (self.max_turns - 1) * (self.turn_tokens + self.max_output_tokens)
+
+
+@dataclass
+class ConversationPlan:
+    conv_id: str
+    num_turns: int
+    first_text: str
+    first_tokens: int  # counted chat-prompt tokens of turn 1 (== spec.first_turn_tokens when exact)
+    tool_ids: list[list[int]] = field(default_factory=list)  # source token ids, one list per later turn
+    tool_texts: list[str] = field(default_factory=list)  # planned text per later turn (no runtime fit)
+    tool_n: list[int] = field(default_factory=list)  # tokens of each planned text
+
+
+def _clamp(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, n))
+
+
+async def source_ids(tok: Tokenizer, gen: CodeText, n_tokens: int, kind: str, header: str = "") -> list[int]:
+    """At least ``n_tokens`` token ids of fresh text (encoded chunk by chunk)."""
+    ids: list[int] = []
+    text = header
+    while True:
+        need = n_tokens - len(ids)
+        text += gen.chunk(max(256, int(need * 4.5)), kind)
+        ids.extend(await tok.encode(text))
+        text = ""
+        if len(ids) >= n_tokens:
+            return ids
+
+
+async def fit_chat(
+    tok: Tokenizer,
+    prefix: list[dict[str, Any]],
+    ids: list[int],
+    target: int,
+    n_guess: int,
+    max_iter: int = 10,
+) -> tuple[str, int, int]:
+    """Choose ``n`` so that ``prefix + [user: decode(ids[:n])]`` is exactly ``target`` chat tokens.
+
+    Returns ``(text, counted_tokens, n)``; ``counted_tokens != target`` only when
+    no prefix of ``ids`` fits exactly (the caller records the mismatch).
+    """
+    lo, hi = 1, len(ids)
+    n = _clamp(n_guess, lo, hi)
+    seen: dict[int, int] = {}
+    best: tuple[str, int, int] | None = None
+    for _ in range(max_iter):
+        text = await tok.decode(ids[:n])
+        c = await tok.count_chat(prefix + [{"role": "user", "content": text}])
+        seen[n] = c
+        if best is None or abs(c - target) < abs(best[1] - target):
+            best = (text, c, n)
+        if c == target:
+            return text, c, n
+        nxt = _clamp(n + (target - c), lo, hi)
+        if nxt in seen:
+            for cand in (n + 1, n - 1, n + 2, n - 2, n + 3, n - 3):
+                if lo <= cand <= hi and cand not in seen:
+                    nxt = cand
+                    break
+            else:
+                break
+        n = nxt
+    assert best is not None
+    return best
+
+
+async def template_overhead(tok: Tokenizer) -> tuple[int, int]:
+    """Chat-template tokens of (a first user message, one later assistant+user exchange).
+
+    ``first``: tokens of ``[user: ""]`` with the generation prompt (system
+    preamble, user header/footer, generation prompt).
+    ``later``: tokens a later turn adds besides the reply's and the tool
+    output's own tokens (end of the assistant message, user header/footer, the
+    next generation prompt). Used for the initial guesses; the fitting then
+    makes the counts exact.
+    """
+    probe_user = "alpha beta gamma"
+    probe_reply = "delta epsilon"
+    probe_tool = "zeta eta theta"
+    first = await tok.count_chat([{"role": "user", "content": ""}])
+    a = await tok.count_chat([{"role": "user", "content": probe_user}])
+    b = await tok.count_chat(
+        [
+            {"role": "user", "content": probe_user},
+            {"role": "assistant", "content": probe_reply},
+            {"role": "user", "content": probe_tool},
+        ]
+    )
+    later = b - a - len(await tok.encode(probe_reply)) - len(await tok.encode(probe_tool))
+    return first, max(0, later)
+
+
+async def plan_conversation(
+    tok: Tokenizer,
+    spec: WorkloadSpec,
+    conv_key: str,
+    overhead: tuple[int, int],
+) -> ConversationPlan:
+    """Plan one conversation: turn count, exact first turn, tool-output sources."""
+    rng = random.Random(f"{spec.seed}:{conv_key}")
+    num_turns = rng.randint(spec.min_turns, spec.max_turns)
+    gen = CodeText(rng)
+    first_overhead, later_overhead = overhead
+
+    n0 = max(1, spec.first_turn_tokens - first_overhead)
+    header = (
+        f"Repository {rng.getrandbits(64):016x}-{gen._ident()}: read the code base below, "
+        f"then find and fix the bug that makes the test suite fail.\n\n"
+    )
+    ids = await source_ids(tok, gen, n0 + 64, "code", header)
+    first_text, first_tokens, _ = await fit_chat(tok, [], ids, spec.first_turn_tokens, n0)
+
+    plan = ConversationPlan(conv_id=conv_key, num_turns=num_turns, first_text=first_text, first_tokens=first_tokens)
+    n_plan = max(1, spec.turn_tokens - later_overhead)
+    # Generous margin: a reply may re-tokenize to fewer tokens than were generated,
+    # and the tool output then has to make up the difference.
+    margin = spec.turn_tokens + spec.max_output_tokens + 64
+    for k in range(1, num_turns):
+        tids = await source_ids(tok, gen, n_plan + margin, "tool", f"[tool output {k}]\n")
+        plan.tool_ids.append(tids)
+        plan.tool_n.append(n_plan)
+        plan.tool_texts.append(await tok.decode(tids[:n_plan]))
+    return plan

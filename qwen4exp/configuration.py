@@ -1,0 +1,366 @@
+"""Configuration classes for Qwen4Exp (Qwen3.8-Flash-Next).
+
+They read and write the official ``config.json`` (``model_type`` ``qwen4_exp`` with a ``text_config`` of type
+``qwen4_exp_text`` and a ``vision_config`` of type ``qwen4_exp_vision``). They are our own classes: they are not
+registered with ``AutoConfig``, so an installed transformers that ships its own ``qwen4_exp`` keeps its classes.
+
+Every runtime in this package reads configs by attribute only, so upstream's config objects (which vLLM hands us)
+work the same as these.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from transformers import PretrainedConfig
+
+LINEAR = "linear_attention"
+INDEXED = "indexed_attention"
+_INDEXED_ALIASES = {"full_attention", "qwen_sparse_attention", INDEXED}
+_QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+
+
+class ConfigError(ValueError):
+    """A config field has a value this model cannot run with. The message names the field."""
+
+
+def _fail(field: str, msg: str) -> None:
+    raise ConfigError(f"Qwen4Exp config field `{field}`: {msg}")
+
+
+def normalize_layer_types(layer_types: list[str] | None, num_hidden_layers: int, interval: int = 4) -> list[str]:
+    """Official checkpoints write ``full_attention`` for the QSA layers; older ones ``qwen_sparse_attention``."""
+    if layer_types is None:
+        return [INDEXED if (i + 1) % interval == 0 else LINEAR for i in range(num_hidden_layers)]
+    return [INDEXED if t in _INDEXED_ALIASES else t for t in layer_types]
+
+
+def first_eos(eos_token_id: int | list[int] | None) -> int | None:
+    if isinstance(eos_token_id, (list, tuple)):
+        return int(eos_token_id[0]) if eos_token_id else None
+    return None if eos_token_id is None else int(eos_token_id)
+
+
+def standardize_rope(rope_parameters: dict | None, kwargs: dict) -> dict:
+    """Accept ``rope_parameters`` (transformers >= 5) or the legacy top-level ``rope_theta`` /
+    ``partial_rotary_factor`` / ``rope_scaling`` keys, and return one dict."""
+    rp = dict(rope_parameters or {})
+    legacy_scaling = kwargs.pop("rope_scaling", None)
+    if legacy_scaling:
+        for k, v in legacy_scaling.items():
+            rp.setdefault(k, v)
+        if "type" in rp and "rope_type" not in rp:
+            rp["rope_type"] = rp.pop("type")
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in kwargs:
+            rp.setdefault(key, kwargs.pop(key))
+    rp.setdefault("rope_type", "default")
+    rp.setdefault("rope_theta", 10000.0)
+    rp.setdefault("partial_rotary_factor", 1.0)
+    return rp
+
+
+class Qwen4ExpTextConfig(PretrainedConfig):
+    model_type = "qwen4_exp_text"
+    base_config_key = "text_config"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    ignore_keys_at_rope_validation = {"mrope_section", "mrope_interleaved"}
+
+    def __init__(
+        self,
+        vocab_size: int = 248320,
+        hidden_size: int = 2048,
+        num_hidden_layers: int = 40,
+        num_attention_heads: int = 16,
+        num_key_value_heads: int = 2,
+        head_dim: int = 256,
+        hidden_act: str = "silu",
+        max_position_embeddings: int = 32768,
+        initializer_range: float = 0.02,
+        rms_norm_eps: float = 1e-6,
+        use_cache: bool = True,
+        tie_word_embeddings: bool = False,
+        rope_parameters: dict | None = None,
+        attention_bias: bool = False,
+        attention_dropout: float = 0.0,
+        linear_conv_kernel_dim: int = 4,
+        linear_key_head_dim: int = 128,
+        linear_value_head_dim: int = 128,
+        linear_num_key_heads: int = 16,
+        linear_num_value_heads: int = 32,
+        moe_intermediate_size: int = 512,
+        shared_expert_intermediate_size: int = 512,
+        num_experts_per_tok: int = 10,
+        num_experts: int = 512,
+        norm_topk_prob: bool = True,
+        output_router_logits: bool = False,
+        router_aux_loss_coef: float = 0.001,
+        layer_types: list[str] | None = None,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        hc_count: int = 4,
+        hc_lowrank: int = 320,
+        ple_layer_ids: list[int] | None = None,
+        ple_embed_dim: int | None = None,
+        ple_conv_kernel_size: int = 4,
+        ngram_size: int = 3,
+        heads_per_ngram: int = 8,
+        ngram_vocab_size_base: int = 20_000_000,
+        make_ngram_vocab_size_divisible_by: int = 128,
+        seed: int = 1234,
+        split_ngram_parts: int = 512,
+        indexer_n_heads: int | None = None,
+        indexer_kv_heads: int | None = None,
+        indexer_head_dim: int | None = None,
+        indexer_budget: int | None = None,
+        indexer_compress_ratio: int | None = None,
+        output_gate_type: str | None = None,
+        mtp_num_hidden_layers: int = 0,
+        mtp_use_dedicated_embeddings: bool = False,
+        mamba_ssm_dtype: str | None = None,
+        **kwargs: Any,
+    ):
+        interval = kwargs.pop("full_attention_interval", 4)
+        self.rope_parameters = standardize_rope(rope_parameters, kwargs)
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.use_cache = use_cache
+        self.attention_bias = attention_bias
+        self.attention_dropout = attention_dropout
+        self.linear_conv_kernel_dim = linear_conv_kernel_dim
+        self.linear_key_head_dim = linear_key_head_dim
+        self.linear_value_head_dim = linear_value_head_dim
+        self.linear_num_key_heads = linear_num_key_heads
+        self.linear_num_value_heads = linear_num_value_heads
+        self.moe_intermediate_size = moe_intermediate_size
+        self.shared_expert_intermediate_size = shared_expert_intermediate_size
+        self.num_experts_per_tok = num_experts_per_tok
+        self.num_experts = num_experts
+        self.norm_topk_prob = norm_topk_prob
+        self.output_router_logits = output_router_logits
+        self.router_aux_loss_coef = router_aux_loss_coef
+        self.layer_types = normalize_layer_types(layer_types, num_hidden_layers, interval)
+        self.hc_count = hc_count
+        self.hc_lowrank = hc_lowrank
+        self.ple_layer_ids = sorted(set(ple_layer_ids or []))
+        self.ple_embed_dim = hidden_size if ple_embed_dim is None else ple_embed_dim
+        self.ple_conv_kernel_size = ple_conv_kernel_size
+        self.ngram_size = ngram_size
+        self.heads_per_ngram = heads_per_ngram
+        self.ngram_vocab_size_base = ngram_vocab_size_base
+        self.make_ngram_vocab_size_divisible_by = make_ngram_vocab_size_divisible_by
+        self.seed = seed
+        self.split_ngram_parts = split_ngram_parts
+        self.indexer_n_heads = indexer_n_heads
+        self.indexer_kv_heads = indexer_kv_heads
+        self.indexer_head_dim = indexer_head_dim
+        self.indexer_budget = indexer_budget
+        self.indexer_compress_ratio = indexer_compress_ratio
+        self.output_gate_type = output_gate_type
+        self.mtp_num_hidden_layers = mtp_num_hidden_layers
+        self.mtp_use_dedicated_embeddings = mtp_use_dedicated_embeddings
+        if mamba_ssm_dtype is not None:
+            self.mamba_ssm_dtype = mamba_ssm_dtype
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        validate_text_config(self)
+
+
+def validate_text_config(c) -> None:
+    """Check the invariants every runtime relies on. Works on any object with the text-config attributes."""
+    if len(c.layer_types) != c.num_hidden_layers:
+        _fail("layer_types", f"has {len(c.layer_types)} entries but num_hidden_layers is {c.num_hidden_layers}")
+    bad = sorted(set(c.layer_types) - {LINEAR, INDEXED})
+    if bad:
+        _fail("layer_types", f"unsupported layer types {bad} (expected linear_attention / full_attention)")
+    for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "vocab_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+              "linear_value_head_dim", "hc_lowrank", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if int(getattr(c, f)) <= 0:
+            _fail(f, f"must be > 0, got {getattr(c, f)}")
+    gate = c.output_gate_type or c.hidden_act
+    if gate not in ("sigmoid", "silu"):
+        _fail("output_gate_type", f"must be 'sigmoid' or 'silu', got {gate!r}")
+    if c.hc_count <= 1:
+        _fail("hc_count", f"must be > 1, got {c.hc_count}")
+    if c.num_experts <= 0:
+        _fail("num_experts", f"must be > 0, got {c.num_experts}")
+    if not 0 < c.num_experts_per_tok <= c.num_experts:
+        _fail("num_experts_per_tok", f"must be in [1, num_experts={c.num_experts}], got {c.num_experts_per_tok}")
+    if c.num_attention_heads % c.num_key_value_heads:
+        _fail("num_key_value_heads", f"{c.num_key_value_heads} does not divide num_attention_heads "
+              f"{c.num_attention_heads}")
+    if c.linear_num_value_heads % c.linear_num_key_heads:
+        _fail("linear_num_value_heads", f"{c.linear_num_value_heads} is not a multiple of linear_num_key_heads "
+              f"{c.linear_num_key_heads}")
+    rp = c.rope_parameters or {}
+    rotary_dim = int(c.head_dim * rp.get("partial_rotary_factor", 1.0))
+    if rotary_dim % 2:
+        _fail("rope_parameters.partial_rotary_factor", f"gives an odd rotary dim {rotary_dim}")
+    vals = {f: getattr(c, f, None) for f in _QSA_FIELDS}
+    if any(v is not None for v in vals.values()):
+        for f, v in vals.items():
+            if v is None:
+                _fail(f, "is required once any indexer_* field is set (QSA)")
+            if int(v) <= 0:
+                _fail(f, f"must be > 0, got {v}")
+        if c.indexer_kv_heads != 1:
+            _fail("indexer_kv_heads", f"QSA requires exactly 1 indexer key head, got {c.indexer_kv_heads}")
+        if c.indexer_budget % c.indexer_compress_ratio:
+            _fail("indexer_budget", f"{c.indexer_budget} is not divisible by indexer_compress_ratio "
+                  f"{c.indexer_compress_ratio}")
+        if rotary_dim > c.indexer_head_dim:
+            _fail("indexer_head_dim", f"{c.indexer_head_dim} is smaller than the rotary dim {rotary_dim}")
+    if c.ple_layer_ids:
+        g = (c.ngram_size - 1) * c.heads_per_ngram
+        if c.ngram_size < 2 or g <= 0:
+            _fail("ngram_size", f"PLE needs ngram_size >= 2 and heads_per_ngram >= 1, got {c.ngram_size}, "
+                  f"{c.heads_per_ngram}")
+        if c.ple_embed_dim <= 0 or c.ple_embed_dim % g:
+            _fail("ple_embed_dim", f"{c.ple_embed_dim} must be a positive multiple of the {g} n-gram heads")
+        for lid in c.ple_layer_ids:
+            if not 1 <= lid <= c.num_hidden_layers:
+                _fail("ple_layer_ids", f"ids are one-indexed in [1, {c.num_hidden_layers}], got {lid}")
+            if c.layer_types[lid - 1] != LINEAR:
+                _fail("ple_layer_ids", f"PLE layer {lid} must be a linear_attention layer")
+        if first_eos(c.eos_token_id) is None:
+            _fail("eos_token_id", "must be set when PLE layers are enabled (PLE resets its n-gram context at EOS)")
+        if c.split_ngram_parts <= 0:
+            _fail("split_ngram_parts", f"must be > 0, got {c.split_ngram_parts}")
+
+
+class Qwen4ExpVisionConfig(PretrainedConfig):
+    model_type = "qwen4_exp_vision"
+    base_config_key = "vision_config"
+    attribute_map = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
+
+    def __init__(
+        self,
+        depth: int = 27,
+        hidden_size: int = 1152,
+        hidden_act: str = "gelu_pytorch_tanh",
+        intermediate_size: int = 4304,
+        num_heads: int = 16,
+        in_channels: int = 3,
+        patch_size: int = 16,
+        spatial_merge_size: int = 2,
+        temporal_patch_size: int = 2,
+        out_hidden_size: int = 3584,
+        num_position_embeddings: int = 2304,
+        initializer_range: float = 0.02,
+        rope_parameters: dict | None = None,
+        **kwargs: Any,
+    ):
+        self.depth = depth
+        self.hidden_size = hidden_size
+        self.hidden_act = hidden_act
+        self.intermediate_size = intermediate_size
+        self.num_heads = num_heads
+        self.in_channels = in_channels
+        self.patch_size = patch_size
+        self.spatial_merge_size = spatial_merge_size
+        self.temporal_patch_size = temporal_patch_size
+        self.out_hidden_size = out_hidden_size
+        self.num_position_embeddings = num_position_embeddings
+        self.initializer_range = initializer_range
+        self.rope_parameters = rope_parameters
+        super().__init__(**kwargs)
+        if hidden_size % num_heads:
+            _fail("vision_config.num_heads", f"{num_heads} does not divide hidden_size {hidden_size}")
+        side = math.isqrt(num_position_embeddings)
+        if side * side != num_position_embeddings:
+            _fail("vision_config.num_position_embeddings", f"{num_position_embeddings} is not a square grid")
+
+
+class Qwen4ExpConfig(PretrainedConfig):
+    model_type = "qwen4_exp"
+    sub_configs = {"text_config": Qwen4ExpTextConfig, "vision_config": Qwen4ExpVisionConfig}
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        text_config: dict | Qwen4ExpTextConfig | None = None,
+        vision_config: dict | Qwen4ExpVisionConfig | None = None,
+        image_token_id: int = 248056,
+        video_token_id: int = 248057,
+        vision_start_token_id: int = 248053,
+        vision_end_token_id: int = 248054,
+        tie_word_embeddings: bool = False,
+        **kwargs: Any,
+    ):
+        if isinstance(vision_config, dict):
+            vision_config = dict(vision_config)
+            if vision_config.get("model_type") == "qwen4_exp":  # legacy checkpoints
+                vision_config["model_type"] = "qwen4_exp_vision"
+            vision_config.pop("model_type", None)
+            vision_config = Qwen4ExpVisionConfig(**vision_config)
+        elif vision_config is None:
+            vision_config = Qwen4ExpVisionConfig()
+        elif not isinstance(vision_config, Qwen4ExpVisionConfig):  # e.g. upstream's config object
+            vision_config = Qwen4ExpVisionConfig(**_plain_dict(vision_config))
+        if isinstance(text_config, dict):
+            text_config = dict(text_config)
+            text_config.pop("model_type", None)
+            text_config = Qwen4ExpTextConfig(**text_config)
+        elif text_config is None:
+            text_config = Qwen4ExpTextConfig()
+        elif not isinstance(text_config, Qwen4ExpTextConfig):
+            text_config = Qwen4ExpTextConfig(**_plain_dict(text_config))
+        self.text_config = text_config
+        self.vision_config = vision_config
+        self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
+        self.vision_start_token_id = vision_start_token_id
+        self.vision_end_token_id = vision_end_token_id
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def get_text_config(self, *args, **kwargs):
+        return self.text_config
+
+
+def _plain_dict(cfg) -> dict:
+    d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
+    d.pop("model_type", None)
+    d.pop("transformers_version", None)
+    return d
+
+
+def text_config_of(config) -> Any:
+    """The text sub-config of a composite config, or the config itself."""
+    return getattr(config, "text_config", None) or config
+
+
+def load_config(path_or_dict) -> Qwen4ExpConfig | Qwen4ExpTextConfig:
+    """Read an official ``config.json`` (file, directory or dict) into our classes."""
+    import json
+    import os
+
+    if isinstance(path_or_dict, dict):
+        d = dict(path_or_dict)
+    else:
+        p = str(path_or_dict)
+        if os.path.isdir(p):
+            p = os.path.join(p, "config.json")
+        with open(p) as f:
+            d = json.load(f)
+    mt = d.pop("model_type", "qwen4_exp")
+    if mt == "qwen4_exp":
+        return Qwen4ExpConfig(**d)
+    if mt == "qwen4_exp_text":
+        return Qwen4ExpTextConfig(**d)
+    raise ConfigError(f"Qwen4Exp config field `model_type`: expected 'qwen4_exp' or 'qwen4_exp_text', got {mt!r}")

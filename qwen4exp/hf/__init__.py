@@ -1,0 +1,6 @@
+"""HF transformers runtime (the readable reference): binds the hybrid cache and packs padded batches."""
+
+from .cache import Qwen4ExpHybridCache
+from .modeling import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, Qwen4ExpTextModel
+
+__all__ = ["Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpTextModel", "Qwen4ExpHybridCache"]

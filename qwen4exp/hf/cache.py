@@ -1,0 +1,92 @@
+"""The HF runtime's hybrid cache: one row per sequence of the batch.
+
+GDN layers: conv [B, conv_dim, K-1] and recurrent state [B, n_v, d_k, d_v] (fp32).
+PLE layer: the last n-1 token ids [B, n-1] (EOS-filled) and the dilated-conv inputs [B, nD, (K_p-1)*n].
+QSA layers, per row: K and V of every token, the normalised + rotated block key of every complete block (kept
+incrementally: each block key is computed once, when its block completes), and the raw indexer keys (+ RoPE
+positions) of the still-open block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..configuration import LINEAR, first_eos
+from ..modeling import ple_index_of
+
+
+class GrowingRows:
+    """Append-only [L, ...] buffer with amortised O(1) appends."""
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+        self.len = 0
+
+    def append(self, x: torch.Tensor) -> None:
+        need = self.len + x.shape[0]
+        if self.buf is None or need > self.buf.shape[0]:
+            cap = max(need, 2 * (0 if self.buf is None else self.buf.shape[0]), 64)
+            nb = x.new_empty((cap, *x.shape[1:]))
+            if self.buf is not None and self.len:
+                nb[: self.len] = self.buf[: self.len]
+            self.buf = nb
+        self.buf[self.len: need] = x
+        self.len = need
+
+    def view(self) -> torch.Tensor | None:
+        return None if self.buf is None else self.buf[: self.len]
+
+
+class QSARowState:
+    def __init__(self):
+        self.k, self.v, self.block_keys = GrowingRows(), GrowingRows(), GrowingRows()
+        self.open_keys: torch.Tensor | None = None  # raw indexer keys of the open block [< r, d_i]
+        self.open_pos: torch.Tensor | None = None  # their RoPE positions [< r] or [3, < r]
+
+
+class Qwen4ExpHybridCache:
+    """Per-row state of every layer. ``lengths[b]`` counts the real (non-padding) tokens row b has consumed;
+    ``get_seq_length()`` counts input columns (padding included), as generation utilities expect."""
+
+    is_compileable = False
+
+    def __init__(self, config, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.config, self.batch_size, self.dtype, self.device = config, batch_size, dtype, torch.device(device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        self.columns = 0
+        self.eos = first_eos(config.eos_token_id)
+        self.layers: list[dict] = []
+        for i, t in enumerate(config.layer_types):
+            st: dict = {}
+            if t == LINEAR:
+                conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
+                    config.linear_num_value_heads * config.linear_value_head_dim
+                st["conv"] = torch.zeros(batch_size, conv_dim, config.linear_conv_kernel_dim - 1, dtype=dtype,
+                                         device=self.device)
+                st["ssm"] = torch.zeros(batch_size, config.linear_num_value_heads, config.linear_key_head_dim,
+                                        config.linear_value_head_dim, dtype=torch.float32, device=self.device)
+            else:
+                st["qsa"] = [QSARowState() for _ in range(batch_size)]
+            if ple_index_of(config, i) is not None:
+                nD = config.hc_count * config.hidden_size
+                st["ple_ctx"] = torch.full((batch_size, config.ngram_size - 1), self.eos, dtype=torch.long,
+                                           device=self.device)
+                st["ple_conv"] = torch.zeros(batch_size, nD, (config.ple_conv_kernel_size - 1) * config.ngram_size,
+                                             dtype=dtype, device=self.device)
+            self.layers.append(st)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.columns
+
+    def get_mask_sizes(self, *args, **kwargs):  # generation utilities may ask
+        return self.columns, 0
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def reorder_cache(self, beam_idx: torch.Tensor):
+        raise NotImplementedError("qwen4exp: beam search is not supported by the hybrid cache (use greedy/sampling)")
+
+    @property
+    def is_empty(self) -> bool:
+        return self.columns == 0

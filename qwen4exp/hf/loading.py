@@ -1,0 +1,189 @@
+"""Official-checkpoint loading and saving for the HF runtime.
+
+Accepted layouts: composite (``model.language_model.*``, ``model.visual.*``) or text-only (``model.*``); experts
+fused (``mlp.experts.gate_up_proj`` [E, 2I, D], ``down_proj`` [E, D, I]) or per expert
+(``mlp.experts.{e}.{gate,up,down}_proj.weight``); PLE tables as row shards ``ngram_embedding.shard_{s}.weight``
+(concatenated in numeric order) with an optional per-tensor ``weight_scale`` (FP8 tables); ``mtp.*`` kept when the
+model has an MTP head. A missing or mis-shaped tensor fails the load with its name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..configuration import Qwen4ExpConfig, Qwen4ExpTextConfig, load_config
+
+IGNORED = (re.compile(r"(^|\.)hyper_connection_mixer\.block_inject_weight\.weight$"),
+           re.compile(r"\.hashstats_"), re.compile(r"\.token_lookup"))
+_SHARD = re.compile(r"^(.*\.ngram_embedding)\.shards?[._](\d+)\.weight$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _weight_files(path: str) -> list[str]:
+    idx = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(idx):
+        with open(idx) as f:
+            return sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"qwen4exp: no .safetensors files in {path}")
+    return files
+
+
+def iter_checkpoint(path: str):
+    """Yield (name, tensor) for every tensor of a checkpoint directory."""
+    for fn in _weight_files(path):
+        with safe_open(fn, framework="pt") as f:
+            for k in f.keys():
+                yield k, f.get_tensor(k)
+
+
+def canonical_name(name: str, composite: bool) -> str | None:
+    """Checkpoint name -> our parameter name (None: ignore)."""
+    if any(p.search(name) for p in IGNORED):
+        return None
+    if composite:
+        if name.startswith("model.") and not name.startswith(("model.language_model.", "model.visual.")):
+            name = "model.language_model." + name[len("model."):]
+    else:
+        if name.startswith("model.visual."):
+            return None
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+    return name
+
+
+def convert(weights, composite: bool) -> dict[str, torch.Tensor]:
+    """Map official names to ours, fuse per-expert weights and concatenate PLE shards."""
+    out: dict[str, torch.Tensor] = {}
+    shards: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    for name, t in weights:
+        name = canonical_name(name, composite)
+        if name is None:
+            continue
+        m = _SHARD.match(name)
+        if m:
+            shards[m.group(1)][int(m.group(2))] = t
+            continue
+        m = _EXPERT.match(name)
+        if m:
+            experts[m.group(1)][int(m.group(2))][m.group(3)] = t
+            continue
+        out[name] = t
+    for base, parts in shards.items():
+        order = sorted(parts)
+        if order != list(range(len(order))):
+            missing = sorted(set(range(max(order) + 1)) - set(order))
+            raise CheckpointError(f"qwen4exp: PLE table {base} is missing shards {missing[:8]}")
+        out[f"{base}.weight"] = torch.cat([parts[i] for i in order], 0)
+    for base, per in experts.items():
+        n = max(per) + 1
+        for e in range(n):
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                if p not in per.get(e, {}):
+                    raise CheckpointError(f"qwen4exp: missing tensor {base}.{e}.{p}.weight")
+        out[f"{base}.gate_up_proj"] = torch.stack([torch.cat([per[e]["gate_proj"], per[e]["up_proj"]], 0)
+                                                   for e in range(n)])
+        out[f"{base}.down_proj"] = torch.stack([per[e]["down_proj"] for e in range(n)])
+    return out
+
+
+def _mtp_layout(names) -> tuple[int, bool]:
+    ids = {int(m.group(1)) for n in names if (m := re.match(r"^mtp\.layers\.(\d+)\.", n))}
+    return (max(ids) + 1 if ids else 0), any(n.startswith("mtp.shared_head.") for n in names)
+
+
+def load_pretrained(cls, path, dtype=None, device="cpu", config=None):
+    path = str(path)
+    cfg = config if config is not None else load_config(path)
+    composite = cls.config_class is Qwen4ExpConfig
+    if composite and isinstance(cfg, Qwen4ExpTextConfig):
+        cfg = Qwen4ExpConfig(text_config=cfg.to_dict())
+    if not composite and isinstance(cfg, Qwen4ExpConfig):
+        cfg = cfg.text_config
+    sd = convert(iter_checkpoint(path), composite)
+    n_mtp, shared_head = _mtp_layout(sd)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if dtype is None:
+        dt = getattr(cfg.get_text_config(), "dtype", None) or getattr(cfg, "dtype", None)
+        dtype = getattr(torch, dt) if isinstance(dt, str) else (dt or torch.float32)
+    with torch.device("meta"):
+        model = cls(cfg, mtp_layers=n_mtp or None, mtp_shared_head=shared_head)
+    expected = dict(model.named_parameters())
+    expected.update({k: v for k, v in model.named_buffers() if k in dict(model.state_dict())})
+    # table scales (FP8 PLE) are optional buffers
+    for name in [k for k in sd if k.endswith("ngram_embedding.weight_scale")]:
+        mod = model.get_submodule(name[: -len(".weight_scale")])
+        mod.set_scale(torch.empty((), device="meta"))
+        expected[name] = mod.weight_scale
+    missing = [k for k in expected if k not in sd]
+    if missing:
+        raise CheckpointError(f"qwen4exp: checkpoint {path} is missing tensor(s): {', '.join(missing[:10])}"
+                              + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+    unexpected = [k for k in sd if k not in expected]
+    if unexpected:
+        raise CheckpointError(f"qwen4exp: checkpoint {path} has unexpected tensor(s): {', '.join(unexpected[:10])}")
+    for k, p in expected.items():
+        t = sd[k]
+        if tuple(t.shape) != tuple(p.shape):
+            raise CheckpointError(f"qwen4exp: tensor {k} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for k, p in expected.items():
+            t = sd[k]
+            keep = t.dtype in (torch.int64, torch.int32) or t.dtype.is_floating_point is False or \
+                k.endswith("weight_scale") or (k.endswith("ngram_embedding.weight") and t.element_size() == 1)
+            target = model.get_submodule(k.rsplit(".", 1)[0]) if "." in k else model
+            leaf = k.rsplit(".", 1)[-1]
+            if keep:
+                new = t.to(device)
+            else:
+                new = t.to(device=device, dtype=dtype if not _fp32_param(k) else torch.float32)
+            if isinstance(getattr(target, leaf), torch.nn.Parameter):
+                setattr(target, leaf, torch.nn.Parameter(new, requires_grad=False))
+            else:
+                target.register_buffer(leaf, new, persistent=True)
+    # non-persistent buffers (rope tables) were lost with meta init: rebuild them
+    for mod in model.modules():
+        if mod.__class__.__name__ == "RotaryEmbedding":
+            fresh = type(mod)(mod_config(model))
+            mod.inv_freq, mod.axis = fresh.inv_freq.to(device), fresh.axis.to(device)
+    model.eval()
+    return model
+
+
+def _fp32_param(name: str) -> bool:
+    return name.endswith(".A_log")  # kept fp32 as vLLM does; upcast before exp either way
+
+
+def mod_config(model):
+    return model.config.get_text_config()
+
+
+def save_pretrained(model, save_directory, max_shard_bytes: int | None = None, **_):
+    """Write config.json + model.safetensors in the official layout (PLE tables as shards)."""
+    os.makedirs(save_directory, exist_ok=True)
+    model.config.save_pretrained(save_directory)
+    tc = model.config.get_text_config()
+    out = {}
+    for k, t in model.state_dict().items():
+        m = re.match(r"^(.*\.ngram_embedding)\.weight$", k)
+        if m:
+            for s, part in enumerate(torch.chunk(t, tc.split_ngram_parts, 0)):
+                out[f"{m.group(1)}.shard_{s}.weight"] = part.contiguous()
+            continue
+        out[k] = t.contiguous()
+    save_file(out, os.path.join(save_directory, "model.safetensors"), metadata={"format": "pt"})

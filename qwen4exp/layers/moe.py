@@ -1,0 +1,90 @@
+"""Mixture of experts: softmax router (fp32) -> top-k, renormalised (fp32) -> cast; routed SwiGLU experts; plus a
+shared SwiGLU expert scaled by a per-token sigmoid gate. y = routed + sigmoid(w_sg . x) * shared(x)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .linear import LinearFactory, default_linear
+
+
+class Router(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.norm_topk = config.num_experts_per_tok, config.norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (router logits [T, E], top-k weights [T, k] in x's dtype, top-k ids [T, k])."""
+        logits = F.linear(x, self.weight)
+        p = torch.softmax(logits, dim=-1, dtype=torch.float)
+        w, ids = p.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+        return logits, w.to(logits.dtype), ids
+
+
+class Experts(nn.Module):
+    """Routed experts stored fused, as in the official checkpoint: gate_up_proj [E, 2I, D] (gate rows first),
+    down_proj [E, D, I]."""
+
+    def __init__(self, config):
+        super().__init__()
+        E, D, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, I))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        T, k = ids.shape
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tok = order // k
+        wsel = weights.reshape(-1)[order]
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            t = tok[start: start + c]
+            h = F.linear(x[t], self.gate_up_proj[e])
+            gate, up = h.chunk(2, -1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * wsel[start: start + c, None]
+            out.index_add_(0, t, y.to(out.dtype))
+            start += c
+        return out
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, D: int, I: int, linear: LinearFactory = default_linear, prefix: str = ""):
+        super().__init__()
+        self.gate_proj = linear(D, I, prefix=f"{prefix}.gate_proj")
+        self.up_proj = linear(D, I, prefix=f"{prefix}.up_proj")
+        self.down_proj = linear(I, D, prefix=f"{prefix}.down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """``experts`` may be replaced by a runtime's fused implementation taking (x, router_logits) or (x, w, ids)."""
+
+    def __init__(self, config, linear: LinearFactory = default_linear, prefix: str = "", experts: nn.Module = None):
+        super().__init__()
+        D = config.hidden_size
+        self.gate = Router(config)
+        self.experts = experts if experts is not None else Experts(config)
+        self.shared_expert = SwiGLU(D, config.shared_expert_intermediate_size, linear, f"{prefix}.shared_expert")
+        self.shared_expert_gate = linear(D, 1, prefix=f"{prefix}.shared_expert_gate")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(x)
+        logits, w, ids = self.gate(x)
+        if getattr(self.experts, "takes_router_logits", False):
+            routed = self.experts(x, logits)
+        else:
+            routed = self.experts(x, w, ids)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared

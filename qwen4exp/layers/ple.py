@@ -1,0 +1,124 @@
+"""PLE: per-layer hashed n-gram embeddings injected into every residual stream.
+
+emb = concat of G hashed table rows (``qwen4exp.ops.ple``); k = GroupedNorm(W_key emb) [n x D];
+v = W_val emb [D]; q = GroupedNorm(H) [n x D]; d_s = <k_s, q_s> / sqrt(D);
+g_s = sigmoid(sign(d_s) sqrt(max(|d_s|, 1e-6))); u_s = g_s v; u~ = GroupedNorm(u);
+z = SiLU(dilated causal depthwise conv(u~), kernel K_p, dilation n);  PLE(H) = u + z.
+
+State per sequence: the last n-1 token ids (``ctx``, EOS-filled at start) and the last (K_p-1)*n conv inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..configuration import first_eos
+from ..ops.causal_conv1d import causal_conv1d
+from ..ops.ple import hash_multipliers, head_table_sizes, ngram_context, ngram_ids, ple_lookup, table_rows
+from .linear import LinearFactory, default_linear
+from .norms import RMSNorm
+
+
+class NGramTable(nn.Module):
+    """The shared hashed table [R, d_g]: bf16/fp32, or fp8 with a per-tensor ``weight_scale``."""
+
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        self.weight_scale = None
+
+    def set_scale(self, scale: torch.Tensor | None) -> None:
+        if scale is None:
+            self.weight_scale = None
+        else:
+            self.register_buffer("weight_scale", scale.float().reshape(()))
+
+
+class NGramEmbedding(nn.Module):
+    def __init__(self, config, ple_index: int):
+        super().__init__()
+        self.n = config.ngram_size
+        self.heads_per_ngram = config.heads_per_ngram
+        G = (self.n - 1) * self.heads_per_ngram
+        self.dim = config.ple_embed_dim // G
+        self.eos = first_eos(config.eos_token_id)
+        sizes = head_table_sizes(config.ngram_vocab_size_base, G, ple_index)
+        offsets = [0]
+        for s in sizes[:-1]:
+            offsets.append(offsets[-1] + s)
+        self.rows = table_rows(sizes, config.make_ngram_vocab_size_divisible_by)
+        self.register_buffer("layer_multipliers", torch.tensor(
+            hash_multipliers(config.vocab_size, self.n, ple_index, config.seed), dtype=torch.long))
+        self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long))
+        self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long))
+        self.ngram_embedding = NGramTable(self.rows, self.dim)
+
+    def forward(self, ids, cu_seqlens, ctx_state, out_dtype):
+        ctx = ngram_context(ids, cu_seqlens, ctx_state, self.eos)
+        rows = ngram_ids(ctx, self.layer_multipliers, self.ngram_heads_vocab_sizes, self.ngram_heads_offsets,
+                         self.heads_per_ngram)
+        t = self.ngram_embedding
+        emb = ple_lookup(t.weight, rows.to(t.weight.device), t.weight_scale, out_dtype).to(ids.device)
+        return emb, _next_context(ids, cu_seqlens, ctx_state)
+
+
+def _next_context(ids, cu_seqlens, prev):
+    """Last n-1 ids of each sequence's history (prev context followed by the new ids)."""
+    c = prev.shape[1]
+    if c == 0:
+        return prev
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    j = torch.arange(c, device=ids.device)
+    src = lens.unsqueeze(1) - c + j  # index into the new ids; < 0 -> from prev
+    from_new = ids[(cu_seqlens[:-1].unsqueeze(1) + src).clamp(min=0, max=max(ids.numel() - 1, 0))]
+    from_prev = prev.gather(1, (src + c).clamp(min=0, max=c - 1))
+    return torch.where(src >= 0, from_new, from_prev).to(prev.dtype)
+
+
+class PLE(nn.Module):
+    def __init__(self, config, ple_index: int, linear: LinearFactory = default_linear, prefix: str = ""):
+        super().__init__()
+        n, D, Ep = config.hc_count, config.hidden_size, config.ple_embed_dim
+        self.n, self.D = n, D
+        self.dilation = config.ngram_size
+        self.kernel = config.ple_conv_kernel_size
+        self.ple_embedding = NGramEmbedding(config, ple_index)
+        self.key_proj = linear(Ep, n * D, prefix=f"{prefix}.key_proj")
+        self.value_proj = linear(Ep, D, prefix=f"{prefix}.value_proj")
+        eps = config.rms_norm_eps
+        self.norm_key = RMSNorm(n * D, eps=eps, group=D)
+        self.norm_query = RMSNorm(n * D, eps=eps, group=D)
+        self.norm_conv = RMSNorm(n * D, eps=eps, group=D)
+        self.conv1d = nn.Conv1d(n * D, n * D, self.kernel, groups=n * D, dilation=self.dilation, bias=False)
+
+    @property
+    def context_len(self) -> int:
+        return self.ple_embedding.n - 1
+
+    @property
+    def conv_state_len(self) -> int:
+        return (self.kernel - 1) * self.dilation
+
+    def forward(
+        self,
+        H: torch.Tensor,  # [T, nD]
+        ids: torch.Tensor,  # [T] raw token ids
+        cu_seqlens: torch.Tensor,
+        ctx_state: torch.Tensor,  # [N, n-1] int64
+        conv_state: torch.Tensor | None,  # [N, nD, (K-1)*n]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        T = H.shape[0]
+        emb, ctx_state = self.ple_embedding(ids, cu_seqlens, ctx_state, H.dtype)
+        k = self.norm_key(self.key_proj(emb)).view(T, self.n, self.D)
+        v = self.value_proj(emb)
+        q = self.norm_query(H).view(T, self.n, self.D)
+        d = (k * q).sum(-1, keepdim=True) / math.sqrt(self.D)
+        d = d.abs().clamp_min(1e-6).sqrt() * d.sign()
+        u = (torch.sigmoid(d) * v.unsqueeze(1)).flatten(1)
+        un = self.norm_conv(u)
+        z, conv_state = causal_conv1d(un, self.conv1d.weight.squeeze(1), cu_seqlens, conv_state,
+                                      dilation=self.dilation, activation="silu")
+        return u + z, ctx_state, conv_state

@@ -1,0 +1,85 @@
+"""QSA: Qwen Sparse Attention (the ``indexed_attention`` layers; ``full_attention`` in official configs).
+
+Main attention: [Q | gate] = W_q x (per head: d_h query dims then d_h gate dims), K = W_k x, V = W_v x;
+Q, K zero-centred-RMS-normed per head, then partial RoPE; GQA; softmax(QK^T / sqrt(d_h)) over the selected tokens;
+output o * sigmoid(gate), then W_o.
+Indexer: [q_1..q_h | kappa] = W_idx x; queries normed + rotated; raw keys kappa are kept un-normed and un-rotated;
+complete blocks of r raw keys are mean-pooled, normed and rotated at the block's first position (``block_keys``).
+
+This module is only the math of those pieces; the runtime keeps K/V, block keys and the open block's raw keys, and
+runs the selection + attention (``qwen4exp.ops.qsa``) over them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .linear import LinearFactory, default_linear
+from .norms import RMSNorm
+from .rope import apply_rope
+
+
+@dataclass
+class QSAProjections:
+    q: torch.Tensor  # [T, Hq, d] normed + rotated
+    gate: torch.Tensor  # [T, Hq * d]
+    k: torch.Tensor  # [T, Hkv, d] normed + rotated
+    v: torch.Tensor  # [T, Hkv, d]
+    index_q: torch.Tensor  # [T, h_i, d_i] normed + rotated
+    index_k_raw: torch.Tensor  # [T, d_i] raw (un-normed, un-rotated)
+
+
+class QSAIndexer(nn.Module):
+    def __init__(self, config, linear: LinearFactory = default_linear, prefix: str = ""):
+        super().__init__()
+        self.n_heads, self.head_dim = config.indexer_n_heads, config.indexer_head_dim
+        self.index_qk_proj = linear(config.hidden_size, (self.n_heads + 1) * self.head_dim,
+                                    prefix=f"{prefix}.index_qk_proj")
+        self.q_layernorm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_layernorm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+
+class QSAAttention(nn.Module):
+    def __init__(self, config, linear: LinearFactory = default_linear, prefix: str = ""):
+        super().__init__()
+        missing = [f for f in ("indexer_n_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+                   if getattr(config, f, None) is None]
+        if missing:
+            raise ValueError(f"Qwen4Exp config field `{missing[0]}`: QSA (indexed attention) layers need "
+                             f"{', '.join(missing)} set")
+        D = config.hidden_size
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.r, self.budget = config.indexer_compress_ratio, config.indexer_budget
+        self.q_proj = linear(D, 2 * self.n_heads * self.head_dim, prefix=f"{prefix}.q_proj")
+        self.k_proj = linear(D, self.n_kv * self.head_dim, prefix=f"{prefix}.k_proj")
+        self.v_proj = linear(D, self.n_kv * self.head_dim, prefix=f"{prefix}.v_proj")
+        self.o_proj = linear(self.n_heads * self.head_dim, D, prefix=f"{prefix}.o_proj")
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.indexer = QSAIndexer(config, linear, f"{prefix}.indexer")
+        self.index_scale = self.indexer.head_dim ** -0.5
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> QSAProjections:
+        T, d = x.shape[0], self.head_dim
+        qg = self.q_proj(x).view(T, self.n_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(T, self.n_heads * d)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.n_kv, d)), cos, sin)
+        v = self.v_proj(x).view(T, self.n_kv, d)
+        ix = self.indexer
+        iqk = ix.index_qk_proj(x)
+        iq = iqk[:, : ix.n_heads * ix.head_dim].view(T, ix.n_heads, ix.head_dim)
+        iq = apply_rope(ix.q_layernorm(iq), cos, sin)
+        return QSAProjections(q, gate, k, v, iq, iqk[:, ix.n_heads * ix.head_dim:])
+
+    def block_keys(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Mean-pooled raw keys [Nb, d_i] -> normed, rotated block keys (cos/sin at each block's first token)."""
+        return apply_rope(self.indexer.k_layernorm(pooled).unsqueeze(1), cos, sin).squeeze(1)
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o [T, Hq, d] (attention output in the activation dtype) -> W_o (o * sigmoid(gate))."""
+        return self.o_proj(o.reshape(o.shape[0], -1) * torch.sigmoid(gate))

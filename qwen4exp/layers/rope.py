@@ -1,0 +1,53 @@
+"""Partial, interleaved multimodal RoPE (rotate-half on the first R = head_dim * partial_rotary_factor dims).
+
+Frequencies inv_f_i = theta^(-2i/R), i < R/2 (fp32). With 3-axis positions (t, h, w), frequency i takes axis h
+when i % 3 == 1 and i < 3*sec_h, axis w when i % 3 == 2 and i < 3*sec_w, else axis t; for text all axes are equal
+and this is plain 1-D RoPE. cos/sin are computed in fp32 and cast to the activation dtype before use.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        rp = config.rope_parameters or {}
+        rtype = rp.get("rope_type", "default")
+        if rtype not in ("default", None):
+            raise NotImplementedError(f"rope_parameters.rope_type={rtype!r} is not supported yet (only 'default')")
+        self.rotary_dim = int(config.head_dim * rp.get("partial_rotary_factor", 1.0))
+        theta = float(rp.get("rope_theta", 10000.0))
+        R = self.rotary_dim
+        inv = 1.0 / (theta ** (torch.arange(0, R, 2, dtype=torch.float) / R))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        sec = list(rp.get("mrope_section", [11, 11, 10]))
+        half = R // 2
+        axis = torch.zeros(half, dtype=torch.long)
+        i = torch.arange(half)
+        axis[(i % 3 == 1) & (i < 3 * sec[1])] = 1
+        axis[(i % 3 == 2) & (i < 3 * sec[2])] = 2
+        self.register_buffer("axis", axis, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] (text) or [3, T] (t, h, w) -> cos, sin [T, R] in ``dtype``."""
+        inv = self.inv_freq.to(positions.device)
+        if positions.dim() == 1:
+            freqs = positions.float().unsqueeze(-1) * inv
+        else:
+            f3 = positions.float().unsqueeze(-1) * inv  # [3, T, R/2]
+            freqs = f3.gather(0, self.axis.to(positions.device).view(1, 1, -1).expand(1, f3.shape[1], -1))[0]
+        emb = torch.cat([freqs, freqs], -1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, d]; cos/sin [T, R] with R <= d. Rotates the first R dims (pairs i, i + R/2)."""
+    R = cos.shape[-1]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    xr, xp = x[..., :R], x[..., R:]
+    x1, x2 = xr[..., : R // 2], xr[..., R // 2:]
+    rot = torch.cat([-x2, x1], -1)
+    return torch.cat([xr * c + rot * s, xp], -1)

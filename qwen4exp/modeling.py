@@ -1,0 +1,79 @@
+"""Model assembly shared by every runtime: the decoder layer (PLE -> HC mix -> token mixer -> write-back -> HC mix
+-> MoE -> write-back) and the text backbone's module tree, named as in the official checkpoint.
+
+Runtimes (``qwen4exp.hf``, ``qwen4exp.vllm``) build this tree (choosing linear layers, experts and token mixers) and
+call ``DecoderLayer.forward`` with callables that bind their own caches.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .configuration import INDEXED, LINEAR
+from .layers.gdn import GatedDeltaNet
+from .layers.hyper_connection import HyperConnection
+from .layers.linear import LinearFactory, default_linear
+from .layers.moe import MoE
+from .layers.ple import PLE
+from .layers.qsa import QSAAttention
+
+
+def ple_index_of(config, layer_idx: int) -> int | None:
+    """Dense rank of a layer among the (one-indexed) PLE layer ids, or None."""
+    ids = list(config.ple_layer_ids or [])
+    return ids.index(layer_idx + 1) if layer_idx + 1 in ids else None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        linear: LinearFactory = default_linear,
+        prefix: str = "",
+        mixer: nn.Module | None = None,
+        experts: nn.Module | None = None,
+        layer_type: str | None = None,
+        with_ple: bool = True,
+    ):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = layer_type or config.layer_types[layer_idx]
+        if self.layer_type == LINEAR:
+            self.linear_attn = mixer if mixer is not None else GatedDeltaNet(config, linear, f"{prefix}.linear_attn")
+        elif self.layer_type == INDEXED:
+            self.self_attn = mixer if mixer is not None else QSAAttention(config, linear, f"{prefix}.self_attn")
+        else:
+            raise ValueError(f"layer {layer_idx}: unknown layer type {self.layer_type!r}")
+        self.mlp = MoE(config, linear, f"{prefix}.mlp", experts=experts)
+        q = ple_index_of(config, layer_idx) if with_ple else None
+        self.ple = PLE(config, q, linear, f"{prefix}.ple") if q is not None else None
+        self.attn_hyper_connection = HyperConnection(config, True, linear, f"{prefix}.attn_hyper_connection")
+        self.mlp_hyper_connection = HyperConnection(config, True, linear, f"{prefix}.mlp_hyper_connection")
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.layer_type == LINEAR else self.self_attn
+
+    def forward(
+        self,
+        H: torch.Tensor,  # [T, n*D] residual streams
+        mix: Callable[[torch.Tensor], torch.Tensor],  # block input [T, D] -> block output [T, D]
+        ple: Callable[[torch.Tensor], torch.Tensor] | None = None,  # H -> PLE(H)
+    ) -> torch.Tensor:
+        if self.ple is not None:
+            if ple is None:
+                raise RuntimeError(f"layer {self.layer_idx} has PLE but no PLE state was bound")
+            H = H + ple(H)
+        x, c = self.attn_hyper_connection(H)
+        H = HyperConnection.inject(H, c, mix(x))
+        x, c = self.mlp_hyper_connection(H)
+        return HyperConnection.inject(H, c, self.mlp(x))
+
+
+def embed_streams(embeds: torch.Tensor, n: int) -> torch.Tensor:
+    """[T, D] token embeddings -> [T, n*D]: every stream starts as a copy."""
+    return embeds.repeat(*([1] * (embeds.dim() - 1)), n)

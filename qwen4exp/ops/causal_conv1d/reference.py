@@ -1,0 +1,53 @@
+"""Causal depthwise conv1d over packed variable-length sequences, optionally dilated, with carried state.
+
+For channel c and output time t (of one sequence, history = state followed by the new inputs):
+    y[t, c] = act( sum_j w[c, j] * x[t - dilation * (K - 1 - j), c] )
+Samples before the sequence start come from ``initial_state`` (zeros when absent). The state is the last
+``(K - 1) * dilation`` inputs, oldest first, laid out [N, C, S].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..varlen import seq_lens
+
+
+def state_len(kernel_size: int, dilation: int = 1) -> int:
+    return (kernel_size - 1) * dilation
+
+
+def causal_conv1d(
+    x: torch.Tensor,  # [T, C] packed
+    weight: torch.Tensor,  # [C, K]
+    cu_seqlens: torch.Tensor,  # [N+1]
+    initial_state: torch.Tensor | None = None,  # [N, C, S]
+    dilation: int = 1,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    T, C = x.shape
+    K = weight.shape[-1]
+    S = state_len(K, dilation)
+    lens = seq_lens(cu_seqlens)
+    N = lens.numel()
+    L = int(lens.max()) if N else 0
+    dtype = weight.dtype
+    # history[n, c, i]: i < S from the state, S <= i < S + len from the new tokens, the rest zero.
+    hist = x.new_zeros((N, S + L, C), dtype=dtype)
+    if initial_state is not None and S:
+        hist[:, :S] = initial_state.transpose(1, 2).to(dtype)
+    pos = torch.arange(L, device=x.device)
+    valid = pos.unsqueeze(0) < lens.unsqueeze(1)  # [N, L]
+    hist[:, S:][valid] = x.to(dtype)
+    hist = hist.transpose(1, 2)  # [N, C, S+L]
+    y = F.conv1d(hist, weight.unsqueeze(1), groups=C, dilation=dilation)  # [N, C, L]
+    if activation == "silu":
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"causal_conv1d: unknown activation {activation!r}")
+    out = y.transpose(1, 2)[valid].to(x.dtype)
+    # New state: the S samples ending at each sequence's last token.
+    idx = lens.view(N, 1) + torch.arange(S, device=x.device).view(1, S)  # [N, S] into [0, S+L)
+    final = hist.gather(2, idx.unsqueeze(1).expand(N, C, S)) if S else hist[:, :, :0]
+    return out, final

@@ -1,0 +1,49 @@
+"""Gated hyper-connection (HC) mixer over n residual streams (stream-major: stream s is H[..., s*D:(s+1)*D]).
+
+    Hn    = grouped zero-centred RMSNorm of H (per stream), affine (1 + w) over all nD elements
+    a     = silu((W_down Hn) / n)                       [r_hc]
+    gamma = sigmoid(W_up a)                             [nD]
+    x     = mean_s gamma_s * Hn_s                       [D]   (the block input)
+    c     = 2 sigmoid((W_inj Hn) / n)                   [n]   (the injection weights; absent in the final mixer)
+Write-back after the block output y:  H_s <- H_s + c_s * y  (on the raw, un-normalised streams).
+Rounding follows the HF reference: norm in fp32 cast once, the rest in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm with the mean square taken per ``group`` elements; weight spans the full width."""
+    xf = x.float().unflatten(-1, (-1, group))
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    return (y * (1.0 + weight.float())).to(x.dtype)
+
+
+def _as_fn(w):
+    return w if callable(w) and not isinstance(w, torch.Tensor) else (lambda x: F.linear(x, w))
+
+
+def hc_mix(
+    H: torch.Tensor,  # [..., n*D]
+    norm_weight: torch.Tensor,  # [n*D]
+    down,  # [r, n*D] weight, or any linear module (e.g. quantized)
+    up,  # [n*D, r] weight or module
+    inj,  # [n, n*D] weight or module, or None (final mixer)
+    n: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    D = H.shape[-1] // n
+    Hn = grouped_rms_norm(H, norm_weight, D, eps)
+    a = F.silu(_as_fn(down)(Hn) / n)
+    gamma = torch.sigmoid(_as_fn(up)(a))
+    x = (gamma.unflatten(-1, (n, D)) * Hn.unflatten(-1, (n, D))).mean(-2)
+    c = None if inj is None else 2 * torch.sigmoid(_as_fn(inj)(Hn) / n)
+    return x, c
+
+
+def hc_inject(H: torch.Tensor, c: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """H [..., n*D] + c [..., n] (x) y [..., D] -> [..., n*D]."""
+    return H + (y.unsqueeze(-2) * c.unsqueeze(-1)).flatten(-2)

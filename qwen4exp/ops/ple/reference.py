@@ -1,0 +1,134 @@
+"""PLE hashed n-gram embedding: context ids, hashing, table lookup.
+
+Token context "shift right without crossing EOS": for the token at t, T_0 = id_t and for k >= 1
+T_k = id_{t-k} unless t-k is before the sequence start or an EOS sits at some p with t-k <= p < t ... except that
+the first EOS met walking back from t-1 is itself kept. Equivalently: T_k = id_{t-k} if the segment that holds t
+(segments end after each EOS) reaches back to t-k, else EOS. Packed sequences carry the previous ``n-1`` ids as
+context (EOS-filled for a fresh sequence).
+
+Hash for order o (2..n): m_o = XOR_{j<o} (T_j * mu_j) (int64, wrap-free), head g of that order reads row
+(m_o mod size_g) + offset_g of the one shared table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..varlen import seq_lens
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def splitmix64(z: int) -> int:
+    z = (z + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def hash_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> list[int]:
+    """Odd multipliers mu_j <= (2^63-1)/V so that id * mu never overflows int64."""
+    bound = ((1 << 63) - 1) // max(vocab_size, 1)
+    half = max(1, bound // 2)
+    base = seed + 10007 * ple_index
+    return [2 * (splitmix64((base + _GOLDEN * (j + 1)) & _MASK64) % half) + 1 for j in range(ngram_size)]
+
+
+def _is_prime(x: int) -> bool:
+    if x < 2:
+        return False
+    if x % 2 == 0:
+        return x == 2
+    return all(x % d for d in range(3, math.isqrt(x) + 1, 2))
+
+
+def head_table_sizes(base: int, num_heads: int, ple_index: int) -> list[int]:
+    """Consecutive primes >= base; PLE layer q takes primes q*G .. q*G+G-1 of that sequence."""
+    out, p, need, skip = [], base - 1, num_heads, ple_index * num_heads
+    while need:
+        p += 1
+        while not _is_prime(p):
+            p += 1
+        if skip:
+            skip -= 1
+        else:
+            out.append(p)
+            need -= 1
+    return out
+
+
+def table_rows(sizes: list[int], divisor: int) -> int:
+    return -(-sum(sizes) // divisor) * divisor
+
+
+def ngram_context(
+    ids: torch.Tensor,  # [T] packed token ids
+    cu_seqlens: torch.Tensor,  # [N+1]
+    prev: torch.Tensor,  # [N, n-1] previous ids (oldest first), EOS-filled at sequence start
+    eos: int,
+) -> torch.Tensor:
+    """[T, n]: column k is T_k (the id k tokens back, EOS past a segment boundary)."""
+    ctx_len = prev.shape[1]
+    lens = seq_lens(cu_seqlens)
+    N = lens.numel()
+    # history per sequence: prev ids then new ids, packed as [N*(n-1) + T]
+    hist_lens = lens + ctx_len
+    hist_cu = torch.zeros(N + 1, dtype=torch.long, device=ids.device)
+    hist_cu[1:] = hist_lens.cumsum(0)
+    seq_of = torch.repeat_interleave(torch.arange(N, device=ids.device), hist_lens)
+    local = torch.arange(int(hist_cu[-1]), device=ids.device) - hist_cu[seq_of]
+    is_prev = local < ctx_len
+    hist = torch.empty(int(hist_cu[-1]), dtype=torch.long, device=ids.device)
+    hist[is_prev] = prev.long().reshape(-1)
+    hist[~is_prev] = ids.long()
+    # segment start = one past the last EOS strictly before each position (within the history)
+    pos = local
+    eos_at = torch.where(hist == eos, pos, torch.full_like(pos, -1))
+    # cumulative max within each sequence: offset by sequence so that maxima do not leak across sequences
+    big = int(local.max()) + 2 if local.numel() else 1
+    keyed = torch.where(eos_at >= 0, eos_at + seq_of * big, seq_of * big - 1)
+    last_eos_incl = torch.cummax(keyed, 0).values - seq_of * big
+    last_eos_before = torch.cat([last_eos_incl.new_full((1,), -1), last_eos_incl[:-1]])
+    last_eos_before = torch.where(local == 0, torch.full_like(local, -1), last_eos_before)
+    seg_start = last_eos_before + 1
+    cols = [hist]
+    gidx = torch.arange(hist.numel(), device=ids.device)
+    for k in range(1, ctx_len + 1):
+        src = local - k
+        ok = (src >= 0) & (src >= seg_start)
+        cols.append(torch.where(ok, hist[(gidx - k).clamp_min(0)], torch.full_like(hist, eos)))
+    out = torch.stack(cols, 1)
+    return out[~is_prev]
+
+
+def ngram_ids(
+    ctx: torch.Tensor,  # [T, n] from ngram_context
+    multipliers: torch.Tensor,  # [n] int64
+    head_sizes: torch.Tensor,  # [G] int64
+    head_offsets: torch.Tensor,  # [G] int64
+    heads_per_ngram: int,
+) -> torch.Tensor:
+    """[T, G] row ids into the shared table (heads ordered by n-gram order, then head)."""
+    n = ctx.shape[1]
+    prod = ctx.long() * multipliers.view(1, n)
+    blocks = []
+    mixed = prod[:, 0]
+    for order in range(2, n + 1):
+        mixed = torch.bitwise_xor(mixed, prod[:, order - 1])
+        g0 = (order - 2) * heads_per_ngram
+        sz = head_sizes[g0: g0 + heads_per_ngram]
+        blocks.append(torch.remainder(mixed.unsqueeze(1), sz.view(1, -1)) + head_offsets[g0: g0 + heads_per_ngram])
+    return torch.cat(blocks, 1)
+
+
+def ple_lookup(table: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Gather [T, G] rows of a [R, d_g] table (bf16/fp32, or fp8 with a per-tensor ``scale``) -> [T, G*d_g]."""
+    emb = table[rows.reshape(-1)]
+    dt = out_dtype or (table.dtype if scale is None else torch.bfloat16)
+    if scale is not None:
+        emb = (emb.float() * scale.float()).to(dt)
+    return emb.to(dt).view(*rows.shape[:-1], -1)

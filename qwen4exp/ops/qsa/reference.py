@@ -1,0 +1,111 @@
+"""QSA (Qwen Sparse Attention) reference ops, vectorised over queries.
+
+Index side: raw indexer keys are mean-pooled in blocks of ``r`` consecutive tokens (fp32 mean, cast back), then
+normalised and rotated at the block's first position by the layer. A query at position p sees the
+``n(p) = (p + 1) // r`` complete blocks; it scores each as ``scale * sum_h relu(q_h . K_j)`` (fp32) and keeps the top
+``m = budget // r`` of them. Its token set is the selected blocks' tokens plus the tail ``n(p)*r .. p`` (< r tokens).
+When ``n(p) <= m`` every visible token is selected: attention is then exactly dense causal attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def block_mean(raw_keys: torch.Tensor, r: int) -> torch.Tensor:
+    """[n*r, d] -> [n, d]: fp32 mean of each block of r keys, cast back to the keys' dtype."""
+    n = raw_keys.shape[0] // r
+    return raw_keys[: n * r].view(n, r, -1).float().mean(1).to(raw_keys.dtype)
+
+
+def num_complete_blocks(q_pos: torch.Tensor, r: int) -> torch.Tensor:
+    return torch.div(q_pos + 1, r, rounding_mode="floor")
+
+
+def indexer_scores(q: torch.Tensor, block_keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Tq, h, d], block_keys [Nb, d] -> [Tq, Nb] fp32 = scale * sum_h relu(q_h . K_j)."""
+    s = torch.einsum("thd,nd->thn", q.float(), block_keys.float())
+    return s.relu_().sum(1) * scale
+
+
+def select_blocks(scores: torch.Tensor, n_complete: torch.Tensor, m: int) -> torch.Tensor:
+    """Top-m block ids per query among its complete blocks; -1 where a query has fewer than m blocks.
+    scores [Tq, Nb]; n_complete [Tq]. Returns [Tq, min(m, Nb)] int64."""
+    Tq, Nb = scores.shape
+    k = min(m, Nb)
+    if k == 0:
+        return scores.new_empty((Tq, 0), dtype=torch.long)
+    visible = torch.arange(Nb, device=scores.device).unsqueeze(0) < n_complete.unsqueeze(1)
+    vals, idx = scores.masked_fill(~visible, float("-inf")).topk(k, dim=-1)
+    return idx.masked_fill(vals == float("-inf"), -1)
+
+
+def selection_mask(block_ids: torch.Tensor, q_pos: torch.Tensor, kv_len: int, r: int) -> torch.Tensor:
+    """Token mask [Tq, kv_len] from selected block ids (-1 = none) plus each query's unfinished tail."""
+    Tq = q_pos.shape[0]
+    nb = kv_len // r + 1
+    blk = torch.zeros(Tq, nb + 1, dtype=torch.bool, device=q_pos.device)
+    blk.scatter_(1, torch.where(block_ids >= 0, block_ids, nb), True)
+    j = torch.arange(kv_len, device=q_pos.device)
+    tail_start = (num_complete_blocks(q_pos, r) * r).unsqueeze(1)
+    in_tail = (j.unsqueeze(0) >= tail_start) & (j.unsqueeze(0) <= q_pos.unsqueeze(1))
+    return blk[:, j // r] | in_tail
+
+
+def selected_token_indices(block_ids: torch.Tensor, q_pos: torch.Tensor, r: int, budget: int) -> torch.Tensor:
+    """The same selection as explicit token ids [Tq, budget + r - 1] (blocks in score order, then tail; -1 pad)."""
+    Tq, k = block_ids.shape
+    off = torch.arange(r, device=q_pos.device)
+    toks = (block_ids.unsqueeze(-1) * r + off).masked_fill(block_ids.unsqueeze(-1) < 0, -1).view(Tq, k * r)
+    tail_start = num_complete_blocks(q_pos, r) * r
+    tail = tail_start.unsqueeze(1) + torch.arange(r - 1, device=q_pos.device)
+    tail = tail.masked_fill(tail > q_pos.unsqueeze(1), -1)
+    out = torch.full((Tq, budget + r - 1), -1, dtype=torch.long, device=q_pos.device)
+    out[:, : k * r] = toks
+    out[:, budget: budget + r - 1] = tail
+    return out
+
+
+def sparse_attention(q, k, v, mask, scale):
+    """q [Tq, Hq, d], k/v [L, Hkv, d], mask [Tq, L] bool -> [Tq, Hq, d] (softmax in fp32 inside SDPA)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if hq != hkv:
+        kh = kh.repeat_interleave(hq // hkv, 0)
+        vh = vh.repeat_interleave(hq // hkv, 0)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)
+
+
+def qsa_attention(
+    q: torch.Tensor,  # [Tq, Hq, d] normed + rotated queries of one sequence
+    k: torch.Tensor,  # [L, Hkv, d] all keys of the sequence so far (incl. these queries)
+    v: torch.Tensor,  # [L, Hkv, d]
+    q_pos: torch.Tensor,  # [Tq] positions of the queries (in [0, L))
+    index_q: torch.Tensor | None,  # [Tq, h, d_i] normed + rotated indexer queries
+    block_keys: torch.Tensor | None,  # [Nb, d_i] normed + rotated block keys, Nb >= max n_complete
+    r: int,
+    budget: int,
+    scale: float,
+    index_scale: float,
+    q_chunk: int = 512,
+) -> torch.Tensor:
+    """Full QSA for the queries of one sequence, in query chunks so memory stays O(q_chunk * L)."""
+    m = budget // r
+    L = k.shape[0]
+    outs = []
+    for s in range(0, q.shape[0], q_chunk):
+        qp = q_pos[s: s + q_chunk]
+        kv_len = int(qp.max()) + 1
+        j = torch.arange(kv_len, device=q.device)
+        mask = j.unsqueeze(0) <= qp.unsqueeze(1)
+        ncomp = num_complete_blocks(qp, r)
+        if int(ncomp.max()) > m:  # some query is past the dense regime: run the indexer
+            nb = int(ncomp.max())
+            sc = indexer_scores(index_q[s: s + q_chunk], block_keys[:nb], index_scale)
+            ids = select_blocks(sc, ncomp, m)
+            mask = mask & selection_mask(ids, qp, kv_len, r)
+        outs.append(sparse_attention(q[s: s + q_chunk], k[:kv_len], v[:kv_len], mask, scale))
+    assert L >= kv_len
+    return torch.cat(outs, 0)
