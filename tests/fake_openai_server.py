@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -174,6 +175,11 @@ def make_handler(state: State):
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            # Small SSE writes must leave at once (no Nagle batching), as from a real server.
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         def log_message(self, *a: Any) -> None:  # quiet
             pass

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -25,8 +26,10 @@ Multi-turn agentic benchmark against an OpenAI-compatible server (vLLM).
 Workload (seeded, synthetic, shaped like SWE-Smith agent traces): each
 conversation has --turns turns; turn 1 is a --first-turn-tokens-token prompt
 (chat template included, a code base being read); every later turn appends the
-model's reply and a tool output so the prompt grows by exactly the reply plus
---turn-tokens tokens. Replies are --max-output-tokens tokens with ignore_eos.
+model's real reply and a tool output that adds exactly --turn-tokens tokens
+after the conversation so far (user message with its template tokens and the
+generation prompt), so each prompt reuses the previous one as its prefix.
+Replies are --max-output-tokens tokens with ignore_eos.
 Token counts are exact for the served model's tokenizer (the server's /tokenize
 route, or --tokenizer DIR) and every turn's prompt size is checked against the
 server's usage.
@@ -131,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--first-turn-tokens", type=_positive(int), default=50000, metavar="N",
                    help="prompt tokens of turn 1, chat template included (default: %(default)s)")
     g.add_argument("--turn-tokens", type=_positive(int), default=800, metavar="N",
-                   help="new prompt tokens of every later turn on top of the previous prompt and its reply "
-                        "(default: %(default)s)")
+                   help="new prompt tokens of every later turn (the tool output with its template tokens) "
+                        "after the previous prompt and its reply (default: %(default)s)")
     g.add_argument("--turns", type=_turns, default=(10, 15), metavar="N|MIN-MAX",
                    help="turns per conversation, a number or a range drawn uniformly per conversation "
                         "(default: 10-15)")
@@ -142,9 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=42,
                    help="workload seed; the same seed gives the same conversations on every server "
                         "(default: %(default)s)")
+    g.add_argument("--run-nonce", default=None, metavar="TEXT",
+                   help="text written at the start of every conversation so that a repeated run does not hit "
+                        "the prefix cache an earlier run filled (default: random per run; 'none' for none)")
     g.add_argument("--no-runtime-fit", dest="runtime_fit", action="store_false",
-                   help="do not re-count the conversation before each later turn; the tool output is then "
-                        "sized from the plan only and a reply that re-tokenizes differently shows up as a "
+                   help="do not count the conversation before each later turn (saves one or two /tokenize "
+                        "calls per turn); the tool output is then sized from the plan, which assumes the reply "
+                        "re-tokenizes to the tokens generated; where it does not, the turn shows up in "
                         "prompt_tokens_mismatch")
 
     g = p.add_argument_group("sweep")
@@ -175,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-plot", action="store_true", help="do not write tradeoff.png")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
+
+
+def _nonce(value: str | None) -> str:
+    if value is None:
+        return secrets.token_hex(4)
+    return "" if value.lower() == "none" else value
 
 
 def _safe_name(s: str) -> str:
@@ -237,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         max_turns=hi,
         max_output_tokens=args.max_output_tokens,
         seed=args.seed,
+        nonce=_nonce(args.run_nonce),
     )
     metrics_url = args.metrics_url
     if metrics_url is not None and metrics_url.lower() in ("none", "off", ""):

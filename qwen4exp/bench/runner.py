@@ -17,7 +17,14 @@ import aiohttp
 from . import metrics as M
 from .client import TurnResult, list_models, scrape_metrics, server_alive, stream_chat
 from .tokenizer import HFTokenizer, ServerTokenizer, Tokenizer, TokenizerError
-from .workload import ConversationPlan, WorkloadSpec, fit_chat, plan_conversation, template_overhead
+from .workload import (
+    ConversationPlan,
+    TemplateOverhead,
+    WorkloadSpec,
+    fit_chat,
+    plan_conversation,
+    template_overhead,
+)
 
 
 class SetupError(RuntimeError):
@@ -126,7 +133,7 @@ class Runner:
         self.model: str = cfg.model or ""
         self.label: str = cfg.label or ""
         self.tok: Tokenizer | None = None
-        self.overhead: tuple[int, int] = (0, 0)
+        self.overhead = TemplateOverhead(0, 0, 0)
         self.abort = asyncio.Event()
         self.abort_reason: str | None = None
         self.first_error: str | None = None
@@ -196,21 +203,22 @@ class Runner:
             "model": self.model,
             "max_model_len": max_len,
             "tokenizer": self.tok.name,
-            "template_overhead_first": self.overhead[0],
-            "template_overhead_later_turn": self.overhead[1],
+            "template_tokens_first_turn": self.overhead.first,
+            "template_tokens_user_block": self.overhead.user_block,
+            "template_tokens_reply_close": self.overhead.reply_close,
             "metrics_url": self.metrics_url,
         }
-        if spec.first_turn_tokens <= self.overhead[0]:
+        if spec.first_turn_tokens <= self.overhead.first:
             raise SetupError(
                 f"--first-turn-tokens {spec.first_turn_tokens} is not more than the chat template's "
-                f"own {self.overhead[0]} tokens"
+                f"own {self.overhead.first} tokens"
             )
-        if spec.turn_tokens <= self.overhead[1]:
+        if spec.turn_tokens <= self.overhead.user_block:
             raise SetupError(
-                f"--turn-tokens {spec.turn_tokens} is not more than the {self.overhead[1]} template "
+                f"--turn-tokens {spec.turn_tokens} is not more than the {self.overhead.user_block} template "
                 "tokens a later turn adds"
             )
-        need = spec.max_prompt_tokens() + spec.max_output_tokens
+        need = spec.max_prompt_tokens() + (spec.max_turns - 1) * self.overhead.reply_close + spec.max_output_tokens
         if max_len and need > int(max_len):
             raise SetupError(
                 f"the workload reaches {need} tokens (prompt + output of the longest conversation) "
@@ -245,6 +253,7 @@ class Runner:
         error: str | None,
         planned_prompt: int | None,
         counted_prompt: int | None,
+        history_tokens: int | None,
         level_start: float,
         end: float,
     ) -> dict[str, Any]:
@@ -271,6 +280,7 @@ class Runner:
             "prompt_tokens": res.prompt_tokens if res is not None else None,
             "planned_prompt_tokens": planned_prompt,
             "client_prompt_tokens": counted_prompt,
+            "history_tokens": history_tokens,
             "new_tokens": spec.first_turn_tokens if turn == 1 else spec.turn_tokens,
             "completion_tokens": res.completion_tokens if res is not None else None,
             "max_tokens": spec.max_output_tokens,
@@ -319,21 +329,28 @@ class Runner:
                 return
             error = None
             counted: int | None
+            history: int | None = None
             if k == 0:
                 turn_msgs = [{"role": "user", "content": plan.first_text}]
                 planned = spec.first_turn_tokens
                 counted = plan.first_tokens
             else:
-                planned = prev_prompt + prev_completion + spec.turn_tokens
                 if cfg.runtime_fit:
+                    # Exact: the conversation so far as the template renders it, then a tool
+                    # output that adds exactly turn_tokens on top.
                     try:
+                        history = await self.tok.count_chat(messages, add_generation_prompt=False)
+                        planned = history + spec.turn_tokens
                         text, counted, _ = await fit_chat(
                             self.tok, messages, plan.tool_ids[k - 1], planned, plan.tool_n[k - 1]
                         )
                     except TokenizerError as e:
                         error = f"counting the prompt failed: {e}"
-                        text, counted = "", None
+                        planned, text, counted = None, "", None
                 else:
+                    # Planned only: assumes the reply re-tokenizes to the tokens generated.
+                    history = prev_prompt + prev_completion + self.overhead.reply_close
+                    planned = history + spec.turn_tokens
                     text, counted = plan.tool_texts[k - 1], None
                 turn_msgs = messages + [{"role": "user", "content": text}]
 
@@ -380,6 +397,7 @@ class Runner:
                 error=error,
                 planned_prompt=planned,
                 counted_prompt=counted,
+                history_tokens=history,
                 level_start=level_start,
                 end=end,
             )
@@ -469,6 +487,7 @@ class Runner:
             "request_timeout_s": self.cfg.request_timeout_s,
             "warmup_conversations": self.cfg.warmup,
             "runtime_fit": self.cfg.runtime_fit,
+            "run_nonce": self.cfg.spec.nonce,
             "levels": [
                 {
                     **row,
@@ -493,7 +512,8 @@ class Runner:
             self.log(
                 f"qwen4exp-bench: label={self.label!r} model={self.model!r} tokenizer={self.tok.name if self.tok else '?'}; "
                 f"turn 1 = {cfg.spec.first_turn_tokens} tokens, +{cfg.spec.turn_tokens} per turn, "
-                f"{cfg.spec.min_turns}-{cfg.spec.max_turns} turns, {cfg.spec.max_output_tokens} output tokens"
+                f"{cfg.spec.min_turns if cfg.spec.min_turns == cfg.spec.max_turns else f'{cfg.spec.min_turns}-{cfg.spec.max_turns}'} turns, "
+                f"{cfg.spec.max_output_tokens} output tokens"
             )
             with (cfg.out_dir / "turns.jsonl").open("w") as jf:
                 self._jsonl = jf

@@ -33,7 +33,7 @@ class Tokenizer(Protocol):
 
     async def decode(self, ids: list[int]) -> str: ...
 
-    async def count_chat(self, messages: list[dict[str, Any]]) -> int: ...
+    async def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int: ...
 
 
 class ServerTokenizer:
@@ -80,8 +80,12 @@ class ServerTokenizer:
         data = await self._post("/detokenize", {"model": self.model, "tokens": list(ids)})
         return str(data["prompt"])
 
-    async def count_chat(self, messages: list[dict[str, Any]]) -> int:
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "add_generation_prompt": True}
+    async def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+        }
         if self.chat_template_kwargs:
             body["chat_template_kwargs"] = self.chat_template_kwargs
         data = await self._post("/tokenize", body)
@@ -113,9 +117,9 @@ class HFTokenizer:
     def _encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def _count_chat(self, messages: list[dict[str, Any]]) -> int:
+    def _count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> int:
         text = self.tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs
         )
         return len(self._encode(text))
 
@@ -127,5 +131,5 @@ class HFTokenizer:
     async def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids))
 
-    async def count_chat(self, messages: list[dict[str, Any]]) -> int:
-        return await asyncio.to_thread(self._count_chat, messages)
+    async def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
+        return await asyncio.to_thread(self._count_chat, messages, add_generation_prompt)

@@ -7,24 +7,30 @@ Shape (the field's SWE-Smith replay, EvalScope ``build_swe_smith_dataset.py`` wi
 * turn 1 is one user message (a code base being read) whose chat prompt is
   exactly ``first_turn_tokens`` tokens, chat template included;
 * every later turn appends the model's real reply of the previous turn as an
-  assistant message plus one user message (tool output) so that the prompt
-  grows by exactly ``turn_tokens`` new tokens on top of the previous prompt and
-  its reply::
+  assistant message plus one user message (tool output) that adds exactly
+  ``turn_tokens`` new tokens after the conversation so far::
 
-      prompt[k] = prompt[k-1] + completion_tokens[k-1] + turn_tokens
+      prompt[k] = history[k] + turn_tokens
+      history[k] = tokens of (turns 1..k-1 + reply k-1) as the chat template
+                   renders them, without a generation prompt
 
-  i.e. "+800 new tokens per turn" counts everything added after the reused
-  prefix (end of the assistant message, the user message with its template
-  tokens, the generation prompt);
+  so "+800 new tokens per turn" counts the tool output with its template
+  tokens and the generation prompt, and everything before it is the reusable
+  prefix (the previous prompt, the reply, the end-of-message tokens). When a
+  reply re-tokenizes to as many tokens as the server generated (the normal
+  case for a trained model), ``history[k] = prompt[k-1] + completion[k-1] +
+  reply_close`` (``reply_close`` = the template's end-of-assistant-message
+  tokens); a reply that re-tokenizes differently (possible with random
+  weights) changes ``history[k]``, never the new tokens;
 * the number of turns of a conversation is drawn uniformly from
   ``[min_turns, max_turns]``.
 
 Counts are exact for the served model's tokenizer: turn 1 is fitted when the
 workload is planned; later turns are fitted just before they are sent (outside
-the timed window), because the reply is only known then and a reply's text does
-not always re-tokenize to the same number of tokens the server generated. Every
+the request's timing), because the reply is only known then. Every
 conversation has its own random text from the first tokens on, so conversations
-never share a cached prefix beyond the chat template's preamble.
+never share a cached prefix beyond the chat template's preamble; a per-run
+nonce at the start keeps repeated runs from reusing each other's cache.
 """
 
 from __future__ import annotations
@@ -149,6 +155,9 @@ class WorkloadSpec:
     max_turns: int = 15
     max_output_tokens: int = 500
     seed: int = 42
+    # Written at the start of every conversation. A fresh nonce per run keeps a second run
+    # against the same server from hitting the prefix cache the first run filled.
+    nonce: str = ""
 
     def max_prompt_tokens(self) -> int:
         """Largest prompt the workload can produce (last turn of the longest conversation)."""
@@ -221,57 +230,67 @@ async def fit_chat(
     return best
 
 
-async def template_overhead(tok: Tokenizer) -> tuple[int, int]:
-    """Chat-template tokens of (a first user message, one later assistant+user exchange).
+@dataclass
+class TemplateOverhead:
+    """Chat-template token counts of the served model, measured with a probe.
 
     ``first``: tokens of ``[user: ""]`` with the generation prompt (system
     preamble, user header/footer, generation prompt).
-    ``later``: tokens a later turn adds besides the reply's and the tool
-    output's own tokens (end of the assistant message, user header/footer, the
-    next generation prompt). Used for the initial guesses; the fitting then
-    makes the counts exact.
+    ``user_block``: tokens a later user message adds besides its content (user
+    header/footer and the next generation prompt).
+    ``reply_close``: tokens the template adds after a reply's own tokens when
+    it becomes history (end-of-message markers).
+    Used for the initial guesses and for the plan without runtime fitting; the
+    fitting then makes every count exact.
     """
+
+    first: int
+    user_block: int
+    reply_close: int
+
+
+async def template_overhead(tok: Tokenizer) -> TemplateOverhead:
     probe_user = "alpha beta gamma"
     probe_reply = "delta epsilon"
     probe_tool = "zeta eta theta"
+    u = {"role": "user", "content": probe_user}
+    a = {"role": "assistant", "content": probe_reply}
+    t = {"role": "user", "content": probe_tool}
     first = await tok.count_chat([{"role": "user", "content": ""}])
-    a = await tok.count_chat([{"role": "user", "content": probe_user}])
-    b = await tok.count_chat(
-        [
-            {"role": "user", "content": probe_user},
-            {"role": "assistant", "content": probe_reply},
-            {"role": "user", "content": probe_tool},
-        ]
+    prompt1 = await tok.count_chat([u])
+    history = await tok.count_chat([u, a], add_generation_prompt=False)
+    prompt2 = await tok.count_chat([u, a, t])
+    reply = len(await tok.encode(probe_reply))
+    tool = len(await tok.encode(probe_tool))
+    return TemplateOverhead(
+        first=first,
+        user_block=max(0, prompt2 - history - tool),
+        reply_close=max(0, history - prompt1 - reply),
     )
-    later = b - a - len(await tok.encode(probe_reply)) - len(await tok.encode(probe_tool))
-    return first, max(0, later)
 
 
 async def plan_conversation(
     tok: Tokenizer,
     spec: WorkloadSpec,
     conv_key: str,
-    overhead: tuple[int, int],
+    overhead: TemplateOverhead,
 ) -> ConversationPlan:
     """Plan one conversation: turn count, exact first turn, tool-output sources."""
     rng = random.Random(f"{spec.seed}:{conv_key}")
     num_turns = rng.randint(spec.min_turns, spec.max_turns)
     gen = CodeText(rng)
-    first_overhead, later_overhead = overhead
-
-    n0 = max(1, spec.first_turn_tokens - first_overhead)
+    n0 = max(1, spec.first_turn_tokens - overhead.first)
+    session = f"[session {spec.nonce}] " if spec.nonce else ""
     header = (
-        f"Repository {rng.getrandbits(64):016x}-{gen._ident()}: read the code base below, "
+        f"{session}Repository {rng.getrandbits(64):016x}-{gen._ident()}: read the code base below, "
         f"then find and fix the bug that makes the test suite fail.\n\n"
     )
     ids = await source_ids(tok, gen, n0 + 64, "code", header)
     first_text, first_tokens, _ = await fit_chat(tok, [], ids, spec.first_turn_tokens, n0)
 
     plan = ConversationPlan(conv_id=conv_key, num_turns=num_turns, first_text=first_text, first_tokens=first_tokens)
-    n_plan = max(1, spec.turn_tokens - later_overhead)
-    # Generous margin: a reply may re-tokenize to fewer tokens than were generated,
-    # and the tool output then has to make up the difference.
-    margin = spec.turn_tokens + spec.max_output_tokens + 64
+    n_plan = max(1, spec.turn_tokens - overhead.user_block)
+    margin = 64 + spec.turn_tokens // 4
     for k in range(1, num_turns):
         tids = await source_ids(tok, gen, n_plan + margin, "tool", f"[tool output {k}]\n")
         plan.tool_ids.append(tids)

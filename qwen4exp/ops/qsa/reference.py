@@ -31,13 +31,16 @@ def indexer_scores(q: torch.Tensor, block_keys: torch.Tensor, scale: float) -> t
 
 def select_blocks(scores: torch.Tensor, n_complete: torch.Tensor, m: int) -> torch.Tensor:
     """Top-m block ids per query among its complete blocks; -1 where a query has fewer than m blocks.
-    scores [Tq, Nb]; n_complete [Tq]. Returns [Tq, min(m, Nb)] int64."""
+    scores [Tq, Nb]; n_complete [Tq]. Returns [Tq, min(m, Nb)] int64.
+    Ties (frequent: ReLU makes many scores exactly 0) go to the lower block id, so the choice does not depend on
+    the padded width of ``scores`` (torch.topk's tie order does)."""
     Tq, Nb = scores.shape
     k = min(m, Nb)
     if k == 0:
         return scores.new_empty((Tq, 0), dtype=torch.long)
     visible = torch.arange(Nb, device=scores.device).unsqueeze(0) < n_complete.unsqueeze(1)
-    vals, idx = scores.masked_fill(~visible, float("-inf")).topk(k, dim=-1)
+    vals, idx = scores.masked_fill(~visible, float("-inf")).sort(dim=-1, descending=True, stable=True)
+    vals, idx = vals[:, :k], idx[:, :k]
     return idx.masked_fill(vals == float("-inf"), -1)
 
 

@@ -1,0 +1,51 @@
+# qwen4exp — set-up, tests and the main job. Everything lands in ./.venv and ./.cache (git-ignored).
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip
+# vLLM's and inductor's files stay inside the work tree
+export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
+export VLLM_RPC_BASE_PATH := $(CURDIR)/.cache/rpc
+export TMPDIR := $(CURDIR)/.tmp
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: venv test test-fast demo serve bench clean
+
+# The CPU stack (see README "Versions"): torch 2.13.0 (CPU) first, then the locked vllm-cpu 0.32.0 stack without
+# dependency resolution (so nothing pulls a CUDA torch), then this package in editable mode.
+$(VENV)/.stamp: pyproject.toml requirements-cpu.lock
+	@mkdir -p .cache .tmp
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-deps -r requirements-cpu.lock
+	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(VPY) -c "import torch, transformers, vllm, qwen4exp; print('venv ok: torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+venv: $(VENV)/.stamp
+
+test: venv
+	@mkdir -p .cache .tmp
+	$(VPY) -m pytest -q -ra tests
+
+test-fast: venv
+	$(VPY) -m pytest -q -ra tests -m "not vllm and not slow"
+
+demo: venv
+	@mkdir -p .cache .tmp
+	$(VPY) -m qwen4exp.demo
+
+serve: venv
+	@mkdir -p .cache .tmp
+	$(VPY) -m qwen4exp.demo --serve
+
+bench: venv
+	$(VPY) recipes/bench_hf_reference.py
+
+clean:
+	rm -rf .cache .tmp .pytest_cache
