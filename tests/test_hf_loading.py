@@ -1,0 +1,141 @@
+"""Checkpoint formats and load errors of the HF runtime."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qwen4exp import Qwen4ExpForCausalLM, presets
+from qwen4exp.hf.loading import CheckpointError
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = presets.tiny_text(mtp_num_hidden_layers=1)
+    m = Qwen4ExpForCausalLM(cfg).eval()
+    d = tmp_path_factory.mktemp("ours")
+    m.save_pretrained(d)
+    return cfg, m, d
+
+
+def _ids(cfg, n=50):
+    return torch.randint(2, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
+
+
+def _rewrite(src, dst, fn):
+    sd = load_file(src / "model.safetensors")
+    sd = fn(dict(sd))
+    dst.mkdir(exist_ok=True)
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    save_file(sd, dst / "model.safetensors")
+    return dst
+
+
+def test_roundtrip_and_official_names(ckpt):
+    cfg, m, d = ckpt
+    names = set(load_file(d / "model.safetensors"))
+    assert f"model.layers.0.ple.ple_embedding.ngram_embedding.shard_{cfg.split_ngram_parts - 1}.weight" in names
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    assert any(n.startswith("mtp.layers.0.self_attn.indexer") for n in names)
+    assert "model.hyper_connection_mixer.input_mix_weight_down.weight" in names
+    m2 = Qwen4ExpForCausalLM.from_pretrained(d, dtype=torch.float32)
+    assert m2.mtp is not None  # mtp.* kept, not dropped
+    torch.testing.assert_close(m2.mtp.fc_hidden.weight, m.mtp.fc_hidden.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(m2(_ids(cfg)).logits, m(_ids(cfg)).logits)
+
+
+def test_per_expert_layout_and_shard_order(ckpt, tmp_path):
+    cfg, m, d = ckpt
+
+    def split(sd):
+        for k in [k for k in sd if k.endswith("experts.gate_up_proj")]:
+            base = k[: -len(".gate_up_proj")]
+            gu, dn = sd.pop(k), sd.pop(base + ".down_proj")
+            I = gu.shape[1] // 2
+            for e in range(gu.shape[0]):
+                sd[f"{base}.{e}.gate_proj.weight"] = gu[e, :I].clone()
+                sd[f"{base}.{e}.up_proj.weight"] = gu[e, I:].clone()
+                sd[f"{base}.{e}.down_proj.weight"] = dn[e].clone()
+        # checkpoints also carry an unused final-mixer injection and the composite prefix
+        sd["model.hyper_connection_mixer.block_inject_weight.weight"] = torch.zeros(cfg.hc_count,
+                                                                                   cfg.hc_count * cfg.hidden_size)
+        return {("model.language_model." + k[6:] if k.startswith("model.") else k): v for k, v in sd.items()}
+
+    d2 = _rewrite(d, tmp_path / "per_expert", split)
+    m2 = Qwen4ExpForCausalLM.from_pretrained(d2, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(m2(_ids(cfg)).logits, m(_ids(cfg)).logits)
+
+
+def test_missing_tensor_named(ckpt, tmp_path):
+    cfg, _, d = ckpt
+    name = "model.layers.1.self_attn.indexer.index_qk_proj.weight"
+    d2 = _rewrite(d, tmp_path / "missing", lambda sd: {k: v for k, v in sd.items() if k != name})
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        Qwen4ExpForCausalLM.from_pretrained(d2)
+
+
+def test_misshaped_tensor_named(ckpt, tmp_path):
+    cfg, _, d = ckpt
+    name = "model.layers.0.linear_attn.in_proj_z.weight"
+
+    def bad(sd):
+        sd[name] = sd[name][:-1].clone()
+        return sd
+
+    d2 = _rewrite(d, tmp_path / "misshaped", bad)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.linear_attn\.in_proj_z\.weight has shape"):
+        Qwen4ExpForCausalLM.from_pretrained(d2)
+
+
+def test_missing_ple_shard_named(ckpt, tmp_path):
+    cfg, _, d = ckpt
+    d2 = _rewrite(d, tmp_path / "shard", lambda sd: {k: v for k, v in sd.items() if "shard_1." not in k})
+    with pytest.raises(CheckpointError, match=r"missing shards \[1\]"):
+        Qwen4ExpForCausalLM.from_pretrained(d2)
+
+
+def test_fp8_ple_table(ckpt, tmp_path):
+    """FP8 release layout: F8_E4M3 shards + one per-tensor weight_scale; rows are dequantized on lookup."""
+    cfg, m, d = ckpt
+    scale = torch.tensor(0.01)
+
+    def to_fp8(sd):
+        for k in [k for k in sd if ".shard_" in k]:
+            sd[k] = (sd[k].float() / scale).to(torch.float8_e4m3fn)
+        sd["model.layers.0.ple.ple_embedding.ngram_embedding.weight_scale"] = scale
+        return sd
+
+    d2 = _rewrite(d, tmp_path / "fp8", to_fp8)
+    m2 = Qwen4ExpForCausalLM.from_pretrained(d2, dtype=torch.float32)
+    t = m2.model.layers[0].ple.ple_embedding.ngram_embedding
+    assert t.weight.dtype == torch.float8_e4m3fn
+    ref = m.model.layers[0].ple.ple_embedding.ngram_embedding.weight
+    torch.testing.assert_close(t.weight.float() * t.weight_scale, ref, atol=0.01 * 0.07, rtol=0.07)
+    with torch.no_grad():
+        a, b = m(_ids(cfg)).logits, m2(_ids(cfg)).logits
+    assert ((a - b).norm() / a.norm()) < 0.05
+
+
+def test_bad_inputs_have_clear_errors(ckpt):
+    cfg, m, _ = ckpt
+    with pytest.raises(ValueError, match="out of range"):
+        m(torch.tensor([[cfg.vocab_size]]))
+    with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
+        m()
+    with pytest.raises(NotImplementedError, match="beam search"):
+        m.generate(_ids(cfg, 5), num_beams=2, max_new_tokens=2)
+    with pytest.raises(NotImplementedError, match="text-only"):
+        m(_ids(cfg, 5), pixel_values=torch.zeros(1, 3))
+
+
+def test_inputs_embeds_recover_ids_for_ple(ckpt):
+    cfg, m, _ = ckpt
+    ids = _ids(cfg, 20)
+    with torch.no_grad():
+        a = m(ids).logits
+        b = m(inputs_embeds=m.model.embed_tokens(ids)).logits
+    torch.testing.assert_close(a, b)
