@@ -42,6 +42,7 @@ class QSARowState:
         self.k, self.v, self.block_keys = GrowingRows(), GrowingRows(), GrowingRows()
         self.open_keys: torch.Tensor | None = None  # raw indexer keys of the open block [< r, d_i]
         self.open_pos: torch.Tensor | None = None  # their RoPE positions [< r] or [3, < r]
+        self.pending_raw = self.pending_pos = None  # raw keys / positions of the last forward (for rollback)
 
 
 class Qwen4ExpHybridCache:
@@ -50,10 +51,15 @@ class Qwen4ExpHybridCache:
 
     is_compileable = False
 
-    def __init__(self, config, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, config, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 mtp_layers: int = 0):
         self.config, self.batch_size, self.dtype, self.device = config, batch_size, dtype, torch.device(device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
         self.columns = 0
+        self.journal: list | None = None  # set to a list to record state updates (speculative verification)
+        # the MTP draft layers' own QSA caches (positions they have consumed: mtp_lengths)
+        self.mtp_layers = [{"qsa": [QSARowState() for _ in range(batch_size)]} for _ in range(mtp_layers)]
+        self.mtp_lengths = torch.zeros(batch_size, dtype=torch.long)
         self.eos = first_eos(config.eos_token_id)
         self.layers: list[dict] = []
         for i, t in enumerate(config.layer_types):

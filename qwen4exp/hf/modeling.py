@@ -51,33 +51,72 @@ class Qwen4ExpTextModel(nn.Module):
         """-> (final hidden [T, D], pre-mixer multi-stream state [T, nD])."""
         c = self.config
         emb = self.embed_tokens(ids) if embeds is None else embeds
-        dtype = emb.dtype
         H = embed_streams(emb, c.hc_count)
-        cos, sin = self.rotary_emb(positions, dtype)
-        lens = cu_seqlens[1:] - cu_seqlens[:-1]
-        starts = cache.lengths[rows].to(ids.device)
-        tok_idx = torch.repeat_interleave(starts - cu_seqlens[:-1], lens) + torch.arange(ids.numel(), device=ids.device)
-        rows_l = rows.tolist()
-        for i, layer in enumerate(self.layers):
-            st = cache.layers[i]
-            ple_fn = None
-            if layer.ple is not None:
-                def ple_fn(H, layer=layer, st=st):
-                    out, st["ple_ctx"][rows], st["ple_conv"][rows] = layer.ple(
-                        H, ids, cu_seqlens, st["ple_ctx"][rows], st["ple_conv"][rows])
-                    return out
-            if layer.layer_type == LINEAR:
-                def mix(x, layer=layer, st=st):
-                    y, st["conv"][rows], st["ssm"][rows] = layer.linear_attn(
-                        x, cu_seqlens, st["conv"][rows], st["ssm"][rows])
-                    return y
-            else:
-                def mix(x, layer=layer, st=st):
-                    return _qsa_mix(layer.self_attn, self.rotary_emb, x, cos, sin, positions, tok_idx, cu_seqlens,
-                                    [st["qsa"][r] for r in rows_l])
-            H = layer(H, mix, ple_fn)
+        H = run_layers(self.layers, H, ids, positions, cu_seqlens, cache.layers, rows, cache.lengths[rows],
+                       self.rotary_emb, cache.journal)
         out, _ = self.hyper_connection_mixer(H)
         return out, H
+
+
+def run_layers(layers, H, ids, positions, cu_seqlens, layer_states, rows, starts, rotary, journal=None):
+    """Run decoder layers over packed tokens, binding each layer's per-row state (updated in place).
+
+    ``starts`` [N]: tokens each sequence had consumed before (QSA token indices). With a ``journal`` list, every
+    state update is recorded so that ``rollback`` can keep only a prefix of these tokens (speculative decoding).
+    """
+    cos, sin = rotary(positions, H.dtype)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    tok_idx = torch.repeat_interleave(starts.to(ids.device) - cu_seqlens[:-1], lens) + \
+        torch.arange(ids.numel(), device=ids.device)
+    rows_l = rows.tolist()
+    for layer, st in zip(layers, layer_states):
+        ple_fn = None
+        if layer.ple is not None:
+            def ple_fn(H, layer=layer, st=st):
+                prev = (st["ple_ctx"][rows], st["ple_conv"][rows])
+                if journal is not None:
+                    journal.append(("ple", layer, st, rows, prev, H, ids))
+                out, st["ple_ctx"][rows], st["ple_conv"][rows] = layer.ple(H, ids, cu_seqlens, *prev)
+                return out
+        if layer.layer_type == LINEAR:
+            def mix(x, layer=layer, st=st):
+                prev = (st["conv"][rows], st["ssm"][rows])
+                if journal is not None:
+                    journal.append(("gdn", layer, st, rows, prev, x, None))
+                y, st["conv"][rows], st["ssm"][rows] = layer.linear_attn(x, cu_seqlens, *prev)
+                return y
+        else:
+            def mix(x, layer=layer, st=st):
+                row_states = [st["qsa"][r] for r in rows_l]
+                if journal is not None:
+                    journal.append(("qsa", layer, st, rows, [(rs.k.len, rs.block_keys.len, rs.open_keys,
+                                                              rs.open_pos) for rs in row_states], None, None))
+                return _qsa_mix(layer.self_attn, rotary, x, cos, sin, positions, tok_idx, cu_seqlens, row_states)
+        H = layer(H, mix, ple_fn)
+    return H
+
+
+def rollback(journal, keep: int, rotary) -> None:
+    """Undo the journaled forward of ONE sequence except its first ``keep`` tokens: restore each state and replay the
+    state update (not the whole model) on the kept tokens; QSA caches are cropped and their open block rebuilt."""
+    for kind, layer, st, rows, prev, inp, ids in journal:
+        cu = torch.tensor([0, keep], device=rows.device)
+        if kind == "gdn":
+            _, st["conv"][rows], st["ssm"][rows] = layer.linear_attn(inp[:keep], cu, *prev)
+        elif kind == "ple":
+            _, st["ple_ctx"][rows], st["ple_conv"][rows] = layer.ple(inp[:keep], ids[:keep], cu, *prev)
+        else:
+            for r, (klen, blen, open_k, open_p) in zip(rows.tolist(), prev):
+                rs = st["qsa"][r]
+                new_raw = rs.pending_raw
+                rs.k.len = rs.v.len = klen + keep
+                raw = torch.cat([x for x in (open_k, new_raw[:keep]) if x is not None], 0)
+                pos = torch.cat([x for x in (open_p, rs.pending_pos[..., :keep]) if x is not None], -1)
+                r_ = layer.self_attn.r
+                nfull = raw.shape[0] // r_
+                rs.block_keys.len = blen + nfull
+                rs.open_keys, rs.open_pos = raw[nfull * r_:], pos[..., nfull * r_:]
+    journal.clear()
 
 
 def _qsa_mix(attn, rotary, x, cos, sin, positions, tok_idx, cu_seqlens, row_states):
@@ -93,6 +132,7 @@ def _qsa_mix(attn, rotary, x, cos, sin, positions, tok_idx, cu_seqlens, row_stat
         st.k.append(p.k[s:e])
         st.v.append(p.v[s:e])
         raw, pos = p.index_k_raw[s:e], positions[..., s:e]
+        st.pending_raw, st.pending_pos = raw, pos
         if st.open_keys is not None and st.open_keys.shape[0]:
             raw = torch.cat([st.open_keys, raw], 0)
             pos = torch.cat([st.open_pos, pos], -1)
@@ -186,7 +226,101 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
 
     def new_cache(self, batch_size: int) -> Qwen4ExpHybridCache:
         p = self.text_model.embed_tokens.weight
-        return Qwen4ExpHybridCache(self.config.get_text_config(), batch_size, p.dtype, p.device)
+        n_mtp = len(self.mtp.layers) if getattr(self, "mtp", None) is not None else 0
+        return Qwen4ExpHybridCache(self.config.get_text_config(), batch_size, p.dtype, p.device, mtp_layers=n_mtp)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # MTP: the draft head, and greedy speculative decoding with it (upstream transformers cannot use the head)
+    def mtp_forward(self, H_prev: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                    cache: Qwen4ExpHybridCache, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP step over the tokens of one row: inputs pair the target's pre-mixer state at position q
+        (``H_prev`` [T, nD]) with the token at q+1 (``next_ids`` [T]); -> (logits [T, V], draft state [T, nD])."""
+        if self.mtp is None:
+            raise ValueError("qwen4exp: this checkpoint has no MTP head (mtp.* weights)")
+        tm, mtp = self.text_model, self.mtp
+        H = mtp(tm.embed_tokens(next_ids), H_prev)
+        rows = torch.tensor([row])
+        cu = torch.tensor([0, next_ids.numel()], device=next_ids.device)
+        H = run_layers(mtp.layers[:1], H, next_ids, positions, cu, cache.mtp_layers[:1], rows,
+                       cache.mtp_lengths[rows], tm.rotary_emb, cache.journal)
+        cache.mtp_lengths[row] += next_ids.numel()
+        out, _ = mtp.hyper_connection_mixer(H)
+        head = mtp.shared_head.head if hasattr(mtp, "shared_head") else self.lm_head
+        return head(out), H
+
+    def _draft(self, cache, H_pend, next_pend, pos_pend, k):
+        """k greedy draft tokens: one MTP pass over the pending (accepted) positions, then k-1 chained steps whose
+        cache entries are dropped again (the next round re-feeds accepted positions with the target's state)."""
+        logits, Hd = self.mtp_forward(H_pend, next_pend, pos_pend, cache)
+        drafts = [int(logits[-1].argmax())]
+        h, pos = Hd[-1:], int(pos_pend[-1])
+        cache.journal = []
+        for i in range(1, k):
+            logits, h = self.mtp_forward(h, torch.tensor([drafts[-1]]), torch.tensor([pos + i]), cache)
+            drafts.append(int(logits[-1].argmax()))
+        rollback(cache.journal, 0, self.text_model.rotary_emb)
+        cache.journal = None
+        cache.mtp_lengths[0] -= k - 1
+        return drafts
+
+    @torch.no_grad()
+    def generate(self, *args, use_mtp: bool = False, **kwargs):
+        """``use_mtp=True``: greedy speculative decoding with the MTP head (``num_speculative_tokens``, default 3);
+        the output equals plain greedy decoding. Statistics land in ``self.last_mtp_stats``."""
+        if not use_mtp:
+            return super().generate(*args, **kwargs)
+        return self._generate_mtp(*args, **kwargs)
+
+    def _generate_mtp(self, input_ids, max_new_tokens: int = 20, num_speculative_tokens: int = 3,
+                      eos_token_id=None, attention_mask=None, do_sample: bool = False, **unused):
+        if do_sample:
+            raise NotImplementedError("qwen4exp: use_mtp=True supports greedy decoding only")
+        if input_ids.shape[0] != 1 or (attention_mask is not None and not bool(attention_mask.all())):
+            raise NotImplementedError("qwen4exp: use_mtp=True supports one unpadded sequence at a time")
+        if self.mtp is None:
+            raise ValueError("qwen4exp: use_mtp=True needs a checkpoint with an MTP head (mtp.* weights)")
+        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        cache = self.new_cache(1)
+        out = self(input_ids, past_key_values=cache, use_cache=True, return_mtp_hidden=True)
+        passes, steps, accepted_total = 1, 0, 0
+        t_next = int(out.logits[0, -1].argmax())
+        gen = [t_next]
+        L0 = input_ids.shape[1]
+        H_pend = out["mtp_hidden"][0]
+        next_pend = torch.cat([input_ids[0, 1:], torch.tensor([t_next])])
+        pos_pend = torch.arange(L0)
+        while len(gen) < max_new_tokens and t_next not in eos:
+            k = min(num_speculative_tokens, max_new_tokens - len(gen))
+            drafts = self._draft(cache, H_pend, next_pend, pos_pend, k)
+            v_ids = torch.tensor([[t_next] + drafts])
+            start = int(cache.lengths[0])
+            cache.journal = []
+            out = self(v_ids, past_key_values=cache, use_cache=True, return_mtp_hidden=True)
+            passes += 1
+            pred = out.logits[0].argmax(-1).tolist()
+            j = 0
+            while j < k and pred[j] == drafts[j] and drafts[j] not in eos:
+                j += 1
+            keep = j + 1
+            if keep < k + 1:
+                rollback(cache.journal, keep, self.text_model.rotary_emb)
+                cache.lengths[0] -= k + 1 - keep
+                cache.columns -= k + 1 - keep
+            cache.journal = None
+            steps, accepted_total = steps + 1, accepted_total + j
+            t_next = pred[j]
+            gen += drafts[:j] + [t_next]
+            H_pend = out["mtp_hidden"][0, :keep]
+            next_pend = torch.tensor(drafts[:j] + [t_next])
+            pos_pend = torch.arange(start, start + keep)
+        gen = gen[:max_new_tokens]
+        if eos and any(t in eos for t in gen):
+            gen = gen[: next(i for i, t in enumerate(gen) if t in eos) + 1]
+        self.last_mtp_stats = {
+            "target_forward_passes": passes, "verify_steps": steps, "accepted_drafts": accepted_total,
+            "mean_acceptance_length": (1 + accepted_total / steps) if steps else float("nan"),
+            "new_tokens": len(gen)}
+        return torch.cat([input_ids, torch.tensor([gen], dtype=input_ids.dtype)], 1)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       inputs_embeds=None, **kwargs):
