@@ -244,6 +244,8 @@ def make_handler(state: State):
             if self.path == "/tokenize":
                 if body.get("model") not in (None, args.model):
                     return self._error(404, f"The model `{body.get('model')}` does not exist.")
+                if "messages" in body and (err := self.check_roles(body["messages"])):
+                    return self._error(400, err)
                 if "messages" in body:
                     ids = state.tok.encode_chat(body["messages"], body.get("add_generation_prompt", True))
                 else:
@@ -253,9 +255,18 @@ def make_handler(state: State):
                 return self._json(200, {"prompt": state.tok.decode(body.get("tokens", []))})
             return self._error(404, f"no route {self.path}")
 
+        def check_roles(self, messages: list[dict[str, Any]]) -> str | None:
+            if args.strict_alternation:
+                roles = [m.get("role") for m in messages]
+                if any(a == b for a, b in zip(roles, roles[1:])):
+                    return "Conversation roles must alternate user/assistant/user/assistant/..."
+            return None
+
         def chat(self, body: dict[str, Any]) -> None:
             if body.get("model") != args.model:
                 return self._error(404, f"The model `{body.get('model')}` does not exist.")
+            if err := self.check_roles(body.get("messages", [])):
+                return self._error(400, err)
             with state.lock:
                 state.chat_requests += 1
                 nreq = state.chat_requests
@@ -278,7 +289,8 @@ def make_handler(state: State):
             time.sleep(args.ttft + (len(prompt) - cached) / args.prefill_rate)
             rid = f"chatcmpl-{nreq}"
             base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": args.model}
-            self._sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            self._sse({**base, "choices": [role]})
             rng = random.Random(nreq * 7919 + len(prompt))
             out: list[int] = []
             steps = 0
@@ -299,7 +311,9 @@ def make_handler(state: State):
                 out += ids
                 steps += 1
                 time.sleep(args.token_delay)
-                finish = ("length" if body.get("ignore_eos") or len(out) >= max_tokens else "stop") if len(out) >= n_out else None
+                finish = None
+                if len(out) >= n_out:
+                    finish = "length" if body.get("ignore_eos") or len(out) >= max_tokens else "stop"
                 text = "".join(state.tok.decode([i]) for i in ids)
                 self._sse({**base, "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]})
             with state.lock:
@@ -339,6 +353,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--die-after", type=int, default=0, help="exit in the middle of the N-th chat stream")
     p.add_argument("--stall-after", type=int, default=0, help="stall the N-th chat stream forever")
     p.add_argument("--truncate-after", type=int, default=0, help="end every reply after K tokens")
+    p.add_argument("--strict-alternation", action="store_true", help="reject consecutive messages of one role")
     p.add_argument("--eos-after", type=int, default=0, help="without ignore_eos, stop after K tokens")
     return p.parse_args(argv)
 

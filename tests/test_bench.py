@@ -87,14 +87,17 @@ def start_fake(*extra: str, timeout: float = 20.0) -> Server:
 
 
 def stop_process(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
+    if proc is None:
         return
-    proc.terminate()
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 SERVERS = ["fake"] + (["external"] if os.environ.get("QWEN4EXP_BENCH_BASE_URL") else [])
@@ -256,6 +259,8 @@ def check_png(path: Path) -> tuple[int, int]:
 
 def test_mini_run_succeeds(mini: Run):
     assert mini.rc == 0, mini.stderr
+    sizing = json.loads((mini.out / "summary.json").read_text())["server"]["new_turn_sizing"]
+    assert sizing == "user-message proxy"
     assert "ERROR" not in mini.stderr
     assert "WARNING" not in mini.stderr, mini.stderr
     assert "tok/s/user" in mini.stdout and "tok/s/GPU" in mini.stdout
@@ -286,9 +291,10 @@ def test_summary_csv_columns_and_sane_values(mini: Run, server: Server):
         assert 0 < num(r["ttft_p50_ms"]) <= num(r["ttft_p90_ms"]) <= num(r["ttft_p99_ms"])
         assert 0 <= num(r["itl_p50_ms"]) <= num(r["itl_p90_ms"]) <= num(r["itl_p99_ms"])
         # throughput
-        dur = num(r["duration_s"])
-        assert dur > 0
-        assert num(r["output_tok_s"]) == pytest.approx(int(r["output_tokens"]) / dur, rel=2e-2)
+        dur, busy = num(r["duration_s"]), num(r["busy_s"])
+        assert 0 < busy <= dur * 1.001
+        assert num(r["prep_ms_mean"]) >= 0
+        assert num(r["output_tok_s"]) == pytest.approx(int(r["output_tokens"]) / busy, rel=2e-2)
         assert num(r["tok_s_gpu"]) == pytest.approx(num(r["output_tok_s"]) / float(r["num_gpus"]), rel=1e-3)
         assert num(r["tok_min_gpu"]) == pytest.approx(60 * num(r["tok_s_gpu"]), rel=1e-3)
         assert num(r["total_tok_s"]) > num(r["output_tok_s"])
@@ -411,7 +417,7 @@ def test_server_dying_mid_run_fails_turns_with_a_clear_message(fake_factory, tmp
 
 def test_stalled_stream_hits_the_request_timeout(fake_factory, tmp_path):
     srv = fake_factory("--stall-after", "2")
-    run = bench(mini_argv(srv, tmp_path, "--warmup", "0", "--request-timeout", "1.5"), tmp_path, timeout=60)
+    run = bench(mini_argv(srv, tmp_path, "--warmup", "0", "--request-timeout", "1"), tmp_path, timeout=60)
     assert run.seconds < 30
     assert run.rc == cli.EXIT_TURNS_FAILED
     assert "timed out" in run.stderr
@@ -432,8 +438,8 @@ def test_truncated_turns_are_counted(fake_factory, tmp_path):
 
 
 def test_duration_limit_bounds_a_level(fake_factory, tmp_path):
-    srv = fake_factory("--token-delay", "0.01")
-    argv = mini_argv(srv, tmp_path, "--warmup", "0", "--concurrency", "2", "--conversations", "50", "--duration", "0.5")
+    srv = fake_factory("--token-delay", "0.02")  # ~0.3 s per turn
+    argv = mini_argv(srv, tmp_path, "--warmup", "0", "--concurrency", "2", "--conversations", "12", "--duration", "0.4")
     run = bench(argv, tmp_path)
     assert run.rc == 0
     (r,) = run.rows
@@ -526,7 +532,7 @@ def test_exact_counts_with_bpe_tokenizer(fake_factory, bpe_dir, tmp_path, counti
     if counting == "local":
         srv.tokenizer = str(bpe_dir)
     srv.reply_close = None  # random BPE replies need not re-tokenize to 16 tokens
-    run = bench(mini_argv(srv, tmp_path, "--warmup", "0", "--turns", "3-5"), tmp_path)
+    run = bench(mini_argv(srv, tmp_path, "--warmup", "0", "--turns", "3-5", "--concurrency", "2"), tmp_path)
     assert run.rc == 0, run.stderr
     assert "WARNING" not in run.stderr
     for r in run.rows:
@@ -539,6 +545,18 @@ def test_exact_counts_with_bpe_tokenizer(fake_factory, bpe_dir, tmp_path, counti
         if t["turn"] == 1:
             assert t["prompt_tokens"] == FIRST
         else:
+            assert t["prompt_tokens"] - t["history_tokens"] == TURN
+
+
+def test_exact_counts_when_the_template_insists_on_alternating_roles(fake_factory, tmp_path):
+    srv = fake_factory("--strict-alternation")  # no two user messages in a row: history-count fallback
+    run = bench(mini_argv(srv, tmp_path, "--warmup", "0", "--concurrency", "2"), tmp_path)
+    assert run.rc == 0, run.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["server"]["new_turn_sizing"] == "history count"
+    (r,) = run.rows
+    assert int(r["prompt_tokens_mismatch"]) == 0 and int(r["turns_ok"]) == int(r["turns_sent"])
+    for t in run.turns:
+        if t["turn"] > 1:
             assert t["prompt_tokens"] - t["history_tokens"] == TURN
 
 
@@ -621,6 +639,11 @@ def test_server_metrics_deltas():
     assert M.server_metrics(None, None)["cache_hit_pct"] is None
 
 
+def test_busy_time_is_the_union_of_in_flight_intervals():
+    assert M.busy_time([]) == 0
+    assert M.busy_time([(0, 1), (0.5, 2), (3, 4), (3.5, 3.6)]) == pytest.approx(3.0)
+
+
 def test_tpot_and_percentiles():
     assert M.tpot_ms(1100.0, 100.0, 501) == pytest.approx(2.0)
     assert M.tpot_ms(100.0, 100.0, 1) is None
@@ -634,12 +657,16 @@ def test_tpot_and_percentiles():
 
 
 def test_summarize_level_weights_turns_equally_and_counts_failures():
+    def turn(status, tpot, ttft, itl, out):
+        return {"status": status, "tpot_ms": tpot, "ttft_ms": ttft, "itl_ms": itl, "completion_tokens": out,
+                "prompt_tokens": 50 if out else None}  # fmt: skip
+
     turns = [
-        {"status": "ok", "tpot_ms": 10.0, "ttft_ms": 100.0, "itl_ms": [10.0], "completion_tokens": 100, "prompt_tokens": 50},
-        {"status": "ok", "tpot_ms": 30.0, "ttft_ms": 300.0, "itl_ms": [30.0], "completion_tokens": 100, "prompt_tokens": 50},
-        {"status": "truncated", "tpot_ms": 20.0, "ttft_ms": 200.0, "itl_ms": [], "completion_tokens": 50, "prompt_tokens": 50},
-        {"status": "failed", "tpot_ms": None, "ttft_ms": None, "itl_ms": [], "completion_tokens": None},
-    ]  # fmt: skip
+        turn("ok", 10.0, 100.0, [10.0], 100),
+        turn("ok", 30.0, 300.0, [30.0], 100),
+        turn("truncated", 20.0, 200.0, [], 50),
+        turn("failed", None, None, [], None),
+    ]
     row = M.summarize_level(
         turns, label="x", concurrency=2, num_gpus=2, conversations=2, turns_not_sent=3, duration_s=10.0
     )

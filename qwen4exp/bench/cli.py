@@ -42,7 +42,9 @@ level's cache.
 Metrics (as the field defines them): TTFT; TPOT = (latency - TTFT) /
 (output tokens - 1) per turn; per-user rate = 1000 / mean TPOT in ms (every
 completed turn weighted equally); P90 interactivity = 1000 / P90 TPOT;
-output tok/s in all and per GPU (--num-gpus), also per GPU per minute; ITL
+output tok/s in all and per GPU (--num-gpus), also per GPU per minute, over
+the time requests were in flight (busy_s; client-side token counting between
+turns excluded, wall time kept as duration_s); ITL
 P50/P90/P99; prefix-cache hit rate and MTP acceptance length from the server's
 Prometheus /metrics (blank when not exposed). Failed and truncated turns are
 counted and reported.

@@ -42,6 +42,18 @@ class TurnResult:
     chunks: int = 0
 
 
+def _describe_connection_error(e: BaseException) -> str:
+    if isinstance(e, aiohttp.ClientConnectorError):
+        what = "cannot connect to the server"
+    elif isinstance(e, aiohttp.ServerDisconnectedError):
+        what = "the server closed the connection"
+    elif isinstance(e, aiohttp.ClientPayloadError):
+        what = "the response stream was cut off (connection closed mid-stream)"
+    else:
+        what = "connection lost"
+    return f"{what} [{type(e).__name__}: {e}]"
+
+
 def _delta_has_token(delta: dict[str, Any]) -> bool:
     return bool(
         delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content") or delta.get("tool_calls")
@@ -99,7 +111,8 @@ async def stream_chat(
                         return res
                     if obj.get("error"):
                         err = obj["error"]
-                        res.error = f"server error in stream: {err.get('message', err) if isinstance(err, dict) else err}"
+                        msg = err.get("message", err) if isinstance(err, dict) else err
+                        res.error = f"server error in stream: {msg}"
                         return res
                     token_chunk = False
                     for choice in obj.get("choices") or []:
@@ -131,7 +144,7 @@ async def stream_chat(
         return res
     except CONNECTION_ERRORS as e:
         res.connection_error = True
-        res.error = f"connection error: {type(e).__name__}: {e}"
+        res.error = _describe_connection_error(e)
         return res
     except aiohttp.ClientError as e:
         res.error = f"client error: {type(e).__name__}: {e}"

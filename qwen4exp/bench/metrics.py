@@ -15,8 +15,15 @@ The definitions follow the ones the field publishes numbers with (TokenSpeed's
 * P90 interactivity (``tok_s_user_p90``): ``1000 / P90 TPOT in ms``, the per-user
   rate that 90 % of the turns reach or beat.
 * output throughput: all output tokens of the level's completed turns divided by
-  the level's wall time (first request sent -> last response finished); per GPU
-  it is divided by ``--num-gpus``; per GPU per minute it is multiplied by 60.
+  the level's busy time; per GPU it is divided by ``--num-gpus``; per GPU per
+  minute it is multiplied by 60. Busy time is the union of the intervals in
+  which at least one request of the level was in flight: the level's wall time
+  (first request sent -> last response finished, ``duration_s``) minus the
+  moments when every conversation was between turns on the client side. Our
+  client counts tokens between turns (to keep the sizes exact) where the field's
+  clients send at once; busy time removes that client time, so the number is
+  the wall-time throughput of a zero-overhead client. At concurrency 1 the two
+  are equal up to the client's gaps; ``prep_ms_mean`` shows the gap per turn.
 * ITL: gaps between consecutive token chunks of a turn, pooled over all
   completed turns of the level (with speculative decoding one chunk may carry
   several tokens, exactly as in ``vllm bench serve``).
@@ -76,6 +83,8 @@ SUMMARY_COLUMNS: list[str] = [
     "prompt_tokens_max",
     "output_tokens",
     "prompt_tokens_mismatch",
+    "prep_ms_mean",
+    "busy_s",
     "duration_s",
 ]
 
@@ -92,10 +101,10 @@ COLUMN_DOC: dict[str, str] = {
     "turns_not_sent": "planned turns never sent (conversation stopped, time limit, abort)",
     "tok_s_user": "per-user rate: 1000 / mean TPOT (ms)",
     "tok_s_user_p90": "P90 interactivity: 1000 / P90 TPOT (ms)",
-    "tok_s_gpu": "output tokens/s / num_gpus",
-    "tok_min_gpu": "output tokens/min / num_gpus",
-    "output_tok_s": "output tokens/s, all GPUs",
-    "total_tok_s": "(prompt + output) tokens/s, all GPUs",
+    "tok_s_gpu": "output tokens/s / num_gpus (over busy_s)",
+    "tok_min_gpu": "output tokens/min / num_gpus (over busy_s)",
+    "output_tok_s": "output tokens/s, all GPUs (over busy_s)",
+    "total_tok_s": "(prompt + output) tokens/s, all GPUs (over busy_s)",
     "tpot_mean_ms": "mean TPOT, (latency - TTFT) / (output tokens - 1)",
     "tpot_p90_ms": "P90 TPOT",
     "ttft_p50_ms": "TTFT P50",
@@ -112,6 +121,8 @@ COLUMN_DOC: dict[str, str] = {
     "prompt_tokens_max": "largest prompt of the level (server's usage)",
     "output_tokens": "output tokens of the completed turns",
     "prompt_tokens_mismatch": "completed turns whose server prompt size differs from the plan",
+    "prep_ms_mean": "client time per turn between deciding to send and sending (token counting)",
+    "busy_s": "time with at least one request in flight (the throughput denominator)",
     "duration_s": "level wall time, first request sent to last response finished",
 }
 
@@ -133,6 +144,22 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 def mean(values: Sequence[float]) -> float | None:
     return float(sum(values) / len(values)) if values else None
+
+
+def busy_time(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of ``[start, end]`` intervals."""
+    total = 0.0
+    cur_s = cur_e = None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
 
 
 def tpot_ms(latency_ms: float | None, ttft_ms: float | None, output_tokens: int | None) -> float | None:
@@ -268,8 +295,11 @@ def summarize_level(
 
     tpot_mean = mean(tpots)
     tpot_p90 = percentile(tpots, 90)
-    out_tps = out_tokens / duration_s if duration_s > 0 else None
-    total_tps = (out_tokens + sum(prompt_tokens)) / duration_s if duration_s > 0 else None
+    spans = [(float(t["start_s"]), float(t["end_s"])) for t in turns if t.get("start_s") is not None]
+    busy_s = busy_time(spans) if len(spans) == len(turns) and spans else duration_s
+    out_tps = out_tokens / busy_s if busy_s > 0 else None
+    total_tps = (out_tokens + sum(prompt_tokens)) / busy_s if busy_s > 0 else None
+    preps = [float(t["prep_ms"]) for t in turns if t.get("prep_ms") is not None]
     per_gpu = out_tps / num_gpus if out_tps is not None and num_gpus > 0 else None
 
     cache_usage = None
@@ -309,6 +339,8 @@ def summarize_level(
         "prompt_tokens_max": max(prompt_tokens) if prompt_tokens else None,
         "output_tokens": out_tokens,
         "prompt_tokens_mismatch": mismatch,
+        "prep_ms_mean": mean(preps),
+        "busy_s": busy_s,
         "duration_s": duration_s,
     }
     return row

@@ -101,7 +101,8 @@ def write_png(path: str | Path, width: int, height: int, rgb: bytes | bytearray)
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(bytes(raw), 6)) + chunk(b"IEND", b"")
+    idat = zlib.compress(bytes(raw), 6)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
     Path(path).write_bytes(png)
 
 
@@ -268,7 +269,8 @@ class Canvas:
             for ry, row in enumerate(glyph):
                 for rx, bit in enumerate(row):
                     if bit == "#":
-                        self.rect(gx + rx * scale, y + ry * scale, gx + rx * scale + scale - 1, y + ry * scale + scale - 1, color)
+                        px, py = gx + rx * scale, y + ry * scale
+                        self.rect(px, py, px + scale - 1, py + scale - 1, color)
 
     def text_up(self, x: int, y: int, s: str, color: tuple[int, int, int], scale: int = 2) -> None:
         """Draw ``s`` rotated 90 degrees counter-clockwise, reading upwards from (x, y)."""
@@ -337,7 +339,10 @@ def render_builtin(series: Series, out: str | Path, title: str, width: int = 100
     cv.line(x1, y0, x1, y1, grey, 1)
     cv.line(x0, y0, x1, y0, grey, 1)
 
-    cv.text((width - cv.text_width(title, 3)) // 2, 20, title, black, 3)
+    tscale = 3 if cv.text_width(title, 3) <= width - 80 else 2
+    if cv.text_width(title, tscale) > width - 20:
+        title = title[: max(1, (width - 20) // (ADVANCE * tscale) - 3)] + "..."
+    cv.text((width - cv.text_width(title, tscale)) // 2, 20, title, black, tscale)
     cv.text((x0 + x1 - cv.text_width(X_LABEL)) // 2, height - 40, X_LABEL, black)
     cv.text_up(22, (y0 + y1 + cv.text_width(Y_LABEL)) // 2, Y_LABEL, black)
 
@@ -416,5 +421,7 @@ def plot_tradeoff(series: Series, out: str | Path, title: str | None = None, bac
     return render_builtin(series, out, title)
 
 
-def plot_summary_csvs(paths: Sequence[str | Path], out: str | Path, title: str | None = None, backend: str = "auto") -> Path:
+def plot_summary_csvs(
+    paths: Sequence[str | Path], out: str | Path, title: str | None = None, backend: str = "auto"
+) -> Path:
     return plot_tradeoff(series_from_csvs(paths), out, title, backend)

@@ -15,9 +15,10 @@ from typing import Any, TextIO
 import aiohttp
 
 from . import metrics as M
-from .client import TurnResult, list_models, scrape_metrics, server_alive, stream_chat
+from .client import TurnResult, scrape_metrics, server_alive, stream_chat
 from .tokenizer import HFTokenizer, ServerTokenizer, Tokenizer, TokenizerError
 from .workload import (
+    PROXY_USER,
     ConversationPlan,
     TemplateOverhead,
     WorkloadSpec,
@@ -210,6 +211,7 @@ class Runner:
             "template_tokens_first_turn": self.overhead.first,
             "template_tokens_user_block": self.overhead.user_block,
             "template_tokens_reply_close": self.overhead.reply_close,
+            "new_turn_sizing": "user-message proxy" if self.overhead.proxy_base is not None else "history count",
             "metrics_url": self.metrics_url,
         }
         if spec.first_turn_tokens <= self.overhead.first:
@@ -259,6 +261,7 @@ class Runner:
         counted_prompt: int | None,
         history_tokens: int | None,
         level_start: float,
+        prep_start: float,
         end: float,
     ) -> dict[str, Any]:
         spec = self.cfg.spec
@@ -277,10 +280,13 @@ class Runner:
             "status": status,
             "error": error if status == M.FAILED else None,
             "start_s": round((res.start if res is not None and res.start else end) - level_start, 6),
+            "prep_ms": round(((res.start if res is not None and res.start else end) - prep_start) * 1000, 3),
             "end_s": round(end - level_start, 6),
             "ttft_ms": ttft_ms,
             "latency_ms": lat_ms,
-            "tpot_ms": M.tpot_ms(lat_ms, ttft_ms, res.completion_tokens if res else None) if status != M.FAILED else None,
+            "tpot_ms": (
+                M.tpot_ms(lat_ms, ttft_ms, res.completion_tokens if res else None) if status != M.FAILED else None
+            ),
             "prompt_tokens": res.prompt_tokens if res is not None else None,
             "planned_prompt_tokens": planned_prompt,
             "client_prompt_tokens": counted_prompt,
@@ -311,6 +317,27 @@ class Runner:
 
     # ------------------------------------------------------------------ one conversation
 
+    async def _fit_turn(
+        self, messages: list[dict[str, Any]], plan: ConversationPlan, k: int
+    ) -> tuple[int, int, str, int]:
+        """Tool output of turn ``k + 1``: ``(history, planned prompt, text, counted prompt)``."""
+        assert self.tok is not None
+        spec, ov = self.cfg.spec, self.overhead
+        ids, n0, guess = plan.tool_ids[k - 1], plan.tool_n[k - 1], plan.tool_texts[k - 1]
+        if ov.proxy_base is not None:
+            # Size the user message on a short proxy conversation (cheap, and no assistant
+            # message in it), then count the real prompt once.
+            text, added, _ = await fit_chat(
+                self.tok, [PROXY_USER], ids, ov.proxy_base + spec.turn_tokens, n0, guess_text=guess
+            )
+            counted = await self.tok.count_chat(messages + [{"role": "user", "content": text}])
+            history = counted - (added - ov.proxy_base)
+            return history, history + spec.turn_tokens, text, counted
+        history = await self.tok.count_chat(messages, add_generation_prompt=False)
+        planned = history + spec.turn_tokens
+        text, counted, _ = await fit_chat(self.tok, messages, ids, planned, n0, guess_text=guess)
+        return history, planned, text, counted
+
     async def _conversation(
         self,
         plan: ConversationPlan,
@@ -332,6 +359,7 @@ class Runner:
                 counters["not_sent"] += plan.num_turns - k
                 return
             error = None
+            prep_start = time.perf_counter()
             counted: int | None
             history: int | None = None
             if k == 0:
@@ -340,14 +368,10 @@ class Runner:
                 counted = plan.first_tokens
             else:
                 if cfg.runtime_fit:
-                    # Exact: the conversation so far as the template renders it, then a tool
-                    # output that adds exactly turn_tokens on top.
+                    # Exact: a tool output that adds exactly turn_tokens after the conversation
+                    # so far, and the whole prompt counted as the server will count it.
                     try:
-                        history = await self.tok.count_chat(messages, add_generation_prompt=False)
-                        planned = history + spec.turn_tokens
-                        text, counted, _ = await fit_chat(
-                            self.tok, messages, plan.tool_ids[k - 1], planned, plan.tool_n[k - 1]
-                        )
+                        history, planned, text, counted = await self._fit_turn(messages, plan, k)
                     except TokenizerError as e:
                         error = f"counting the prompt failed: {e}"
                         planned, text, counted = None, "", None
@@ -403,6 +427,7 @@ class Runner:
                 counted_prompt=counted,
                 history_tokens=history,
                 level_start=level_start,
+                prep_start=prep_start,
                 end=end,
             )
             out.append(rec)
@@ -513,11 +538,12 @@ class Runner:
         async with aiohttp.ClientSession(connector=connector) as session:
             self._session = session
             await self.setup(session)
+            spec = cfg.spec
+            turns = str(spec.min_turns) if spec.min_turns == spec.max_turns else f"{spec.min_turns}-{spec.max_turns}"
             self.log(
-                f"qwen4exp-bench: label={self.label!r} model={self.model!r} tokenizer={self.tok.name if self.tok else '?'}; "
-                f"turn 1 = {cfg.spec.first_turn_tokens} tokens, +{cfg.spec.turn_tokens} per turn, "
-                f"{cfg.spec.min_turns if cfg.spec.min_turns == cfg.spec.max_turns else f'{cfg.spec.min_turns}-{cfg.spec.max_turns}'} turns, "
-                f"{cfg.spec.max_output_tokens} output tokens"
+                f"qwen4exp-bench: label={self.label!r} model={self.model!r} "
+                f"tokenizer={self.tok.name if self.tok else '?'}; turn 1 = {spec.first_turn_tokens} tokens, "
+                f"+{spec.turn_tokens} per turn, {turns} turns, {spec.max_output_tokens} output tokens"
             )
             with (cfg.out_dir / "turns.jsonl").open("w") as jf:
                 self._jsonl = jf

@@ -132,4 +132,7 @@ class HFTokenizer:
         return self.tok.decode(list(ids))
 
     async def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
-        return await asyncio.to_thread(self._count_chat, messages, add_generation_prompt)
+        try:
+            return await asyncio.to_thread(self._count_chat, messages, add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - template errors (jinja) and the like
+            raise TokenizerError(f"chat template failed: {type(e).__name__}: {e}") from e

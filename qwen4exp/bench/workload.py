@@ -39,7 +39,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, TokenizerError
 
 _WORDS = (
     "get set value config parse request response handler user item index count buffer token cache "
@@ -141,7 +141,10 @@ class CodeText:
         parts: list[str] = []
         n = 0
         while n < chars:
-            s = self.code_file(self.rng.randint(20, 80)) if kind == "code" else self.tool_output(self.rng.randint(10, 40))
+            if kind == "code":
+                s = self.code_file(self.rng.randint(20, 80))
+            else:
+                s = self.tool_output(self.rng.randint(10, 40))
             parts.append(s)
             n += len(s)
         return "".join(parts)
@@ -199,18 +202,20 @@ async def fit_chat(
     target: int,
     n_guess: int,
     max_iter: int = 10,
+    guess_text: str | None = None,
 ) -> tuple[str, int, int]:
     """Choose ``n`` so that ``prefix + [user: decode(ids[:n])]`` is exactly ``target`` chat tokens.
 
     Returns ``(text, counted_tokens, n)``; ``counted_tokens != target`` only when
     no prefix of ``ids`` fits exactly (the caller records the mismatch).
+    ``guess_text``, when given, is ``decode(ids[:n_guess])`` (saves a call).
     """
     lo, hi = 1, len(ids)
     n = _clamp(n_guess, lo, hi)
     seen: dict[int, int] = {}
     best: tuple[str, int, int] | None = None
     for _ in range(max_iter):
-        text = await tok.decode(ids[:n])
+        text = guess_text if (guess_text is not None and n == n_guess) else await tok.decode(ids[:n])
         c = await tok.count_chat(prefix + [{"role": "user", "content": text}])
         seen[n] = c
         if best is None or abs(c - target) < abs(best[1] - target):
@@ -230,6 +235,9 @@ async def fit_chat(
     return best
 
 
+PROXY_USER = {"role": "user", "content": "ok"}
+
+
 @dataclass
 class TemplateOverhead:
     """Chat-template token counts of the served model, measured with a probe.
@@ -240,13 +248,18 @@ class TemplateOverhead:
     header/footer and the next generation prompt).
     ``reply_close``: tokens the template adds after a reply's own tokens when
     it becomes history (end-of-message markers).
-    Used for the initial guesses and for the plan without runtime fitting; the
-    fitting then makes every count exact.
+    ``proxy_base``: tokens of ``[PROXY_USER]`` without a generation prompt, or
+    None when the template rejects two consecutive user messages. With it, the
+    tokens a user message ``c`` adds in a conversation are measured as
+    ``count([PROXY_USER, user c]) - proxy_base``: a short conversation with no
+    assistant message in it, so templates that render the last assistant
+    message specially (Qwen3-style think blocks) do not leak into the count.
     """
 
     first: int
     user_block: int
     reply_close: int
+    proxy_base: int | None = None
 
 
 async def template_overhead(tok: Tokenizer) -> TemplateOverhead:
@@ -262,10 +275,18 @@ async def template_overhead(tok: Tokenizer) -> TemplateOverhead:
     prompt2 = await tok.count_chat([u, a, t])
     reply = len(await tok.encode(probe_reply))
     tool = len(await tok.encode(probe_tool))
+    proxy_base: int | None
+    try:
+        proxy_base = await tok.count_chat([PROXY_USER], add_generation_prompt=False)
+        user_block = await tok.count_chat([PROXY_USER, t]) - proxy_base - tool
+    except TokenizerError:  # e.g. a template that insists on alternating roles
+        proxy_base = None
+        user_block = prompt2 - history - tool
     return TemplateOverhead(
         first=first,
-        user_block=max(0, prompt2 - history - tool),
+        user_block=max(0, user_block),
         reply_close=max(0, history - prompt1 - reply),
+        proxy_base=proxy_base,
     )
 
 
