@@ -1,0 +1,102 @@
+"""CUDA (Triton) kernels for the dispatcher: imported lazily by ``_dispatch.pick`` the first time it sees a CUDA
+tensor, so that importing ``qwen4exp.ops`` never imports Triton (the CPU environment has none).
+
+Each kernel is a ``torch.library.custom_op`` (with a fake implementation) so that CUDA-graph capture and
+torch.compile treat it as one opaque call.  The registered wrappers check what the kernel covers (dtype, decode-size
+batches, shapes) and send everything else to the torch reference, outside the custom op.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._dispatch import register_kernel
+from .hyper_connection import reference as hc_ref
+from .hyper_connection import triton_kernel as hc_tk
+from .ple import reference as ple_ref
+from .ple import triton_kernel as ple_tk
+from .qsa import reference as qsa_ref
+from .qsa import triton_kernel as qsa_tk
+
+Tensor = torch.Tensor
+
+
+# ------------------------------------------------------------------------------------------------ hyper-connection
+@torch.library.custom_op("qwen4exp::hc_mix", mutates_args=())
+def hc_mix_op(H: Tensor, norm_weight: Tensor, down: Tensor, up: Tensor, inj: Optional[Tensor], n: int,
+              eps: float) -> tuple[Tensor, Tensor]:
+    return hc_tk.hc_mix_triton(H, norm_weight, down, up, inj, n, eps)
+
+
+@hc_mix_op.register_fake
+def _(H, norm_weight, down, up, inj, n, eps):
+    lead = H.shape[:-1]
+    return H.new_empty(*lead, H.shape[-1] // n), H.new_empty(*lead, 0 if inj is None else n)
+
+
+def hc_mix(H, norm_weight, down, up, inj, n, eps):
+    if not hc_tk.supported(H, norm_weight, down, up, inj, n):
+        return hc_ref.hc_mix(H, norm_weight, down, up, inj, n, eps)
+    x, c = hc_mix_op(H, norm_weight, down, up, inj, n, eps)
+    return x, (None if inj is None else c)
+
+
+@torch.library.custom_op("qwen4exp::hc_inject", mutates_args=())
+def hc_inject_op(H: Tensor, c: Tensor, y: Tensor) -> Tensor:
+    return hc_tk.hc_inject_triton(H, c, y)
+
+
+@hc_inject_op.register_fake
+def _(H, c, y):
+    return torch.empty_like(H)
+
+
+def hc_inject(H, c, y):
+    if not hc_tk.hc_inject_supported(H, c, y):
+        return hc_ref.hc_inject(H, c, y)
+    return hc_inject_op(H, c, y)
+
+
+# ------------------------------------------------------------------------------------------------------------ QSA
+@torch.library.custom_op("qwen4exp::qsa_attention", mutates_args=())
+def qsa_attention_op(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, index_q: Optional[Tensor],
+                     block_keys: Optional[Tensor], r: int, budget: int, scale: float, index_scale: float) -> Tensor:
+    return qsa_tk.qsa_attention_triton(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_scale)
+
+
+@qsa_attention_op.register_fake
+def _(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_scale):
+    return torch.empty_like(q)
+
+
+def qsa_attention(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_scale, q_chunk: int = 512):
+    if not qsa_tk.supported(q, k, v, q_pos, index_q, block_keys, r, budget):
+        return qsa_ref.qsa_attention(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_scale, q_chunk)
+    return qsa_attention_op(q, k, v, q_pos, index_q, block_keys, r, budget, float(scale), float(index_scale))
+
+
+# ------------------------------------------------------------------------------------------------------------ PLE
+@torch.library.custom_op("qwen4exp::ple_lookup", mutates_args=())
+def ple_lookup_op(table: Tensor, rows: Tensor, scale: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
+    return ple_tk.ple_lookup_triton(table, rows, scale, out_dtype)
+
+
+@ple_lookup_op.register_fake
+def _(table, rows, scale, out_dtype):
+    return rows.new_empty(*rows.shape[:-1], rows.shape[-1] * table.shape[1], dtype=out_dtype)
+
+
+def ple_lookup(table, rows, scale=None, out_dtype=None):
+    """``table`` on the GPU or pinned on the host (gathered through UVA); ``rows`` on the GPU."""
+    if not ple_tk.supported(table, rows, scale, out_dtype):
+        return ple_ref.ple_lookup(table, rows, scale, out_dtype)
+    dt = out_dtype or (table.dtype if scale is None else torch.bfloat16)
+    return ple_lookup_op(table, rows, scale, dt)
+
+
+register_kernel("hc_mix", "cuda", hc_mix)
+register_kernel("hc_inject", "cuda", hc_inject)
+register_kernel("qsa_attention", "cuda", qsa_attention)
+register_kernel("ple_lookup", "cuda", ple_lookup)

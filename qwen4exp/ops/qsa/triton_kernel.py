@@ -1,0 +1,336 @@
+"""Triton kernels for QSA decode (few queries of one sequence). Imported only on the CUDA path.
+
+Three stages, no host synchronisation (so the whole op can be captured in a CUDA graph):
+
+1. ``_qsa_score_kernel``: indexer scores s_j = scale * sum_h relu(q_h . K_j) (fp32 accumulation of exact bf16
+   products) for every block key, written as an int64 sort key  (orderable score bits << 32) | (2^32 - 1 - j),
+   or INT64_MIN for blocks the query cannot see yet.  The keys are unique and order like the reference's stable
+   sort ("higher score first, lower block id on ties").
+2. Selection of the top m = budget / r blocks per query, one program per query: ``_qsa_topk_small_kernel`` (up to
+   TOPK_SMALL_MAX blocks, keys held in registers, the threshold by a bitwise binary search of counts) or
+   ``_qsa_topk_kernel`` (radix select over chunks); ties at the threshold go to the lower block ids, so the set is
+   exactly the reference's.  ``TOPK = "torch"`` uses ``torch.topk`` on the keys instead (slower).  A query with at
+   most m complete blocks takes all of them (the reference's dense regime).
+3. ``_qsa_attn_kernel`` (split over slot chunks, one program per (chunk, kv head, query)) + ``_qsa_merge_kernel``:
+   attention of the query heads of one GQA group over the selected tokens: slot i < m*r is token
+   ids[i // r] * r + i % r, slot m*r + j is tail token n_complete*r + j (<= q_pos).  Softmax in fp32 (exp2),
+   P rounded to bf16 for the P.V product (as flash kernels do), fp32 partials merged across chunks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INT64_MIN = -(1 << 63)
+_KEY_MIN = tl.constexpr(INT64_MIN)
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the CPU interpreter (debugging only) has no bf16 dot
+    @triton.jit
+    def _dot(a, b):
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+else:
+    @triton.jit
+    def _dot(a, b):
+        return tl.dot(a, b)
+
+
+
+@triton.jit
+def _qsa_score_kernel(IQ, BK, QPOS, KEYS, Nb, r, scale,
+                      stride_qt, stride_qh, stride_kb, stride_keys_t,
+                      HI: tl.constexpr, HI_P: tl.constexpr, DI: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.program_id(1)
+    offs_h = tl.arange(0, HI_P)
+    offs_d = tl.arange(0, DI)
+    q = tl.load(IQ + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=(offs_h < HI)[:, None],
+                other=0.0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < Nb
+    k = tl.load(BK + offs_n[:, None] * stride_kb + offs_d[None, :], mask=nmask[:, None], other=0.0)
+    s = _dot(k, tl.trans(q))  # [BLOCK_N, HI_P] fp32
+    s = tl.sum(tl.maximum(s, 0.0), axis=1) * scale + 0.0  # + 0.0: -0.0 -> +0.0 (they tie in the reference)
+    bits = s.to(tl.int32, bitcast=True)
+    key32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
+    key = (key32.to(tl.int64) << 32) + (4294967295 - offs_n.to(tl.int64))
+    n_complete = (tl.load(QPOS + t).to(tl.int64) + 1) // r
+    key = tl.where(offs_n < n_complete, key, _KEY_MIN)
+    tl.store(KEYS + t * stride_keys_t + offs_n, key, mask=nmask)
+
+
+@triton.jit
+def _qsa_topk_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, CH: tl.constexpr, M_P: tl.constexpr):
+    """Top-m of one query's int64 sort keys, one program per query: an exact 4-pass radix select (8 bits a pass)
+    on the score half of the key, then ties at the threshold broken by the lower block id (the id half).  Writes
+    the selected block ids in id order (the attention does not care about order), -1 in the unused slots."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, CH)
+    bins = tl.arange(0, 256)
+    base = KEYS + t * stride_kt
+    # number of visible blocks (the score kernel marked the others _KEY_MIN)
+    n_valid = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, Nb, CH):
+        kv = tl.load(base + c0 + offs, mask=(c0 + offs) < Nb, other=_KEY_MIN)
+        n_valid += tl.sum((kv != _KEY_MIN).to(tl.int32), axis=0)
+    k_rem = tl.minimum(m, n_valid)
+    prefix = tl.zeros([], dtype=tl.int32)  # the threshold's digits found so far
+    for p in tl.static_range(4):
+        SHIFT = 24 - 8 * p  # a compile-time value (p is)
+        h = tl.zeros([256], dtype=tl.int32)
+        for c0 in range(0, Nb, CH):
+            kv = tl.load(base + c0 + offs, mask=(c0 + offs) < Nb, other=_KEY_MIN)
+            u = ((kv >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order = key order
+            active = kv != _KEY_MIN
+            if p > 0:
+                active = active & ((u >> (SHIFT + 8)).to(tl.int32) == prefix)
+            h += tl.histogram(((u >> SHIFT) & 255).to(tl.int32), 256, mask=active)
+        suffix = tl.cumsum(h, axis=0, reverse=True)  # active keys with digit >= b
+        dstar = tl.max(tl.where(suffix >= k_rem, bins, -1), axis=0)
+        k_rem = k_rem - tl.sum(tl.where(bins > dstar, h, 0), axis=0)
+        prefix = prefix * 256 + dstar
+    thr = prefix.to(tl.uint32, bitcast=True)
+    # select: key half > thr, plus the first k_rem (by id) equal to thr
+    n_eq = tl.zeros([], dtype=tl.int32)
+    n_sel = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, Nb, CH):
+        kv = tl.load(base + c0 + offs, mask=(c0 + offs) < Nb, other=_KEY_MIN)
+        u = ((kv >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)
+        valid = kv != _KEY_MIN
+        eq = valid & (u == thr)
+        rank = n_eq + tl.cumsum(eq.to(tl.int32), axis=0)
+        sel = (valid & (u > thr)) | (eq & (rank <= k_rem))
+        pos = n_sel + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(OUT + t * stride_ot + pos, (c0 + offs).to(tl.int32), mask=sel)
+        n_eq += tl.sum(eq.to(tl.int32), axis=0)
+        n_sel += tl.sum(sel.to(tl.int32), axis=0)
+    slots = tl.arange(0, M_P)
+    tl.store(OUT + t * stride_ot + slots, tl.full([M_P], -1, tl.int32), mask=(slots >= n_sel) & (slots < m))
+
+
+@triton.jit
+def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.constexpr, M_P: tl.constexpr):
+    """Same selection as ``_qsa_topk_kernel`` for Nb <= N_P keys held in registers: the threshold (the m-th
+    largest score half of the keys) by a 32-step bitwise binary search of counts, then ties by block id."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, N_P)
+    kv = tl.load(KEYS + t * stride_kt + offs, mask=offs < Nb, other=_KEY_MIN)
+    valid = kv != _KEY_MIN
+    u = ((kv >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order = key order
+    k = tl.minimum(m, tl.sum(valid.to(tl.int32), axis=0))
+    prefix = tl.zeros([], dtype=tl.uint32)
+    for b in tl.static_range(32):
+        cand = prefix | (1 << (31 - b))
+        cnt = tl.sum((valid & (u >= cand)).to(tl.int32), axis=0)
+        prefix = tl.where(cnt >= k, cand, prefix)
+    thr = prefix
+    k_rem = k - tl.sum((valid & (u > thr)).to(tl.int32), axis=0)
+    eq = valid & (u == thr)
+    rank = tl.cumsum(eq.to(tl.int32), axis=0)
+    sel = (valid & (u > thr)) | (eq & (rank <= k_rem) & (k > 0))
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    tl.store(OUT + t * stride_ot + pos, offs.to(tl.int32), mask=sel)
+    n_sel = tl.sum(sel.to(tl.int32), axis=0)
+    slots = tl.arange(0, M_P)
+    tl.store(OUT + t * stride_ot + slots, tl.full([M_P], -1, tl.int32), mask=(slots >= n_sel) & (slots < m))
+
+
+@triton.jit
+def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
+                     stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
+                     G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr, TAIL: tl.constexpr,
+                     KEYS: tl.constexpr):
+    sp = tl.program_id(0)
+    g = tl.program_id(1)
+    t = tl.program_id(2)
+    n_kvh = tl.num_programs(1)
+    qpos = tl.load(QPOS + t).to(tl.int64)
+    n_complete = (qpos + 1) // r
+    slots = sp * SB + tl.arange(0, SB)
+    n_blk_slots = m * r
+    in_blk = slots < n_blk_slots
+    raw = tl.load(IDS + t * stride_ids_t + slots // r, mask=in_blk, other=-1).to(tl.int64)
+    if KEYS:  # the top-k sort keys themselves: decode the block id (INT64_MIN: no block)
+        bid = tl.where(in_blk & (raw != _KEY_MIN), 4294967295 - (raw & 4294967295), -1)
+    else:
+        bid = raw
+    tok_b = bid * r + slots % r
+    j = slots - n_blk_slots
+    tok_t = n_complete * r + j
+    tok = tl.where(in_blk, tok_b, tok_t)
+    valid = tl.where(in_blk, bid >= 0, (j >= 0) & (j < TAIL) & (tok_t <= qpos))
+    tok = tl.where(valid, tok, 0)
+    offs_g = tl.arange(0, G_P)
+    offs_d = tl.arange(0, HD)
+    gmask = offs_g < G
+    q = tl.load(Q + t * stride_qt + (g * G + offs_g)[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None],
+                other=0.0)
+    k = tl.load(K + tok[:, None] * stride_kl + g * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(V + tok[:, None] * stride_vl + g * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0)
+    s = _dot(q, tl.trans(k)) * scale_log2  # [G_P, SB], log2 units
+    s = tl.where(valid[None, :], s, float("-inf"))
+    mx = tl.max(s, axis=1)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    p = tl.exp2(s - mx_safe[:, None])
+    l = tl.sum(p, axis=1)
+    o = _dot(p.to(tl.bfloat16), v)  # [G_P, HD] fp32
+    base = (t * n_kvh + g) * n_split + sp
+    tl.store(OP + (base * G_P + offs_g)[:, None] * HD + offs_d[None, :], o)
+    tl.store(MP + base * G_P + offs_g, mx)
+    tl.store(LP + base * G_P + offs_g, l)
+
+
+@triton.jit
+def _qsa_merge_kernel(OP, MP, LP, O, n_split, stride_ot, stride_oh,
+                      G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, NSP: tl.constexpr, CH: tl.constexpr):
+    i = tl.program_id(0)  # query head within its group
+    g = tl.program_id(1)
+    t = tl.program_id(2)
+    n_kvh = tl.num_programs(1)
+    base = (t * n_kvh + g) * n_split
+    offs_s = tl.arange(0, NSP)
+    smask = offs_s < n_split
+    mx = tl.load(MP + (base + offs_s) * G_P + i, mask=smask, other=float("-inf"))
+    M = tl.max(mx, axis=0)
+    M = tl.where(M == float("-inf"), 0.0, M)
+    l = tl.load(LP + (base + offs_s) * G_P + i, mask=smask, other=0.0)
+    w_all = tl.where(smask, tl.exp2(mx - M), 0.0)
+    den = tl.sum(w_all * l, axis=0)
+    offs_d = tl.arange(0, HD)
+    acc = tl.zeros([HD], dtype=tl.float32)
+    offs_c = tl.arange(0, CH)
+    for c0 in range(0, n_split, CH):
+        sidx = c0 + offs_c
+        cm = sidx < n_split
+        mc = tl.load(MP + (base + sidx) * G_P + i, mask=cm, other=float("-inf"))
+        wc = tl.where(cm, tl.exp2(mc - M), 0.0)
+        oc = tl.load(OP + ((base + sidx) * G_P + i)[:, None] * HD + offs_d[None, :], mask=cm[:, None], other=0.0)
+        acc += tl.sum(oc * wc[:, None], axis=0)
+    out = acc / den
+    tl.store(O + t * stride_ot + (g * G + i) * stride_oh + offs_d, out.to(tl.bfloat16))
+
+
+LAUNCHED = {}  # the last compiled kernels (registers / spills for the notes)
+ATTN_SLOT_BLOCK = 64  # selected-token slots per program of the attention kernel
+TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch" (torch.topk on the keys)
+TOPK_CHUNK = 8192  # keys per pass step of the radix select
+TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register binary-search select instead of the radix select
+TOPK_SMALL_MAX = 16384
+MAX_TQ = 64  # decode / verify / short chunks; longer prefill chunks go to the reference
+
+
+def supported(q, k, v, q_pos, index_q, block_keys, r, budget) -> bool:
+    if not (q.is_cuda and q.dtype == k.dtype == v.dtype == torch.bfloat16):
+        return False
+    Tq, Hq, HD = q.shape
+    Hkv = k.shape[1]
+    if Tq == 0 or Tq > MAX_TQ or Hq % Hkv or HD not in (64, 128, 256) or Hq // Hkv > 16 or r < 1:
+        return False
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+        return False
+    if index_q is not None and block_keys is not None:
+        if index_q.dtype != torch.bfloat16 or block_keys.dtype != torch.bfloat16:
+            return False
+        di = block_keys.shape[-1]
+        if di not in (32, 64, 128, 256) or index_q.shape[-1] != di or index_q.shape[1] > 16:
+            return False
+        if index_q.stride(-1) != 1 or block_keys.stride(-1) != 1:
+            return False
+    return True
+
+
+def score_keys(q_pos, index_q, block_keys, r: int, index_scale: float):
+    """[Tq, Nb] int64 sort keys of the indexer scores (INT64_MIN for blocks a query cannot see)."""
+    Tq = q_pos.shape[0]
+    Nb = block_keys.shape[0]
+    HI, DI = index_q.shape[1], index_q.shape[2]
+    keys = torch.empty(Tq, Nb, dtype=torch.int64, device=q_pos.device)
+    BLOCK_N = 64
+    LAUNCHED["qsa_score"] = _qsa_score_kernel[(triton.cdiv(Nb, BLOCK_N), Tq)](
+        index_q, block_keys, q_pos, keys, Nb, r, float(index_scale),
+        index_q.stride(0), index_q.stride(1), block_keys.stride(0), keys.stride(0),
+        HI=HI, HI_P=max(16, triton.next_power_of_2(HI)), DI=DI, BLOCK_N=BLOCK_N, num_warps=4)
+    return keys
+
+
+def top_keys(keys, m: int):
+    """The m largest keys per row, largest first (torch.topk; the alternative to ``top_ids``)."""
+    return torch.topk(keys, m, dim=1, largest=True, sorted=True).values
+
+
+def top_ids(keys, m: int):
+    """The reference's top-m block ids per row (as a set, in id order; -1 pad), by the Triton radix select."""
+    Tq, Nb = keys.shape
+    out = torch.empty(Tq, m, dtype=torch.int32, device=keys.device)
+    if TOPK_SMALL and Nb <= TOPK_SMALL_MAX:  # keys in registers, binary search of counts
+        LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
+            keys, out, Nb, m, keys.stride(0), out.stride(0), N_P=max(triton.next_power_of_2(Nb), 512),
+            M_P=triton.next_power_of_2(m), num_warps=32 if Nb > 4096 else 16)
+    else:  # radix select over chunks of keys
+        LAUNCHED["qsa_topk"] = _qsa_topk_kernel[(Tq,)](keys, out, Nb, m, keys.stride(0), out.stride(0),
+                                                       CH=TOPK_CHUNK, M_P=triton.next_power_of_2(m), num_warps=16)
+    return out
+
+
+def _dense_ids(q_pos, r, m):
+    n_complete = torch.div(q_pos + 1, r, rounding_mode="floor")
+    dense = torch.arange(m, device=q_pos.device).unsqueeze(0).expand(q_pos.shape[0], m)
+    return torch.where(dense < n_complete.unsqueeze(1), dense, -1)
+
+
+def _uses_indexer(index_q, block_keys, m):
+    # With Nb <= m block keys every query the contract allows (n_complete <= Nb) is in the dense regime.
+    return index_q is not None and block_keys is not None and block_keys.shape[0] > m and m > 0
+
+
+def select_block_ids(q_pos, index_q, block_keys, r: int, budget: int, index_scale: float):
+    """Top-m block ids [Tq, m] (-1 pad) in the reference's order; no host sync."""
+    m = budget // r
+    if not _uses_indexer(index_q, block_keys, m):
+        return _dense_ids(q_pos, r, m)
+    keys = score_keys(q_pos, index_q, block_keys, r, index_scale)
+    if TOPK == "triton":
+        return top_ids(keys, m).long()
+    top = top_keys(keys, m)
+    return torch.where(top == INT64_MIN, -1, 4294967295 - (top & 4294967295))
+
+
+def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool):
+    """Attention of q [Tq, Hq, d] over the tokens of the selected blocks plus each query's tail.  ``sel`` [Tq, m]:
+    block ids (-1 = none), or with ``keys`` the top-k sort keys they decode from."""
+    Tq, Hq, HD = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    G_P = max(16, triton.next_power_of_2(G))
+    m = sel.shape[1]
+    n_slots = m * r + (r - 1)
+    SB = ATTN_SLOT_BLOCK
+    n_split = triton.cdiv(max(n_slots, 1), SB)
+    dev = q.device
+    op = torch.empty(Tq * Hkv * n_split * G_P * HD, dtype=torch.float32, device=dev)
+    mp = torch.empty(Tq * Hkv * n_split * G_P, dtype=torch.float32, device=dev)
+    lp = torch.empty_like(mp)
+    sel = sel.contiguous()
+    LAUNCHED["qsa_attn"] = _qsa_attn_kernel[(n_split, Hkv, Tq)](
+        q, k, v, q_pos, sel, op, mp, lp, r, m, n_split, float(scale) * 1.4426950408889634,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sel.stride(0),
+        G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, num_warps=4)
+    out = torch.empty(Tq, Hq, HD, dtype=q.dtype, device=dev)
+    LAUNCHED["qsa_merge"] = _qsa_merge_kernel[(G, Hkv, Tq)](
+        op, mp, lp, out, n_split, out.stride(0), out.stride(1),
+        G=G, G_P=G_P, HD=HD, NSP=triton.next_power_of_2(n_split), CH=16, num_warps=4)
+    return out
+
+
+def qsa_attention_triton(q, k, v, q_pos, index_q, block_keys, r: int, budget: int, scale: float,
+                         index_scale: float):
+    m = budget // r
+    if not _uses_indexer(index_q, block_keys, m):
+        return sparse_attention_slots(q, k, v, q_pos, _dense_ids(q_pos, r, m), r, scale, keys=False)
+    keys = score_keys(q_pos, index_q, block_keys, r, index_scale)
+    if TOPK == "triton":
+        return sparse_attention_slots(q, k, v, q_pos, top_ids(keys, m), r, scale, keys=False)
+    return sparse_attention_slots(q, k, v, q_pos, top_keys(keys, m), r, scale, keys=True)

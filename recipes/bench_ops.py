@@ -1,0 +1,320 @@
+"""Time the Triton kernels (``qwen4exp.ops.cuda``) against the torch references and torch.compile of them.
+
+    python recipes/bench_ops.py --csv bench_out/bench_ops.csv [--no-compile] [--only hc_mix,qsa]
+
+For each op at the real widths (batch 1 and 32; QSA: context 50,000): the median time per call, the bytes it must
+move (each input read once, each output written once) and FLOPs, the achieved fraction of the HBM bandwidth
+measured in the same run (a device-to-device copy, bytes read + written), and the speed-up over the reference and
+over torch.compile of the reference.
+
+Timing: CUDA events around CUDA-graph replays of one call per input set, several input sets in rotation so the
+weights and caches are re-read from HBM rather than L2 (the inputs of all sets together are > 3x the L2); the
+median of the replays, divided by the calls per replay.  Where a version cannot be captured (the QSA reference
+synchronises with the host) it is timed eagerly the same way ('eager' in the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from qwen4exp.ops.hyper_connection import reference as hc_ref  # noqa: E402
+from qwen4exp.ops.ple import reference as ple_ref  # noqa: E402
+from qwen4exp.ops.qsa import reference as qsa_ref  # noqa: E402
+
+BF = torch.bfloat16
+L2_BYTES = 60 << 20
+
+
+def events_median(run, reps):
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)  # us
+    return statistics.median(ts)
+
+
+def time_calls(fn, sets, reps=30, graph=True):
+    """Median microseconds per call of fn(*s) over the input sets; (time, 'graph'|'eager')."""
+    def all_sets():
+        for s in sets:
+            fn(*s)
+
+    all_sets()  # warm up (compilation, autotuning, allocator)
+    torch.cuda.synchronize()
+    if graph:
+        try:
+            st = torch.cuda.Stream()
+            st.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(st):
+                all_sets()
+            torch.cuda.current_stream().wait_stream(st)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                all_sets()
+            for _ in range(3):
+                g.replay()
+            torch.cuda.synchronize()
+            return events_median(g.replay, reps) / len(sets), "graph"
+        except Exception as e:  # noqa: BLE001  (a host sync inside: time it eagerly)
+            torch.cuda.synchronize()
+            print(f"   (no graph: {type(e).__name__}: {str(e).splitlines()[0][:90]})", flush=True)
+    all_sets()
+    torch.cuda.synchronize()
+    return events_median(all_sets, max(5, reps // 3)) / len(sets), "eager"
+
+
+def measure_bandwidth():
+    n = 1 << 29  # 1 GiB of bf16
+    src = torch.randn(n, device="cuda").to(BF)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    t = events_median(lambda: dst.copy_(src), 20)
+    del src, dst
+    return 2 * n * 2 / (t * 1e-6)  # bytes / s, read + write
+
+
+def n_sets(bytes_per_set, lo=2, hi=64):
+    return max(lo, min(hi, math.ceil(3 * L2_BYTES / max(bytes_per_set, 1))))
+
+
+# --------------------------------------------------------------------------------------------------------- cases
+def hc_mix_case(T, n=4, D=2560, R=320):
+    NK = n * D
+    w_bytes = (R * NK + NK * R + n * NK) * 2 + NK * 2
+    by = w_bytes + T * NK * 2 + T * D * 2 + T * n * 2
+    fl = 2 * T * NK * (R + n) + 2 * T * R * NK
+    sets = []
+    for i in range(n_sets(by)):
+        sets.append((torch.randn(T, NK, device="cuda").to(BF) * 3, (torch.randn(NK, device="cuda") * 0.2).to(BF),
+                     (torch.randn(R, NK, device="cuda") * NK ** -0.5 * 4).to(BF),
+                     (torch.randn(NK, R, device="cuda") * R ** -0.5 * 2).to(BF),
+                     (torch.randn(n, NK, device="cuda") * NK ** -0.5 * 4).to(BF), n, 1e-6))
+    return sets, by, fl
+
+
+def hc_inject_case(T, n=4, D=2560):
+    by = T * n * D * 2 * 2 + T * D * 2 + T * n * 2
+    sets = [(torch.randn(T, n * D, device="cuda").to(BF), torch.rand(T, n, device="cuda").to(BF),
+             torch.randn(T, D, device="cuda").to(BF)) for _ in range(n_sets(by, hi=256))]
+    return sets, by, 2 * T * n * D
+
+
+def qsa_case(Tq, L=50_000, Hq=24, Hkv=2, d=256, hi=4, di=128, r=4, budget=2048):
+    Nb = L // r
+    sel = budget + r - 1
+    by = Nb * di * 2 + Tq * (Hq * d * 2 * 2 + hi * di * 2) + min(Tq * sel, L) * Hkv * d * 2 * 2
+    fl = 2 * Tq * Nb * hi * di + 2 * 2 * Tq * Hq * sel * d
+    sets = []
+    for i in range(n_sets(by, lo=4, hi=8)):
+        sets.append((torch.randn(Tq, Hq, d, device="cuda").to(BF), torch.randn(L, Hkv, d, device="cuda").to(BF),
+                     torch.randn(L, Hkv, d, device="cuda").to(BF), torch.arange(L - Tq, L, device="cuda"),
+                     torch.randn(Tq, hi, di, device="cuda").to(BF), torch.randn(Nb, di, device="cuda").to(BF),
+                     r, budget, d ** -0.5, di ** -0.5))
+    return sets, by, fl
+
+
+_TABLES = {}
+
+
+def ple_case(T, where, R=2_000_000, dg=160, G=16):
+    by = T * G * dg * 1 + T * G * dg * 2 + T * G * 8
+    if where not in _TABLES:  # 320 MB of fp8 rows, random finite e4m3 values
+        base = torch.randint(0, 120, (R, dg), dtype=torch.uint8).view(torch.float8_e4m3fn)
+        _TABLES[where] = base.pin_memory() if where == "pinned" else base.cuda()
+    table = _TABLES[where]
+    scale = torch.tensor(0.0173, device="cuda")
+    sets = [(table, torch.randint(0, R, (T, G), device="cuda"), scale, None) for _ in range(16)]
+    return sets, by, T * G * dg
+
+
+def ple_ref_host(table, rows, scale, out_dtype):
+    """What the model does with a host table and no kernel: rows to the host, gather there, result back."""
+    return ple_ref.ple_lookup(table, rows.cpu(), scale.cpu(), out_dtype).to(rows.device, non_blocking=True)
+
+
+# ----------------------------------------------------------------------------------------------------- breakdown
+def tune_and_breakdown():
+    """Launch-shape sweeps of the multi-launch kernels at decode size (coordinate descent; each variant's output
+    checked against the reference first), leaving the fastest correct settings in place for the main table; then
+    the stage times; then registers / spills of the compiled kernels."""
+    from qwen4exp.ops.hyper_connection import triton_kernel as hc_tk
+    from qwen4exp.ops.qsa import triton_kernel as qsa_tk
+
+    out = []
+
+    def timed(op, case, stage, fn, sets, check=None):
+        try:
+            if check is not None and not check():
+                print(f"   {op} {case} {stage}: WRONG OUTPUT, skipped", flush=True)
+                return float("inf")
+            t, _ = time_calls(fn, sets)
+        except Exception as e:  # noqa: BLE001
+            print(f"   {op} {case} {stage} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return float("inf")
+        out.append((op, case, stage, t))
+        return t
+
+    def sweep(op, mod, sets, grid, fn, check):
+        for knob, values in grid:
+            best = None
+            for val in values:
+                setattr(mod, knob, val)
+                stage = f"sweep {knob}={val} (" + ", ".join(f"{k}={getattr(mod, k)}" for k, _ in grid if k != knob) + ")"
+                t = timed(op, "T=1" if op == "hc_mix" else "Tq=1", stage, fn, sets, check)
+                if best is None or t < best[0]:
+                    best = (t, val)
+            setattr(mod, knob, best[1])
+        print(f"   tuned {op}: " + ", ".join(f"{k}={getattr(mod, k)}" for k, _ in grid), flush=True)
+
+    sets, _, _ = hc_mix_case(1)
+    xr, cr = hc_ref.hc_mix(*sets[0])
+
+    def hc_ok():
+        x, c = hc_tk.hc_mix_triton(*sets[0])
+        return bool((x.float() - xr.float()).abs().max() <= 0.07 and (c.float() - cr.float()).abs().max() <= 0.02)
+
+    sweep("hc_mix", hc_tk, sets, [("A_BLOCK_R", (64, 32, 16)), ("A_WARPS", (8, 4)), ("B_BLOCK_D", (16, 8, 32)),
+                                 ("B_WARPS", (8, 4)), ("USE_PDL", (True, False))], hc_tk.hc_mix_triton, hc_ok)
+    a_only = lambda *a: hc_tk.hc_mix_triton(*a, _stop_after_down=True)  # noqa: E731
+    timed("hc_mix", "T=1", "stage A alone (norm + down/inj)", a_only, sets)
+    del sets
+    sets, _, _ = qsa_case(1)
+    want = qsa_ref.qsa_attention(*sets[0])
+
+    def qsa_ok():
+        o = qsa_tk.qsa_attention_triton(*sets[0])
+        return bool(((o.float() - want.float()).norm() / want.float().norm()) < 1e-2)
+
+    sweep("qsa", qsa_tk, sets, [("TOPK_SMALL", (True, False)), ("ATTN_SLOT_BLOCK", (64, 32))],
+          qsa_tk.qsa_attention_triton, qsa_ok)
+    del sets
+    m = 2048 // 4
+    for Tq in (1, 32):
+        sets, by, _ = qsa_case(Tq)
+        timed("qsa", f"Tq={Tq}", "stage: indexer scores (Triton)",
+              lambda q, k, v, qp, iq, bk, r, b, sc, isc: qsa_tk.score_keys(qp, iq, bk, r, isc), sets)
+        keys = [(qsa_tk.score_keys(s[3], s[4], s[5], s[6], s[9]),) for s in sets]
+        timed("qsa", f"Tq={Tq}", f"stage: top-512 (Triton, TOPK_SMALL={qsa_tk.TOPK_SMALL})",
+              lambda kk: qsa_tk.top_ids(kk, m), keys)
+        timed("qsa", f"Tq={Tq}", "stage: top-512 (torch.topk)", lambda kk: qsa_tk.top_keys(kk, m), keys)
+        asets = [(s[0], s[1], s[2], s[3], qsa_tk.top_ids(kk[0], m), s[6], s[8], False) for s, kk in zip(sets, keys)]
+        timed("qsa", f"Tq={Tq}", "stage: attention + merge", qsa_tk.sparse_attention_slots, asets)
+        del sets, keys, asets
+        torch.cuda.empty_cache()
+    print("\nlaunch-shape sweeps and stage times (us per call, CUDA-graph replay)")
+    for op, case, stage, t in out:
+        print(f"| {op:<7} | {case:<6} | {stage:<70} | {t:>8.2f} |")
+    for name, mod in (("hc", hc_tk), ("qsa", qsa_tk)):
+        for kname, k in mod.LAUNCHED.items():
+            print(f"   kernel {kname}: registers {getattr(k, 'n_regs', '?')}, spills {getattr(k, 'n_spills', '?')}, "
+                  f"shared {getattr(getattr(k, 'metadata', None), 'shared', '?')} B")
+    return out
+
+
+def profile_once():
+    """A few eager calls of each kernel at decode size, for a profiler (ncu) to catch."""
+    from qwen4exp.ops import cuda
+
+    for _ in range(2):
+        s = hc_mix_case(1)[0][0]
+        cuda.hc_mix(*s)
+        s = qsa_case(1)[0][0]
+        cuda.qsa_attention(*s)
+    torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------------------- main
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--csv", default="bench_out/bench_ops.csv")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--tune", action="store_true",
+                    help="first sweep the launch shapes of hc_mix and qsa (kept for the table), time their stages")
+    ap.add_argument("--profile-once", action="store_true", help="only run each kernel twice (for ncu)")
+    args = ap.parse_args()
+    if args.profile_once:
+        return profile_once()
+    from qwen4exp.ops import cuda  # registers and imports the Triton kernels
+
+    dev = torch.cuda.get_device_name()
+    bw = measure_bandwidth()
+    print(f"device {dev}; measured HBM bandwidth (d2d copy, read+write) {bw / 1e12:.2f} TB/s", flush=True)
+    stages = tune_and_breakdown() if args.tune else []
+    only = set(filter(None, args.only.split(",")))
+    cases = []
+    for T in (1, 32):
+        cases.append(("hc_mix", f"T={T}", lambda T=T: hc_mix_case(T), cuda.hc_mix, hc_ref.hc_mix))
+    for T in (1, 32):
+        cases.append(("hc_inject", f"T={T}", lambda T=T: hc_inject_case(T), cuda.hc_inject, hc_ref.hc_inject))
+    for Tq in (1, 32):
+        cases.append(("qsa_attention", f"Tq={Tq},L=50000", lambda Tq=Tq: qsa_case(Tq), cuda.qsa_attention,
+                      qsa_ref.qsa_attention))
+    for T in (1, 32):
+        cases.append(("ple_lookup", f"T={T},fp8,pinned-host", lambda T=T: ple_case(T, "pinned"), cuda.ple_lookup,
+                      ple_ref_host))
+        cases.append(("ple_lookup", f"T={T},fp8,gpu", lambda T=T: ple_case(T, "gpu"), cuda.ple_lookup,
+                      ple_ref.ple_lookup))
+    rows = []
+    for op, case, make, kern, ref in cases:
+        if only and op not in only:
+            continue
+        print(f"-- {op} {case}", flush=True)
+        sets, by, fl = make()
+        tk, mk = time_calls(kern, sets)
+        ref_graph = op != "qsa_attention" and "pinned" not in case  # the QSA reference syncs with the host
+        tr, mr = time_calls(ref, sets, graph=ref_graph)
+        tc, mc = float("nan"), "-"
+        if not args.no_compile and "pinned" not in case and "no-L2" not in case:
+            try:
+                comp = torch.compile(ref, dynamic=False)
+                tc, mc = time_calls(comp, sets, graph=ref_graph)
+            except Exception as e:  # noqa: BLE001
+                print(f"   (torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:90]})", flush=True)
+        row = dict(op=op, case=case, kernel_us=tk, kernel_mode=mk, ref_us=tr, ref_mode=mr, compile_us=tc,
+                   compile_mode=mc, bytes=by, flops=fl, gbps=by / (tk * 1e-6) / 1e9,
+                   frac_hbm=by / (tk * 1e-6) / bw, speedup_ref=tr / tk, speedup_compile=tc / tk)
+        rows.append(row)
+        print("   " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+    if stages:
+        with open(os.path.splitext(args.csv)[0] + "_stages.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["op", "case", "stage", "us"])
+            w.writerows(stages)
+    with open(args.csv, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"\n{dev}, HBM copy bandwidth {bw / 1e12:.2f} TB/s; times in us per call (median; g = CUDA-graph replay, "
+          f"e = eager)")
+    hdr = (f"| {'op':<13} | {'case':<22} | {'kernel us':>10} | {'ref us':>10} | {'compile us':>10} | {'bytes':>10} | "
+           f"{'GFLOP':>7} | {'GB/s':>7} | {'% HBM':>6} | {'x ref':>6} | {'x compile':>9} |")
+    print(hdr)
+    print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
+    for r in rows:
+        print(f"| {r['op']:<13} | {r['case']:<22} | {r['kernel_us']:>8.2f} {r['kernel_mode'][0]} | "
+              f"{r['ref_us']:>8.2f} {r['ref_mode'][0]} | {r['compile_us']:>8.2f} {r['compile_mode'][0]} | "
+              f"{r['bytes']:>10.3g} | {r['flops'] / 1e9:>7.3f} | {r['gbps']:>7.1f} | {100 * r['frac_hbm']:>5.1f}% | "
+              f"{r['speedup_ref']:>6.2f} | {r['speedup_compile']:>9.2f} |")
+
+
+if __name__ == "__main__":
+    main()

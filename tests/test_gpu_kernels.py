@@ -1,0 +1,324 @@
+"""The Triton kernels (``qwen4exp.ops.cuda``) against the torch references, on fresh random inputs at the real widths
+and at odd sizes; outputs come from poisoned (NaN-filled) memory, so an unwritten element shows up as NaN.
+
+Needs a CUDA GPU with Triton; skipped elsewhere (CI has no GPU). Triton is imported inside the tests only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernels)")
+
+BF = torch.bfloat16
+
+
+def cuda_ops():
+    from qwen4exp.ops import cuda
+
+    return cuda
+
+
+def poison():
+    """Fill the caching allocator's free blocks (large and small pools) with NaN, so that the kernels' outputs and
+    scratch buffers start out as NaN."""
+    big = torch.full((96 << 20,), float("nan"), device="cuda")  # 384 MB
+    small = [torch.full((1 << 17,), float("nan"), device="cuda") for _ in range(64)]  # 512 KB each
+    del big, small
+
+
+def gen(seed):
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    return g
+
+
+def rnd(shape, g, scale=1.0, dtype=BF):
+    return (torch.randn(shape, generator=g, device="cuda") * scale).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- dispatcher
+def test_dispatcher_picks_the_kernels_for_cuda():
+    from qwen4exp.ops import _dispatch
+    from qwen4exp.ops.hyper_connection import reference as hc_ref
+
+    fn = _dispatch.pick("hc_mix", torch.device("cuda"), hc_ref.hc_mix)
+    cuda = cuda_ops()
+    assert fn is cuda.hc_mix
+    for op in ("hc_inject", "qsa_attention", "ple_lookup"):
+        assert _dispatch._KERNELS[(op, "cuda")] is getattr(cuda, op)
+
+
+# ------------------------------------------------------------------------------------------------------ HC mixer
+def hc_case(T, n, D, R, with_inj, seed):
+    g = gen(seed)
+    H = rnd((T, n * D), g, 3.0)
+    nw = rnd((n * D,), g, 0.2)
+    Wd = rnd((R, n * D), g, (n * D) ** -0.5 * 4)
+    Wu = rnd((n * D, R), g, R ** -0.5 * 2)
+    Wi = rnd((n, n * D), g, (n * D) ** -0.5 * 4) if with_inj else None
+    return H, nw, Wd, Wu, Wi
+
+
+def bf16_close(a, b, min_equal):
+    """Same rounding points as the reference, different fp32 summation order in the GEMMs: nearly all elements
+    bit-equal, the rest one or two bf16 units apart."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert not torch.isnan(a).any(), "unwritten (NaN) outputs"
+    eq = (a == b).float().mean().item()
+    torch.testing.assert_close(a.float(), b.float(), rtol=2 * 2 ** -8, atol=2e-2)
+    assert eq >= min_equal, f"only {eq:.4f} of the elements bit-equal"
+    return eq
+
+
+@pytest.mark.parametrize("T,n,D,R,with_inj", [
+    (1, 4, 2560, 320, True), (1, 4, 2560, 320, False), (2, 4, 2560, 320, True), (5, 4, 2560, 320, True),
+    (16, 4, 2560, 320, True), (17, 4, 2560, 320, False), (32, 4, 2560, 320, True),
+    (3, 4, 256, 40, True), (7, 2, 384, 20, True), (1, 8, 128, 16, True)])
+def test_hc_mix_matches_reference(T, n, D, R, with_inj):
+    from qwen4exp.ops.hyper_connection import reference as ref
+    cuda = cuda_ops()
+    for rep in range(2):
+        H, nw, Wd, Wu, Wi = hc_case(T, n, D, R, with_inj, seed=1000 * T + 10 * R + rep)
+        poison()
+        x, c = cuda.hc_mix(H, nw, Wd, Wu, Wi, n, 1e-6)
+        xr, cr = ref.hc_mix(H, nw, Wd, Wu, Wi, n, 1e-6)
+        bf16_close(x, xr, 0.95)
+        if with_inj:
+            bf16_close(c, cr, 0.5)
+        else:
+            assert c is None
+
+
+def test_hc_mix_lead_dims_fp32_weight_and_fallback():
+    from qwen4exp.ops.hyper_connection import reference as ref
+    cuda = cuda_ops()
+    H, nw, Wd, Wu, Wi = hc_case(6, 4, 2560, 320, True, seed=7)
+    x, c = cuda.hc_mix(H.view(2, 3, -1), nw.float(), Wd, Wu, Wi, 4, 1e-6)  # fp32 norm weight, [B, S, nD]
+    xr, cr = ref.hc_mix(H.view(2, 3, -1), nw.float(), Wd, Wu, Wi, 4, 1e-6)
+    bf16_close(x, xr, 0.95)
+    bf16_close(c, cr, 0.5)
+    H, nw, Wd, Wu, Wi = hc_case(64, 4, 2560, 320, True, seed=8)  # past MAX_T: the reference
+    x, c = cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)
+    xr, cr = ref.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)
+    assert torch.equal(x, xr) and torch.equal(c, cr)
+
+
+@pytest.mark.parametrize("pdl,prefetch,block_d", [(False, True, 8), (True, True, 32), (True, False, 16)])
+def test_hc_mix_launch_variants(pdl, prefetch, block_d):
+    from qwen4exp.ops.hyper_connection import reference as ref
+    from qwen4exp.ops.hyper_connection import triton_kernel as tk
+    saved = tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D
+    tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D = pdl, prefetch, block_d
+    try:
+        for T in (1, 2, 3, 8):
+            H, nw, Wd, Wu, Wi = hc_case(T, 4, 2560, 320, True, seed=77 + T)
+            poison()
+            x, c = tk.hc_mix_triton(H, nw, Wd, Wu, Wi, 4, 1e-6)
+            xr, cr = ref.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)
+            bf16_close(x, xr, 0.95)
+            bf16_close(c, cr, 0.5)
+    finally:
+        tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D = saved
+
+
+@pytest.mark.parametrize("T,n,D", [(1, 4, 2560), (5, 4, 2560), (33, 4, 2560), (3, 2, 384)])
+def test_hc_inject_is_bit_exact(T, n, D):
+    from qwen4exp.ops.hyper_connection import reference as ref
+    cuda = cuda_ops()
+    g = gen(T + D)
+    H, y = rnd((T, n * D), g, 3.0), rnd((T, D), g)
+    c = (2 * torch.rand(T, n, generator=g, device="cuda")).to(BF)
+    poison()
+    out = cuda.hc_inject(H, c, y)
+    assert torch.equal(out, ref.hc_inject(H, c, y))
+
+
+def test_hc_ops_in_cuda_graph_and_compile():
+    cuda = cuda_ops()
+    H, nw, Wd, Wu, Wi = hc_case(1, 4, 2560, 320, True, seed=3)
+    y = rnd((1, 2560), gen(4))
+    x0, c0 = cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)
+
+    def step(H):
+        x, c = cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)
+        return cuda.hc_inject(H, c, y + x)
+
+    ref_out = step(H)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(H)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(H)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref_out)
+    compiled = torch.compile(step, fullgraph=True)
+    assert torch.equal(compiled(H), ref_out)
+    assert torch.equal(cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)[0], x0)  # deterministic
+
+
+# ------------------------------------------------------------------------------------------------------------ QSA
+R_QSA, BUDGET = 4, 2048
+
+
+def qsa_case(L, Tq, seed, Hq=24, Hkv=2, d=256, hi=4, di=128, tie_heavy=False):
+    g = gen(seed)
+    q = rnd((Tq, Hq, d), g)
+    k = rnd((L, Hkv, d), g)
+    v = rnd((L, Hkv, d), g)
+    iq = rnd((Tq, hi, di), g)
+    bk = rnd((L // R_QSA, di), g)
+    if tie_heavy:  # most blocks score exactly 0 (every head's dot negative): ties at the top-m boundary
+        iq = iq.abs()
+        bk = -bk.abs()
+        pos = torch.randperm(bk.shape[0], generator=torch.Generator().manual_seed(seed))[:300]
+        bk[pos.cuda()] = bk[pos.cuda()].abs()
+    q_pos = torch.arange(L - Tq, L, device="cuda")
+    return q, k, v, q_pos, iq, bk
+
+
+def check_selection(q_pos, iq, bk, scale):
+    from qwen4exp.ops.qsa import reference as ref
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    m = BUDGET // R_QSA
+    ids = tk.select_block_ids(q_pos, iq, bk, R_QSA, BUDGET, scale)
+    nc = ref.num_complete_blocks(q_pos, R_QSA)
+    if int(nc.max()) <= m:  # dense regime: every visible block (in score order when the indexer ran)
+        for t in range(ids.shape[0]):
+            assert sorted(x for x in ids[t].tolist() if x >= 0) == list(range(int(nc[t])))
+        return
+    sc = ref.indexer_scores(iq, bk[: int(nc.max())], scale)
+    want = ref.select_blocks(sc, nc, m)
+    if want.shape[1] < m:
+        want = torch.cat([want, want.new_full((want.shape[0], m - want.shape[1]), -1)], 1)
+    for t in range(ids.shape[0]):
+        a, b = set(ids[t].tolist()), set(want[t].tolist())
+        if a != b:  # only a near-tie (fp32 summation order) may flip a block at the boundary
+            diff = torch.tensor(sorted((a ^ b) - {-1}), device="cuda")
+            kth = sc[t, want[t][want[t] >= 0][-1]]
+            gap = (sc[t, diff] - kth).abs().max().item()
+            assert gap <= 1e-5 * max(1.0, kth.abs().item()), (t, sorted(a - b), sorted(b - a), gap)
+
+
+@pytest.mark.parametrize("L,Tq", [(1, 1), (7, 3), (100, 4), (2051, 1), (2052, 1), (2053, 2), (2056, 4),
+                                  (4099, 3), (50_003, 4), (50_000, 1), (65_536 * 4 + 3, 1)])
+def test_qsa_attention_matches_reference(L, Tq):
+    from qwen4exp.ops.qsa import reference as ref
+    cuda = cuda_ops()
+    q, k, v, q_pos, iq, bk = qsa_case(L, Tq, seed=L + Tq)
+    scale, iscale = 256 ** -0.5, 128 ** -0.5
+    check_selection(q_pos, iq, bk, iscale)
+    poison()
+    out = cuda.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, scale, iscale)
+    want = ref.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, scale, iscale)
+    assert out.shape == want.shape and out.dtype == want.dtype
+    assert not torch.isnan(out).any()
+    err = (out.float() - want.float()).norm() / want.float().norm()
+    assert err < 1e-2, err
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=5e-2)
+
+
+def test_qsa_selection_with_heavy_ties_and_no_indexer():
+    from qwen4exp.ops.qsa import reference as ref
+    cuda = cuda_ops()
+    L = 8195
+    q, k, v, q_pos, iq, bk = qsa_case(L, 2, seed=5, tie_heavy=True)
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    nc = ref.num_complete_blocks(q_pos, R_QSA)
+    want = ref.select_blocks(ref.indexer_scores(iq, bk[: int(nc.max())], 0.1), nc, BUDGET // R_QSA)
+    for mode, small in (("triton", True), ("triton", False), ("torch", True)):
+        tk.TOPK, tk.TOPK_SMALL = mode, small
+        try:
+            ids = tk.select_block_ids(q_pos, iq, bk, R_QSA, BUDGET, 0.1)
+        finally:
+            tk.TOPK, tk.TOPK_SMALL = "triton", True
+        if mode == "torch":  # the sort keys give the reference's order too
+            assert torch.equal(ids, want)
+        for t in range(ids.shape[0]):  # ties: lower block id first, like the reference's stable sort
+            assert sorted(ids[t].tolist()) == sorted(want[t].tolist())
+    out = cuda.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, 0.0625, 0.1)
+    want_o = ref.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, 0.0625, 0.1)
+    torch.testing.assert_close(out.float(), want_o.float(), atol=2e-2, rtol=5e-2)
+    # dense regime without an indexer (block_keys None)
+    q, k, v, q_pos, _, _ = qsa_case(1500, 3, seed=6)
+    out = cuda.qsa_attention(q, k, v, q_pos, None, None, R_QSA, BUDGET, 0.0625, 0.1)
+    want_o = ref.qsa_attention(q, k, v, q_pos, None, None, R_QSA, BUDGET, 0.0625, 0.1)
+    torch.testing.assert_close(out.float(), want_o.float(), atol=2e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("Nb,Tq", [(513, 1), (600, 3), (12_500, 2), (16_385, 1), (65_536, 2)])
+def test_qsa_topk_selection_both_paths(Nb, Tq):
+    from qwen4exp.ops.qsa import reference as ref
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    g = gen(Nb)
+    iq, bk = rnd((Tq, 4, 128), g), rnd((Nb, 128), g)
+    q_pos = Nb * R_QSA - 1 - 5 * torch.arange(Tq, device="cuda")  # fewer visible blocks for later rows
+    nc = ref.num_complete_blocks(q_pos, R_QSA)
+    sc = ref.indexer_scores(iq, bk, 0.088)
+    want = ref.select_blocks(sc, nc, BUDGET // R_QSA)
+    for mode, small in (("triton", True), ("triton", False), ("torch", True)):
+        tk.TOPK, tk.TOPK_SMALL = mode, small
+        try:
+            ids = tk.select_block_ids(q_pos, iq, bk, R_QSA, BUDGET, 0.088)
+        finally:
+            tk.TOPK, tk.TOPK_SMALL = "triton", True
+        for t in range(Tq):
+            a, b = set(ids[t].tolist()), set(want[t].tolist())
+            if a != b:  # only a near-tie (fp32 summation order) may flip a block at the boundary
+                kth = sc[t, want[t][-1]]
+                diff = torch.tensor(sorted(a ^ b), device="cuda")
+                assert (sc[t, diff] - kth).abs().max().item() <= 1e-5 * max(1.0, kth.abs().item()), (mode, t)
+
+
+def test_qsa_small_heads_and_cuda_graph():
+    from qwen4exp.ops.qsa import reference as ref
+    cuda = cuda_ops()
+    q, k, v, q_pos, iq, bk = qsa_case(3001, 2, seed=9, Hq=6, Hkv=1, d=128, hi=2, di=64)
+    out = cuda.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, 0.1, 0.2)
+    want = ref.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, 0.1, 0.2)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=5e-2)
+    q, k, v, q_pos, iq, bk = qsa_case(50_001, 1, seed=10)
+    eager = cuda.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, 0.0625, 0.088)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cuda.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, 0.0625, 0.088)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, 0.0625, 0.088)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+# ------------------------------------------------------------------------------------------------------------ PLE
+@pytest.mark.parametrize("where", ["gpu", "pinned"])
+@pytest.mark.parametrize("kind", ["fp8_gpu_scale", "fp8_host_scale", "bf16"])
+@pytest.mark.parametrize("T", [1, 7, 32])
+def test_ple_lookup_matches_reference(where, kind, T):
+    from qwen4exp.ops.ple import reference as ref
+    cuda = cuda_ops()
+    R, dg, G = 300_007, 160, 16
+    g = torch.Generator().manual_seed(T)
+    base = torch.randn(R, dg, generator=g) * 120
+    if kind.startswith("fp8"):
+        table = base.clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.tensor(0.0173)
+        if kind == "fp8_gpu_scale":
+            scale = scale.cuda()
+    else:
+        table, scale = base.to(BF), None
+    rows = torch.randint(0, R, (T, G), generator=g)
+    rows[0, 0], rows[-1, -1] = 0, R - 1  # first and last rows
+    want = ref.ple_lookup(table, rows, None if scale is None else scale.cpu())
+    table = table.pin_memory() if where == "pinned" else table.cuda()
+    poison()
+    out = cuda.ple_lookup(table, rows.cuda(), scale)
+    assert out.is_cuda and out.shape == (T, G * dg) and out.dtype == want.dtype
+    assert torch.equal(out.cpu(), want)
