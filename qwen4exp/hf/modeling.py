@@ -248,6 +248,29 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
         head = mtp.shared_head.head if hasattr(mtp, "shared_head") else self.lm_head
         return head(out), H
 
+    def mtp_logits(self, mtp_hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Training forward of the MTP head over whole unpadded rows (differentiable; no cache is kept).
+
+        ``mtp_hidden`` [B, S, nD]: the target's pre-mixer state (``forward(..., return_mtp_hidden=True)``);
+        ``input_ids`` [B, S]. Position q pairs the state at q with the token at q+1, exactly as ``mtp_forward``
+        does at inference, and -> logits [B, S-1, V] where entry q predicts the token at q+2 (the last entry
+        looks past the row and has no target)."""
+        if self.mtp is None:
+            raise ValueError("qwen4exp: this checkpoint has no MTP head (mtp.* weights)")
+        B, S = input_ids.shape
+        tm, mtp = self.text_model, self.mtp
+        nxt = input_ids[:, 1:].reshape(-1)
+        H = mtp(tm.embed_tokens(nxt), mtp_hidden[:, :-1].reshape(B * (S - 1), -1))
+        pos = torch.arange(S - 1, device=input_ids.device).repeat(B)
+        cu = torch.arange(B + 1, device=input_ids.device) * (S - 1)
+        cache = self.new_cache(B)
+        rows = torch.arange(B)
+        H = run_layers(mtp.layers[:1], H, nxt, pos, cu, cache.mtp_layers[:1], rows, cache.mtp_lengths[rows],
+                       tm.rotary_emb)
+        out, _ = mtp.hyper_connection_mixer(H)
+        head = mtp.shared_head.head if hasattr(mtp, "shared_head") else self.lm_head
+        return head(out).view(B, S - 1, -1)
+
     def _draft(self, cache, H_pend, next_pend, pos_pend, k):
         """k greedy draft tokens: one MTP pass over the pending (accepted) positions, then k-1 chained steps whose
         cache entries are dropped again (the next round re-feeds accepted positions with the target's state)."""
