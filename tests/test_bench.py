@@ -100,7 +100,9 @@ def stop_process(proc: subprocess.Popen | None) -> None:
         proc.stdout.close()
 
 
-SERVERS = ["fake"] + (["external"] if os.environ.get("QWEN4EXP_BENCH_BASE_URL") else [])
+# "qwen4exp": our vLLM CPU server (the qwen4exp plugin) serving the embedded trained tiny checkpoint.
+SERVERS = ["fake", pytest.param("qwen4exp", marks=pytest.mark.vllm)] + (
+    ["external"] if os.environ.get("QWEN4EXP_BENCH_BASE_URL") else [])
 
 
 @pytest.fixture(scope="module", params=SERVERS)
@@ -112,6 +114,17 @@ def server(request):
             yield s
         finally:
             stop_process(s.proc)
+    elif request.param == "qwen4exp":
+        from qwen4exp.demo import ASSET, free_port, start_server, stop_server, wait_ready
+
+        port = free_port()
+        proc = start_server(ASSET, port)
+        try:
+            wait_ready(proc, port, timeout=300)
+            yield Server(kind="qwen4exp", base_url=f"http://127.0.0.1:{port}/v1", model="tiny-coder",
+                         tokenizer=ASSET)
+        finally:
+            stop_server(proc)
     elif request.param == "external":
         yield Server(
             kind="external",
