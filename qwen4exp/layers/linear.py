@@ -24,6 +24,7 @@ def default_linear(in_features: int, out_features: int, *, prefix: str = "") -> 
 def linear_weight(module: nn.Module) -> torch.Tensor | None:
     """The dense weight of a linear module, or None when it is quantized / not a plain linear."""
     w = getattr(module, "weight", None)
-    if isinstance(w, torch.Tensor) and w.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    # numel() == 0: a runtime moved the weight into a packed kernel (vLLM CPU GEMM dispatch): call the module
+    if isinstance(w, torch.Tensor) and w.numel() and w.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return w
     return None

@@ -19,11 +19,16 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (router logits [T, E], top-k weights [T, k] in x's dtype, top-k ids [T, k])."""
         logits = F.linear(x, self.weight)
+        w, ids = self.select(logits)
+        return logits, w, ids
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> (top-k weights [T, k] in the logits' dtype, top-k ids [T, k])."""
         p = torch.softmax(logits, dim=-1, dtype=torch.float)
         w, ids = p.topk(self.top_k, dim=-1)
         if self.norm_topk:
             w = w / w.sum(-1, keepdim=True)
-        return logits, w.to(logits.dtype), ids
+        return w.to(logits.dtype), ids
 
 
 class Experts(nn.Module):

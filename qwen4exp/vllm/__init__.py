@@ -10,19 +10,19 @@ from __future__ import annotations
 import logging
 import os
 
-ARCHITECTURES = ("Qwen4ExpForConditionalGeneration", "Qwen4ExpForCausalLM")
+ARCHITECTURES = ("Qwen4ExpForConditionalGeneration", "Qwen4ExpForCausalLM")  # Qwen4ExpMTP: not yet
 
 _registered: bool | None = None
 logger = logging.getLogger("qwen4exp.vllm")
 
 
-def _log(msg: str, *args) -> None:
+def _logger():
     try:
         from vllm.logger import init_logger
 
-        init_logger("qwen4exp.vllm").info(msg, *args)
+        return init_logger("vllm.plugins.qwen4exp")  # under vLLM's logger: formatted and shown like vLLM's own
     except Exception:  # pragma: no cover - vllm logger unavailable
-        logger.info(msg, *args)
+        return logger
 
 
 def register() -> bool:
@@ -32,12 +32,13 @@ def register() -> bool:
         return _registered
     if os.environ.get("QWEN4EXP_VLLM", "1").strip().lower() in ("0", "false", "no", "off"):
         _registered = False
-        _log("Qwen4Exp served by vLLM's in-tree implementation (QWEN4EXP_VLLM=0)")
+        _logger().info("Qwen4Exp is served by vLLM's in-tree implementation (QWEN4EXP_VLLM=0)")
         return False
     from vllm import ModelRegistry
 
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, f"qwen4exp.vllm.model:{arch}")
     _registered = True
-    _log("Qwen4Exp served by the qwen4exp plugin (qwen4exp.vllm.model: %s)", ", ".join(ARCHITECTURES))
+    # the INFO line naming the implementation is logged once, where the model is built (qwen4exp.vllm.model)
+    _logger().debug("qwen4exp plugin registered %s", ", ".join(ARCHITECTURES))
     return True

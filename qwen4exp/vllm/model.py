@@ -1,0 +1,227 @@
+"""Qwen4Exp for vLLM, assembled from ``qwen4exp.modeling.DecoderLayer`` and ``qwen4exp.layers`` (no second copy of
+the math). Runtime pieces bound here:
+
+* GDN: our ``GatedDeltaNet`` math with its conv + recurrent state in vLLM's hybrid (Mamba) cache (default), or
+  vLLM's ``QwenGatedDeltaNetAttention`` C++ CPU kernels (``QWEN4EXP_VLLM_GDN=vllm``; see ``gdn_impl``).
+* QSA: ``qwen4exp.vllm.qsa.QSAMixer`` (paged K/V + a paged per-token index cache).
+* PLE: our ``PLE`` math with its conv state and n-gram context in a SHORT_CONV Mamba state (``StateSlots``).
+* MoE: our router + shared expert, vLLM FusedMoE experts; HC: our math, replicated weights.
+* Embedding ``VocabParallelEmbedding``; head ``ParallelLMHead`` + ``LogitsProcessor``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateCopyFuncCalculator,
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+    get_temporal_copy_spec,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE
+from vllm.sequence import IntermediateTensors
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from ..configuration import _INDEXED_ALIASES, INDEXED, LINEAR
+from ..layers.hyper_connection import HyperConnection
+from ..layers.rope import RotaryEmbedding
+from ..modeling import DecoderLayer, embed_streams
+from .layers import our_gdn, StateSlots, fused_experts, gdn_mixer, ple_state_shapes, vllm_linear
+from .qsa import QSAMixer
+from .weights import load_qwen4exp_weights
+
+logger = init_logger("vllm.plugins.qwen4exp")
+
+
+def _layer_type(config, i: int) -> str:
+    t = config.layer_types[i]
+    if t == LINEAR:
+        return LINEAR
+    if t in _INDEXED_ALIASES:
+        return INDEXED
+    raise ValueError(f"qwen4exp: layer {i} has unsupported layer type {t!r}")
+
+
+class Qwen4ExpVllmTextModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "model"):
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   prefix=f"{prefix}.embed_tokens")
+        self.rotary_emb = RotaryEmbedding(config)
+        dtype = vllm_config.model_config.dtype
+        layers = []
+        self.ple_states = nn.ModuleDict()
+        for i in range(config.num_hidden_layers):
+            lt = _layer_type(config, i)
+            lp = f"{prefix}.layers.{i}"
+            if lt == LINEAR:
+                mixer = (gdn_mixer(config, vllm_config, f"{lp}.linear_attn") if gdn_impl() == "vllm"
+                         else our_gdn(config, vllm_config, f"{lp}.linear_attn"))
+            else:
+                mixer = QSAMixer(config, vllm_config, f"{lp}.self_attn", self.rotary_emb)
+            layer = DecoderLayer(config, i, linear=vllm_linear, prefix=lp, mixer=mixer, layer_type=lt,
+                                 experts=_LazyExperts())
+            layer.mlp.experts = fused_experts(config, f"{lp}.mlp.experts", layer.mlp.gate)
+            if layer.ple is not None:
+                (nD, conv_len), (ctx_len,) = ple_state_shapes(config)
+                self.ple_states[str(i)] = StateSlots(((nD, conv_len), (ctx_len,)), (dtype, torch.int32),
+                                                     f"{lp}.ple_state")
+            layers.append(layer)
+        self.layers = nn.ModuleList(layers)
+        self.hyper_connection_mixer = HyperConnection(config, inject=False, linear=vllm_linear,
+                                                      prefix=f"{prefix}.hyper_connection_mixer")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.config
+        emb = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        H = embed_streams(emb, c.hc_count)
+        cos, sin = self.rotary_emb(positions, emb.dtype)
+        for i, layer in enumerate(self.layers):
+            mixer = layer.mixer
+            if layer.layer_type == LINEAR:
+                mix = mixer  # OurGDN / vLLM GDN: x -> y, state bound through the forward context
+            else:
+                def mix(x, mixer=mixer):
+                    return mixer(x, positions, cos, sin)
+            ple_fn = None
+            if layer.ple is not None:
+                def ple_fn(H, layer=layer, st=self.ple_states[str(i)]):
+                    return _ple_step(layer.ple, st, H, input_ids)
+            H = layer(H, mix, ple_fn)
+        out, _ = self.hyper_connection_mixer(H)
+        return out
+
+
+class _LazyExperts(nn.Module):
+    """Placeholder so ``MoE`` does not allocate reference experts; replaced by FusedMoE right after."""
+
+
+def _ple_step(ple, st: StateSlots, H: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """PLE over the batch; conv state and n-gram context live in vLLM's per-request state slots."""
+    T = H.shape[0]
+
+    def fn(n, cu, states):
+        out, ctx, conv = ple(H[:n], ids[:n], cu, states[1].long(), states[0])
+        return out, (conv, ctx)
+
+    out = st.run(fn, T, H.device, (None, ple.ple_embedding.eos))
+    if out is None:  # profiling / warm-up: one fresh sequence, no state
+        ctx = torch.full((1, ple.context_len), ple.ple_embedding.eos, dtype=torch.long, device=H.device)
+        out, _, _ = ple(H, ids, torch.tensor([0, T], device=H.device), ctx, None)
+    return out
+
+
+def gdn_impl() -> str:
+    """``QWEN4EXP_VLLM_GDN``: "ours" (default; qwen4exp.layers.gdn math, bf16 inputs + fp32 state, matches the HF
+    reference's numerics) or "vllm" (vLLM's C++ CPU GDN kernels: faster on long prompts, ~1.5x the bf16 error)."""
+    v = os.environ.get("QWEN4EXP_VLLM_GDN", "ours").strip().lower()
+    if v not in ("ours", "vllm"):
+        raise ValueError(f"QWEN4EXP_VLLM_GDN must be 'ours' or 'vllm', got {v!r}")
+    return v
+
+
+def _text_config(vllm_config):
+    return vllm_config.model_config.hf_text_config
+
+
+class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
+    requires_raw_input_tokens = True
+    model_prefix = "model"
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = _text_config(vllm_config)
+        self.config = config
+        self.vllm_config = vllm_config
+        self.model = Qwen4ExpVllmTextModel(vllm_config=vllm_config, prefix="model")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        logger.info("%s is served by the qwen4exp plugin (qwen4exp.vllm; GDN: %s, QSA: paged K/V + index cache, "
+                    "PLE: per-request state), not vLLM's in-tree qwen4_exp", type(self).__name__, gdn_impl())
+
+    # -- vLLM model protocol --------------------------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        if input_ids is None:
+            raise ValueError("qwen4exp: PLE needs the raw token ids (input_ids)")
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def get_mrope_input_positions(self, input_tokens, mm_features):
+        if mm_features:
+            raise NotImplementedError("qwen4exp vLLM plugin: image/video inputs are not supported yet")
+        positions = torch.arange(len(input_tokens), dtype=torch.long)
+        return positions.unsqueeze(0).expand(3, -1), 0
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_qwen4exp_weights(self, weights)
+
+    # -- hybrid-state declarations ---------------------------------------------------------------------------------
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+            vllm_config.model_config.dtype, vllm_config.cache_config.mamba_cache_dtype,
+            vllm_config.cache_config.mamba_ssm_cache_dtype)
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        c = _text_config(vllm_config)
+        sc = vllm_config.speculative_config
+        # our GDN is replicated across TP ranks (full state per rank); vLLM's shards its heads
+        tp = 1 if gdn_impl() == "ours" else vllm_config.parallel_config.tensor_parallel_size
+        return MambaStateShapeCalculator.gated_delta_net_state_shape(
+            tp, c.linear_num_key_heads, c.linear_num_value_heads,
+            c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim,
+            sc.num_speculative_tokens if sc else 0)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+
+    @classmethod
+    def get_mamba_state_copy_funcs(cls, mamba_types=None):
+        return {
+            MambaAttentionBackendEnum.GDN_ATTN: MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func(),
+            MambaAttentionBackendEnum.SHORT_CONV: (get_temporal_copy_spec, get_temporal_copy_spec),
+        }
+
+    @classmethod
+    def get_mamba_specs_from_config(cls, vllm_config: VllmConfig) -> tuple[MambaSpec, ...]:
+        """GDN state and PLE state; the platform sizes the Mamba page for the larger one."""
+        c = _text_config(vllm_config)
+        specs = [MambaSpec(shapes=cls.get_mamba_state_shape_from_config(vllm_config),
+                           dtypes=cls.get_mamba_state_dtype_from_config(vllm_config), block_size=-1,
+                           tp_replicated=gdn_impl() == "ours")]
+        if c.ple_layer_ids:
+            specs.append(MambaSpec(shapes=ple_state_shapes(c), dtypes=(vllm_config.model_config.dtype, torch.int32),
+                                   block_size=-1, tp_replicated=True))
+        return tuple(specs)
+
+
+class Qwen4ExpForCausalLM(_Qwen4ExpBase):
+    """Text-only checkpoints: ``model.*``, ``lm_head.weight``."""
+
+
+class Qwen4ExpForConditionalGeneration(_Qwen4ExpBase):
+    """Composite checkpoints: ``model.language_model.*`` (+ ``model.visual.*``, not used yet), ``lm_head.weight``.
+    Serves text; image/video inputs are rejected."""

@@ -1,0 +1,162 @@
+"""``qwen4exp-serve`` on a tiny checkpoint: OpenAI completions + chat (streaming and not) give the offline engine's
+tokens; bad requests get a 4xx with a message and the server keeps serving. One server per module, stopped by PID
+(its own process group) in the fixture's teardown."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+MAX_LEN = 256
+N_TOK = 8
+START_TIMEOUT = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url, timeout=5):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+def _post(url, body, timeout=120):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read().decode())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode() or "{}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, tmp_path_factory):
+    work = tmp_path_factory.mktemp("server")
+    port = _free_port()
+    exe = shutil.which("qwen4exp-serve", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "qwen4exp.serve"]
+    cmd += [tiny_ckpt, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+            "--max-model-len", str(MAX_LEN), "--enforce-eager", "--max-num-seqs", "8"]
+    env = dict(os.environ, QWEN4EXP_CACHE_DIR=str(work / "cache"), TMPDIR=str(work))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    log = open(work / "server.log", "w")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited rc={proc.returncode}:\n{(work / 'server.log').read_text()[-4000:]}")
+            if time.time() - t0 > START_TIMEOUT:
+                raise RuntimeError(f"server not up in {START_TIMEOUT}s:\n{(work / 'server.log').read_text()[-4000:]}")
+            try:
+                if _get(base + "/health")[0] == 200:
+                    break
+            except Exception:
+                pass
+            time.sleep(1)
+        startup = time.time() - t0
+        print(f"server start-up: {startup:.1f}s")
+        yield dict(base=base, proc=proc, log=work / "server.log", startup=startup, ckpt=tiny_ckpt, work=work)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server's own session: API server + engine core
+            proc.wait(timeout=30)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="none", timeout=120, max_retries=0)
+
+
+EXTRA = {"return_token_ids": True, "ignore_eos": True}
+PROMPT = "the quick brown fox jumps over the lazy dog " * 6
+
+
+@pytest.fixture(scope="module")
+def served(client):
+    """Token ids from the server, per endpoint and mode."""
+    out = {}
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N_TOK, temperature=0, extra_body=EXTRA)
+    out["completion"] = (r.choices[0].prompt_token_ids, r.choices[0].token_ids, r.choices[0].text)
+    toks, text, prompt_ids = [], "", None
+    for ch in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N_TOK, temperature=0, stream=True,
+                                        extra_body=EXTRA):
+        c = ch.choices[0]
+        prompt_ids = getattr(c, "prompt_token_ids", None) or prompt_ids
+        toks += list(getattr(c, "token_ids", None) or [])
+        text += c.text or ""
+    out["completion_stream"] = (prompt_ids, toks, text)
+    msgs = [{"role": "user", "content": "hello what is the blue sky"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=N_TOK, temperature=0, extra_body=EXTRA)
+    out["chat"] = (r.prompt_token_ids, r.choices[0].token_ids, r.choices[0].message.content)
+    toks, text, prompt_ids = [], "", None
+    for ch in client.chat.completions.create(model="tiny", messages=msgs, max_tokens=N_TOK, temperature=0,
+                                             stream=True, extra_body=EXTRA):
+        prompt_ids = getattr(ch, "prompt_token_ids", None) or prompt_ids
+        if ch.choices:
+            c = ch.choices[0]
+            toks += list(getattr(c, "token_ids", None) or [])
+            text += (c.delta.content or "") if c.delta else ""
+    out["chat_stream"] = (prompt_ids, toks, text)
+    return out
+
+
+def test_plugin_serves_and_logs(server):
+    assert "is served by the qwen4exp plugin" in server["log"].read_text()
+
+
+def test_endpoints_match_offline_engine(server, served, tmp_path_factory):
+    from qwen4exp.vllm.offline import run_offline
+
+    for k, (p, t, text) in served.items():
+        print(k, len(p or []), t, repr(text))
+        assert len(t) == N_TOK, k
+    assert served["completion"][1] == served["completion_stream"][1]
+    assert served["completion"][2] == served["completion_stream"][2]
+    assert served["chat"][1] == served["chat_stream"][1]
+    assert served["chat"][2] == served["chat_stream"][2]
+    prompts = [served["completion"][0], served["chat"][0]]
+    spec = dict(model=server["ckpt"], prompts=prompts,
+                engine=dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=MAX_LEN),
+                sampling=dict(temperature=0.0, max_tokens=N_TOK, ignore_eos=True, detokenize=False))
+    res = run_offline(spec, str(tmp_path_factory.mktemp("offline_vs_server")))
+    assert res["tokens"] == [served["completion"][1], served["chat"][1]]
+
+
+@pytest.mark.parametrize("body,code", [
+    (dict(model="tiny", prompt="hello " * (MAX_LEN + 20), max_tokens=4), 400),  # prompt over max_model_len
+    (dict(model="tiny", prompt="", max_tokens=4), 400),  # empty prompt
+    (dict(model="no-such-model", prompt="hello", max_tokens=4), 404),  # unknown model
+    (dict(model="tiny", prompt=[1, 2, 100000], max_tokens=4), 400),  # token id outside the vocabulary
+    (dict(model="tiny", prompt="hello", max_tokens=MAX_LEN * 4), 400),  # cannot fit max_model_len
+])
+def test_bad_requests_get_4xx_and_server_survives(server, body, code):
+    status, payload = _post(server["base"] + "/v1/completions", body)
+    assert status == code, payload
+    msg = json.dumps(payload)
+    assert "message" in msg and len(msg) > 20, payload
+    assert server["proc"].poll() is None
+    status, ok = _post(server["base"] + "/v1/completions", dict(model="tiny", prompt="hello world", max_tokens=2))
+    assert status == 200 and ok["choices"][0]["text"] is not None
