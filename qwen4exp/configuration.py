@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 LINEAR = "linear_attention"
 INDEXED = "indexed_attention"
 _INDEXED_ALIASES = {"full_attention", "qwen_sparse_attention", INDEXED}
+_LINEAR_ALIASES = {"mamba", LINEAR}  # transformers remaps the legacy "mamba" the same way
 _QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 
 
@@ -33,7 +34,15 @@ def normalize_layer_types(layer_types: list[str] | None, num_hidden_layers: int,
     """Official checkpoints write ``full_attention`` for the QSA layers; older ones ``qwen_sparse_attention``."""
     if layer_types is None:
         return [INDEXED if (i + 1) % interval == 0 else LINEAR for i in range(num_hidden_layers)]
-    return [INDEXED if t in _INDEXED_ALIASES else t for t in layer_types]
+    return [INDEXED if t in _INDEXED_ALIASES else LINEAR if t in _LINEAR_ALIASES else t for t in layer_types]
+
+
+def _check_layer_types(layer_types: list[str], num_hidden_layers: int) -> None:
+    if len(layer_types) != num_hidden_layers:
+        _fail("layer_types", f"has {len(layer_types)} entries but num_hidden_layers is {num_hidden_layers}")
+    bad = sorted(set(layer_types) - {LINEAR, INDEXED})
+    if bad:
+        _fail("layer_types", f"unsupported layer types {bad} (expected linear_attention / full_attention)")
 
 
 def first_eos(eos_token_id: int | list[int] | None) -> int | None:
@@ -150,6 +159,8 @@ class Qwen4ExpTextConfig(PretrainedConfig):
         self.output_router_logits = output_router_logits
         self.router_aux_loss_coef = router_aux_loss_coef
         self.layer_types = normalize_layer_types(layer_types, num_hidden_layers, interval)
+        # Checked before the base class runs its own layer_types validation, which fails without naming our field.
+        _check_layer_types(self.layer_types, num_hidden_layers)
         self.hc_count = hc_count
         self.hc_lowrank = hc_lowrank
         self.ple_layer_ids = sorted(set(ple_layer_ids or []))
@@ -183,11 +194,7 @@ class Qwen4ExpTextConfig(PretrainedConfig):
 
 def validate_text_config(c) -> None:
     """Check the invariants every runtime relies on. Works on any object with the text-config attributes."""
-    if len(c.layer_types) != c.num_hidden_layers:
-        _fail("layer_types", f"has {len(c.layer_types)} entries but num_hidden_layers is {c.num_hidden_layers}")
-    bad = sorted(set(c.layer_types) - {LINEAR, INDEXED})
-    if bad:
-        _fail("layer_types", f"unsupported layer types {bad} (expected linear_attention / full_attention)")
+    _check_layer_types(c.layer_types, c.num_hidden_layers)
     for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "vocab_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
               "linear_value_head_dim", "hc_lowrank", "moe_intermediate_size", "shared_expert_intermediate_size"):

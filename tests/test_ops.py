@@ -135,6 +135,28 @@ def test_causal_conv1d_matches_upstream_update():
     torch.testing.assert_close(fin, up_state, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1, 1, 1], [3, 1, 5]])
+def test_causal_conv1d_short_path_equals_conv_path(monkeypatch, dtype, lens):
+    """Decode-sized inputs sum the taps directly instead of calling conv1d: same values (fp32 accumulation, one
+    rounding), same state; also checked against the loop."""
+    torch.manual_seed(5)
+    C, K = 12, 4
+    x = torch.randn(sum(lens), C).to(dtype)
+    w = torch.randn(C, K).to(dtype)
+    st = torch.randn(len(lens), C, 9).to(dtype)
+    monkeypatch.setattr(conv_ref, "_SHORT", 1 << 30)
+    y_short, fin_short = conv_ref.causal_conv1d(x, w, cu_of(lens), st, 3)
+    monkeypatch.setattr(conv_ref, "_SHORT", 0)
+    y_conv, fin_conv = conv_ref.causal_conv1d(x, w, cu_of(lens), st, 3)
+    assert y_short.dtype == dtype and torch.equal(fin_short, fin_conv)
+    tol = F32 if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)  # at most one bf16 rounding apart
+    torch.testing.assert_close(y_short, y_conv, **tol)
+    y_ref, _ = loop_causal_conv1d(x.float(), w.float(), lens, st.float(), 3, "silu")
+    torch.testing.assert_close(y_short.float(), y_ref, **(F32 if dtype == torch.float32 else dict(rtol=2e-2,
+                                                                                                  atol=2e-2)))
+
+
 def test_causal_conv1d_bf16_sanity():
     torch.manual_seed(4)
     lens = [9, 1, 4]
@@ -197,6 +219,8 @@ GDR_CASES = [  # lens, Hk, Hv
     ([5], 2, 2),
     ([1, 23, 1, 9], 2, 6),  # GQA n_v = 3 n_k, length-1 sequences, several chunks of 8
     ([40, 17], 1, 3),
+    ([1, 1, 1], 2, 6),  # decode: one token per sequence
+    ([2, 0], 2, 2),  # as many tokens as sequences, but not one each (and an empty sequence)
 ]
 
 

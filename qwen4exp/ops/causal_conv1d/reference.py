@@ -14,6 +14,11 @@ import torch.nn.functional as F
 from ..varlen import seq_lens
 
 
+# Up to this many new tokens per sequence the taps are summed directly: a conv1d call costs more than the math there
+# (and its multi-threaded kernel stalls on a busy CPU).
+_SHORT = 8
+
+
 def state_len(kernel_size: int, dilation: int = 1) -> int:
     return (kernel_size - 1) * dilation
 
@@ -41,7 +46,11 @@ def causal_conv1d(
     valid = pos.unsqueeze(0) < lens.unsqueeze(1)  # [N, L]
     hist[:, S:][valid] = x.to(dtype)
     hist = hist.transpose(1, 2)  # [N, C, S+L]
-    y = F.conv1d(hist, weight.unsqueeze(1), groups=C, dilation=dilation)  # [N, C, L]
+    if L <= _SHORT:  # decode-sized inputs: the K taps as shifted multiply-adds (fp32, rounded once, as conv1d does)
+        w = weight.float()
+        y = sum(hist[:, :, j * dilation: j * dilation + L].float() * w[:, j, None] for j in range(K)).to(dtype)
+    else:
+        y = F.conv1d(hist, weight.unsqueeze(1), groups=C, dilation=dilation)  # [N, C, L]
     if activation == "silu":
         y = F.silu(y)
     elif activation is not None:

@@ -54,11 +54,15 @@ def recurrent_gated_delta_rule(
     N, Hv, dk, dv = lens.numel(), v.shape[1], q.shape[-1], v.shape[-1]
     S = (initial_state.float().clone() if initial_state is not None
          else q.new_zeros((N, Hv, dk, dv)))
-    qp, valid = pad_packed(q, cu_seqlens)
-    kp, _ = pad_packed(k, cu_seqlens)
-    vp, _ = pad_packed(v, cu_seqlens)
-    gp, _ = pad_packed(g, cu_seqlens)  # padding: g = 0, beta = 0, k = 0 leave S unchanged
-    bp, _ = pad_packed(beta, cu_seqlens)
+    if q.shape[0] == N and (N == 0 or int(lens.min()) == 1):  # decode: one token per sequence, nothing to pad
+        qp, kp, vp, gp, bp = (t.unsqueeze(1) for t in (q, k, v, g, beta))
+        valid = torch.ones(N, 1, dtype=torch.bool, device=q.device)
+    else:
+        qp, valid = pad_packed(q, cu_seqlens)
+        kp, _ = pad_packed(k, cu_seqlens)
+        vp, _ = pad_packed(v, cu_seqlens)
+        gp, _ = pad_packed(g, cu_seqlens)  # padding: g = 0, beta = 0, k = 0 leave S unchanged
+        bp, _ = pad_packed(beta, cu_seqlens)
     outs = []
     for t in range(qp.shape[1]):
         S = S * gp[:, t].exp()[..., None, None]

@@ -53,7 +53,7 @@ def selection_mask(block_ids: torch.Tensor, q_pos: torch.Tensor, kv_len: int, r:
     j = torch.arange(kv_len, device=q_pos.device)
     tail_start = (num_complete_blocks(q_pos, r) * r).unsqueeze(1)
     in_tail = (j.unsqueeze(0) >= tail_start) & (j.unsqueeze(0) <= q_pos.unsqueeze(1))
-    return blk[:, j // r] | in_tail
+    return blk.repeat_interleave(r, dim=1)[:, :kv_len] | in_tail  # token j gets the flag of its block j // r
 
 
 def selected_token_indices(block_ids: torch.Tensor, q_pos: torch.Tensor, r: int, budget: int) -> torch.Tensor:
@@ -71,14 +71,18 @@ def selected_token_indices(block_ids: torch.Tensor, q_pos: torch.Tensor, r: int,
 
 
 def sparse_attention(q, k, v, mask, scale):
-    """q [Tq, Hq, d], k/v [L, Hkv, d], mask [Tq, L] bool -> [Tq, Hq, d] (softmax in fp32 inside SDPA)."""
-    hq, hkv = q.shape[1], k.shape[1]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if hq != hkv:
-        kh = kh.repeat_interleave(hq // hkv, 0)
-        vh = vh.repeat_interleave(hq // hkv, 0)
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    return o.transpose(0, 1)
+    """q [Tq, Hq, d], k/v [L, Hkv, d], mask [Tq, L] bool -> [Tq, Hq, d] (softmax in fp32 inside SDPA).
+
+    Query head h reads KV head h // g (g = Hq / Hkv). The g query heads of a group are stacked as g * Tq query rows
+    of their KV head, so K and V are read in place rather than copied per query head, and the 4-D [1, Hkv, rows, d]
+    layout lets SDPA use its fused CPU kernel."""
+    Tq, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qh = q.view(Tq, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * Tq, d)  # rows: (head in group, query)
+    kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.repeat(g, 1), scale=scale)
+    return o.view(hkv, g, Tq, -1).permute(2, 0, 1, 3).reshape(Tq, hq, -1)
 
 
 def qsa_attention(
