@@ -39,8 +39,20 @@ def select_blocks(scores: torch.Tensor, n_complete: torch.Tensor, m: int) -> tor
     if k == 0:
         return scores.new_empty((Tq, 0), dtype=torch.long)
     visible = torch.arange(Nb, device=scores.device).unsqueeze(0) < n_complete.unsqueeze(1)
-    vals, idx = scores.masked_fill(~visible, float("-inf")).sort(dim=-1, descending=True, stable=True)
-    vals, idx = vals[:, :k], idx[:, :k]
+    s = scores.masked_fill(~visible, float("-inf"))
+    # = a stable descending sort cut at k, without sorting all Nb scores: every block above the k-th largest score
+    # is in, and the ties at that score fill the remaining places in id order.
+    kth = s.topk(k, dim=-1).values[:, -1:]
+    above, ties = s > kth, s == kth
+    take = above | (ties & (ties.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    picked = take.nonzero()
+    if picked.shape[0] != Tq * k:  # NaN scores: fall back to the full sort
+        vals, idx = s.sort(dim=-1, descending=True, stable=True)
+        return idx[:, :k].masked_fill(vals[:, :k] == float("-inf"), -1)
+    idx = picked[:, 1].view(Tq, k)  # ascending ids
+    vals = s.gather(1, idx)
+    order = vals.sort(dim=-1, descending=True, stable=True).indices  # score order, ties by id
+    idx, vals = idx.gather(1, order), vals.gather(1, order)
     return idx.masked_fill(vals == float("-inf"), -1)
 
 
