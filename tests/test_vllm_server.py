@@ -15,6 +15,8 @@ import urllib.request
 
 import pytest
 
+from qwen4exp.demo import stop_server
+
 pytestmark = pytest.mark.vllm
 
 MAX_LEN = 256
@@ -72,15 +74,7 @@ def server(tiny_ckpt, tmp_path_factory):
         print(f"server start-up: {startup:.1f}s")
         yield dict(base=base, proc=proc, log=work / "server.log", startup=startup, ckpt=tiny_ckpt, work=work)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)  # the server's own session: API server + engine core
-            proc.wait(timeout=30)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
+        stop_server(proc)  # the server's own session (API server + engine core), by PID
         log.close()
 
 
