@@ -12,6 +12,7 @@ import torch
 from qwen4exp import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, presets
 from qwen4exp.hf.loading import CheckpointError
 
+from prompts import prompt
 from upstream import upstream_causal_lm, upstream_conditional
 
 # 16 indexer heads: a block's score is 0 only if all 16 ReLU(q.k) are 0, so zero-score ties at the top-k boundary
@@ -26,16 +27,6 @@ CONFIGS = {
 
 def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
-
-
-def prompt(n, vocab, eos, seed=0, eos_at=(7, 8, 40)):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, vocab, (n,), generator=g)
-    ids[ids == eos] = eos + 1
-    for p in eos_at:
-        if p < n:
-            ids[p] = eos
-    return ids
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

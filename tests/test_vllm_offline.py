@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from prompts import prompt
 
 pytestmark = pytest.mark.vllm
 
@@ -19,13 +20,7 @@ GEN = 12
 
 
 def _prompt(n, vocab, eos, seed, eos_at=()):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, vocab, (n,), generator=g)
-    ids[ids == eos] = eos + 1
-    for p in eos_at:
-        if p < n:
-            ids[p] = eos
-    return ids.tolist()
+    return prompt(n, vocab, eos, seed, eos_at).tolist()
 
 
 @pytest.fixture(scope="module")
