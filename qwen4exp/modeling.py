@@ -38,6 +38,7 @@ class DecoderLayer(nn.Module):
         experts: nn.Module | None = None,
         layer_type: str | None = None,
         with_ple: bool = True,
+        ple_table_on_host: bool = False,
     ):
         super().__init__()
         self.layer_idx = layer_idx
@@ -50,7 +51,7 @@ class DecoderLayer(nn.Module):
             raise ValueError(f"layer {layer_idx}: unknown layer type {self.layer_type!r}")
         self.mlp = MoE(config, linear, f"{prefix}.mlp", experts=experts)
         q = ple_index_of(config, layer_idx) if with_ple else None
-        self.ple = PLE(config, q, linear, f"{prefix}.ple") if q is not None else None
+        self.ple = PLE(config, q, linear, f"{prefix}.ple", ple_table_on_host) if q is not None else None
         self.attn_hyper_connection = HyperConnection(config, True, linear, f"{prefix}.attn_hyper_connection")
         self.mlp_hyper_connection = HyperConnection(config, True, linear, f"{prefix}.mlp_hyper_connection")
 

@@ -25,9 +25,13 @@ from .norms import RMSNorm
 class NGramTable(nn.Module):
     """The shared hashed table [R, d_g]: bf16/fp32, or fp8 with a per-tensor ``weight_scale``."""
 
-    def __init__(self, rows: int, dim: int):
+    def __init__(self, rows: int, dim: int, host: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, dim))
+        # host=True: the table lives in page-locked host memory (the real one does not fit on a GPU); the GPU gathers
+        # its rows through unified addressing (qwen4exp.ops.ple), only T * G rows cross the bus.
+        w = (torch.empty(rows, dim, device="cpu", pin_memory=torch.cuda.is_available()) if host
+             else torch.empty(rows, dim))
+        self.weight = nn.Parameter(w, requires_grad=False) if host else nn.Parameter(w)
         self.register_buffer("weight_scale", None)
 
     def set_scale(self, scale: torch.Tensor | None) -> None:
@@ -35,7 +39,7 @@ class NGramTable(nn.Module):
 
 
 class NGramEmbedding(nn.Module):
-    def __init__(self, config, ple_index: int):
+    def __init__(self, config, ple_index: int, table_on_host: bool = False):
         super().__init__()
         self.n = config.ngram_size
         self.heads_per_ngram = config.heads_per_ngram
@@ -51,14 +55,16 @@ class NGramEmbedding(nn.Module):
             hash_multipliers(config.vocab_size, self.n, ple_index, config.seed), dtype=torch.long))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long))
         self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long))
-        self.ngram_embedding = NGramTable(self.rows, self.dim)
+        self.ngram_embedding = NGramTable(self.rows, self.dim, host=table_on_host)
 
     def forward(self, ids, cu_seqlens, ctx_state, out_dtype):
         ctx = ngram_context(ids, cu_seqlens, ctx_state, self.eos)
         rows = ngram_ids(ctx, self.layer_multipliers, self.ngram_heads_vocab_sizes, self.ngram_heads_offsets,
                          self.heads_per_ngram)
         t = self.ngram_embedding
-        emb = ple_lookup(t.weight, rows.to(t.weight.device), t.weight_scale, out_dtype).to(ids.device)
+        on_host = t.weight.device.type == "cpu" and ids.device.type != "cpu"  # pinned table, GPU ids: UVA gather
+        dev = ids.device if on_host else t.weight.device
+        emb = ple_lookup(t.weight, rows.to(dev), t.weight_scale, out_dtype).to(ids.device)
         return emb, _next_context(ids, cu_seqlens, ctx_state)
 
 
@@ -76,13 +82,14 @@ def _next_context(ids, cu_seqlens, prev):
 
 
 class PLE(nn.Module):
-    def __init__(self, config, ple_index: int, linear: LinearFactory = default_linear, prefix: str = ""):
+    def __init__(self, config, ple_index: int, linear: LinearFactory = default_linear, prefix: str = "",
+                 table_on_host: bool = False):
         super().__init__()
         n, D, Ep = config.hc_count, config.hidden_size, config.ple_embed_dim
         self.n, self.D = n, D
         self.dilation = config.ngram_size
         self.kernel = config.ple_conv_kernel_size
-        self.ple_embedding = NGramEmbedding(config, ple_index)
+        self.ple_embedding = NGramEmbedding(config, ple_index, table_on_host)
         self.key_proj = linear(Ep, n * D, prefix=f"{prefix}.key_proj")
         self.value_proj = linear(Ep, D, prefix=f"{prefix}.value_proj")
         eps = config.rms_norm_eps

@@ -73,7 +73,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
             else:
                 mixer = QSAMixer(config, vllm_config, f"{lp}.self_attn", self.rotary_emb)
             layer = DecoderLayer(config, i, linear=vllm_linear, prefix=lp, mixer=mixer, layer_type=lt,
-                                 experts=_LazyExperts())
+                                 experts=_LazyExperts(), ple_table_on_host=ple_table_on_host())
             layer.mlp.experts = fused_experts(config, f"{lp}.mlp.experts", layer.mlp.gate)
             if layer.ple is not None:
                 (nD, conv_len), (ctx_len,) = ple_state_shapes(config)
@@ -125,13 +125,30 @@ def _ple_step(ple, st: StateSlots, H: torch.Tensor, ids: torch.Tensor) -> torch.
     return out
 
 
+def _on_gpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
 def gdn_impl() -> str:
-    """``QWEN4EXP_VLLM_GDN``: "ours" (default; qwen4exp.layers.gdn math, bf16 inputs + fp32 state, matches the HF
-    reference's numerics) or "vllm" (vLLM's C++ CPU GDN kernels: faster on long prompts, ~1.5x the bf16 error)."""
-    v = os.environ.get("QWEN4EXP_VLLM_GDN", "ours").strip().lower()
+    """``QWEN4EXP_VLLM_GDN``: "ours" (CPU default; qwen4exp.layers.gdn math, bf16 inputs + fp32 state, matches the
+    HF reference's numerics) or "vllm" (GPU default: vLLM's GDN layer with its FLA/FlashInfer kernels; on CPU its C++
+    kernels: faster on long prompts, ~1.5x the bf16 error)."""
+    v = os.environ.get("QWEN4EXP_VLLM_GDN", "vllm" if _on_gpu() else "ours").strip().lower()
     if v not in ("ours", "vllm"):
         raise ValueError(f"QWEN4EXP_VLLM_GDN must be 'ours' or 'vllm', got {v!r}")
     return v
+
+
+def ple_table_on_host() -> bool:
+    """``QWEN4EXP_PLE_TABLE``: "host" (GPU default: the n-gram table in pinned host memory, rows gathered over UVA;
+    the real 51B-parameter table does not fit on a GPU) or "gpu" (table in GPU memory: fastest when it fits).
+    On CPU the table is simply in memory."""
+    v = os.environ.get("QWEN4EXP_PLE_TABLE", "host").strip().lower()
+    if v not in ("host", "gpu"):
+        raise ValueError(f"QWEN4EXP_PLE_TABLE must be 'host' or 'gpu', got {v!r}")
+    return v == "host" and _on_gpu()
 
 
 def _text_config(vllm_config):
@@ -151,7 +168,8 @@ class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
         logger.info("%s is served by the qwen4exp plugin (qwen4exp.vllm; GDN: %s, QSA: paged K/V + index cache, "
-                    "PLE: per-request state), not vLLM's in-tree qwen4_exp", type(self).__name__, gdn_impl())
+                    "PLE: per-request state, table in %s memory), not vLLM's in-tree qwen4_exp", type(self).__name__,
+                    gdn_impl(), "pinned host" if ple_table_on_host() else "device")
 
     # -- vLLM model protocol --------------------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

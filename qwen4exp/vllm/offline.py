@@ -4,8 +4,10 @@
 
 spec: {"model": dir, "engine": {LLM kwargs}, "env": {extra environment} (run_offline only), "sampling": {SamplingParams kwargs}, "prompts": [[ids], ...],
        "batches": [[prompt indices], ...] (default: all at once), "full_prompt_logprobs": bool,
+       "prompt_top1": bool (with sampling prompt_logprobs >= 1: the rank-1 token id at every prompt position),
        "warmup": bool (untimed short generate first)}
-out (torch.save): {"tokens": [[ids]...], "prompt_logprobs": [tensor [L-1, V] or None], "startup_s", "run_s",
+out (torch.save): {"tokens": [[ids]...], "prompt_logprobs": [tensor [L-1, V] or None],
+       "prompt_top1": [[ids of positions 1..L-1]] or None, "startup_s", "run_s",
        "metrics" (counters/gauges when disable_log_stats=False), "num_preemptions"}
 """
 
@@ -54,7 +56,9 @@ def _main(spec_path: str, out_path: str) -> None:
     sampling = SamplingParams(**spec.get("sampling", {}))
     tokens: list = [None] * len(prompts)
     plps: list = [None] * len(prompts)
+    top1: list = [None] * len(prompts)
     full = spec.get("full_prompt_logprobs", False)
+    want_top1 = spec.get("prompt_top1", False)
     if spec.get("warmup"):  # first calls pay one-off kernel / allocator set-up: keep them out of run_s
         for n in sorted({len(b) for b in batches}):
             llm.generate([{"prompt_token_ids": prompts[i][:16]} for i in range(n)],
@@ -64,6 +68,8 @@ def _main(spec_path: str, out_path: str) -> None:
         outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in batch], sampling, use_tqdm=False)
         for i, o in zip(batch, outs):
             tokens[i] = list(o.outputs[0].token_ids)
+            if want_top1 and o.prompt_logprobs is not None:
+                top1[i] = [next((t for t, lp in d.items() if lp.rank == 1), -1) for d in o.prompt_logprobs[1:]]
             if full and o.prompt_logprobs is not None:
                 pl = o.prompt_logprobs
                 V = max(len(d) for d in pl[1:]) if len(pl) > 1 else 0
@@ -81,7 +87,7 @@ def _main(spec_path: str, out_path: str) -> None:
                 metrics[m.name] = metrics.get(m.name, 0) + m.value
     except Exception:
         pass
-    torch.save({"tokens": tokens, "prompt_logprobs": plps, "startup_s": startup, "run_s": run, "metrics": metrics,
+    torch.save({"tokens": tokens, "prompt_logprobs": plps, "prompt_top1": top1, "startup_s": startup, "run_s": run, "metrics": metrics,
                 "num_preemptions": metrics.get("vllm:num_preemptions")}, out_path)
 
 

@@ -1,0 +1,284 @@
+"""Upstream vLLM's in-tree qwen4_exp vs the qwen4exp plugin, side by side in one run (FN-12L, dummy weights).
+
+    python recipes/bench_vllm_gpu.py --out bench_out/vllm_gpu              # both implementations, full sizes
+    python recipes/bench_vllm_gpu.py --impls ours --ctx 2048 --bs32-ctx 512 # a quick look
+
+Each implementation runs in its own subprocess (``QWEN4EXP_VLLM=0`` for upstream, so vLLM's in-tree classes serve)
+with the same engine arguments as the upstream anchor (``load_format="dummy"``, bf16, ``max_model_len`` ctx + 320,
+``max_num_seqs`` 32, ``max_num_batched_tokens`` 16384, prefix caching off, random prompt ids, greedy,
+``ignore_eos``). Measured per implementation, by driving ``LLMEngine.step()`` and timing every step:
+
+* engine start-up (``LLM(...)`` wall time) and GPU memory (weights, and all the engine holds after start-up);
+* batch 1, ``--ctx``-token prompt: time to the first token (prefill), then ``--out-tokens`` tokens: TPOT as the
+  anchor defines it ((end to end - first token) / (n - 1)) and the median single decode step;
+* batch 32, ``--bs32-ctx``-token prompts: the median decode step once every request is decoding, and tokens/s.
+
+Printed beside them: the batch-1 bandwidth roofline = bytes one decode step must read (active weights: everything
+but the 502 idle experts per layer, the LM head, the PLE rows; the GDN states; the QSA keys a query reads at this
+context) over the device-to-device copy bandwidth measured in the same run. Table on stdout, rows in ``results.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ------------------------------------------------------------------------------------------------- the config
+def write_config(path: str, layers: int, preset: str = "fn") -> dict:
+    sys.path.insert(0, os.path.dirname(HERE))
+    from qwen4exp import presets
+
+    cfg = presets.fn12l() if preset == "fn" else presets.tiny_text(num_hidden_layers=4)
+    if layers != cfg.num_hidden_layers:
+        d = cfg.to_dict()
+        d["num_hidden_layers"] = layers
+        d["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+        cfg = type(cfg)(**{k: v for k, v in d.items() if k not in ("model_type", "transformers_version")})
+    os.makedirs(path, exist_ok=True)
+    cfg.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def roofline_bytes(c: dict, ctx: int, elt: int = 2) -> dict:
+    """Bytes one batch-1 decode step reads at context ``ctx`` (bf16 weights, fp32 GDN state, bf16 QSA K/V)."""
+    D, L = c["hidden_size"], c["num_hidden_layers"]
+    n = c["hc_count"]
+    types = c["layer_types"]
+    n_lin = sum(t == "linear_attention" for t in types)
+    n_qsa = L - n_lin
+    hd, hq, hkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    qsa_w = D * (hq * hd * 2 + hkv * hd * 2) + hq * hd * D  # q (+gate), k, v, o
+    di, hi = c["indexer_head_dim"], c["indexer_n_heads"]
+    qsa_w += D * (hi * di + di) + D * hi  # indexer q, k, weights (approx.)
+    kd, vd = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    gdn_w = D * (2 * nk * kd + 2 * nv * vd + 2 * nv) + nv * vd * D
+    I, E, k = c["moe_intermediate_size"], c["num_experts"], c["num_experts_per_tok"]
+    shared = 3 * D * c["shared_expert_intermediate_size"] + D
+    moe_w = k * 3 * D * I + shared + E * D  # active experts + shared + router
+    hc_w = 2 * (n * D * c["hc_lowrank"] * 2 + n * D)  # two mixers per layer, down + up + norm
+    weights = elt * (n_lin * gdn_w + n_qsa * qsa_w + L * (moe_w + hc_w)) + elt * c["vocab_size"] * D  # + LM head
+    gdn_state = n_lin * nv * kd * vd * 4 * 2  # read + write, fp32
+    r, budget = c["indexer_compress_ratio"], c["indexer_budget"]
+    sel = min(ctx, budget + r - 1)
+    qsa_kv = n_qsa * (sel * hkv * hd * 2 * elt + (ctx // r) * di * elt)
+    return dict(weights=weights, gdn_state=gdn_state, qsa_kv=qsa_kv, total=weights + gdn_state + qsa_kv)
+
+
+def copy_bandwidth() -> float:
+    import torch
+
+    if not torch.cuda.is_available():
+        return float("nan")
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    ts = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return 2 * x.numel() / statistics.median(ts)  # read + write
+
+
+# ------------------------------------------------------------------------------------------------- one engine
+def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None):
+    """Add the prompts, step until done. Returns (t_first_all, t_end, step_times_while_all_decoding, tokens).
+    ``profile_to``: write a torch-profiler table of decode steps 32..39 there (the steps stay out of the timings)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}-{t0}", {"prompt_token_ids": p}, sp)
+    got = {}
+    t_first = None
+    steps = []
+    prof = None
+    while engine.has_unfinished_requests():
+        if profile_to and len(steps) == 32 and prof is None:
+            import torch
+
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            prof = torch.profiler.profile(activities=acts)
+            prof.__enter__()
+            for _ in range(8):
+                engine.step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            with open(profile_to, "w") as f:
+                f.write(prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=40))
+                f.write("\n\n")
+                f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+            continue
+        ts = time.perf_counter()
+        outs = engine.step()
+        te = time.perf_counter()
+        for o in outs:
+            got[o.request_id] = len(o.outputs[0].token_ids) if o.outputs else 0
+        all_started = len(got) == len(prompts) and min(got.values()) >= 1
+        if all_started and t_first is None:
+            t_first = te - t0
+        elif all_started and outs and min(got.values()) < max_tokens:
+            steps.append(te - ts)
+    return t_first, time.perf_counter() - t0, steps, sum(got.values())
+
+
+def worker(args) -> None:
+    import random
+
+    import torch
+    from vllm import LLM
+
+    cfg = json.load(open(os.path.join(args.model, "config.json")))
+    res = dict(impl=args.impl, layers=cfg["num_hidden_layers"])
+    eng = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=args.ctx + 320,
+               max_num_seqs=32, max_num_batched_tokens=16384, gpu_memory_utilization=args.gpu_util,
+               enable_prefix_caching=False, seed=0)
+    if args.eager:
+        eng["enforce_eager"] = True
+    else:
+        eng["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}
+    res["eager"] = bool(args.eager)
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, **eng)
+    res["startup_s"] = time.perf_counter() - t0
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        res["gpu_used_gib"] = (total - free) / 2**30
+        res["torch_alloc_gib"] = torch.cuda.memory_allocated() / 2**30
+    engine = llm.llm_engine
+    rng = random.Random(0)
+    V = cfg["vocab_size"]
+
+    def prompts(n, L):
+        return [[rng.randrange(10, V - 10) for _ in range(L)] for _ in range(n)]
+
+    _drive(engine, prompts(1, 64), 8)  # warm-up (kernels, allocator) outside every figure
+    t_first, t_end, steps, ntok = _drive(engine, prompts(1, args.ctx), args.out_tokens)
+    res.update(bs1_ctx=args.ctx, bs1_prefill_s=t_first, bs1_e2e_s=t_end,
+               bs1_tpot_ms=1e3 * (t_end - t_first) / max(ntok - 1, 1),
+               bs1_step_ms=1e3 * statistics.median(steps) if steps else None)
+    print(json.dumps(res), flush=True)
+    if args.profile:  # a separate request: the profiler's overhead stays out of the figures above
+        _drive(engine, prompts(1, args.ctx), 48,
+               os.path.join(os.path.dirname(args.result), f"{args.impl}.profile.txt"))
+    if args.bs32_ctx > 0:
+        t_first, t_end, steps, ntok = _drive(engine, prompts(32, args.bs32_ctx), args.bs32_tokens)
+        step = statistics.median(steps) if steps else float("nan")
+        res.update(bs32_ctx=args.bs32_ctx, bs32_prefill_s=t_first, bs32_e2e_s=t_end, bs32_step_ms=1e3 * step,
+                   bs32_decode_tok_s=32 / step, bs32_e2e_out_tok_s=ntok / t_end)
+    with open(args.result, "w") as f:
+        json.dump(res, f)
+    print(json.dumps(res), flush=True)
+    del llm
+
+
+# ------------------------------------------------------------------------------------------------- driver
+FIELDS = ["impl", "eager", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "bs1_ctx", "bs1_prefill_s",
+          "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s", "bs32_step_ms", "bs32_decode_tok_s",
+          "bs32_e2e_out_tok_s", "roofline_ms", "error"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_out/vllm_gpu", help="folder for config, logs, results.csv")
+    ap.add_argument("--impls", default="upstream,ours", help="comma list: upstream (QWEN4EXP_VLLM=0), ours")
+    ap.add_argument("--layers", type=int, default=12, help="FN depth (12 = FN-12L)")
+    ap.add_argument("--preset", default="fn", choices=("fn", "tiny"), help="tiny: the test model (a CPU smoke "
+                    "run of this script)")
+    ap.add_argument("--ctx", type=int, default=50_000, help="batch-1 prompt length")
+    ap.add_argument("--out-tokens", type=int, default=256, help="batch-1 output tokens")
+    ap.add_argument("--bs32-ctx", type=int, default=50_000, help="batch-32 prompt length (0: skip batch 32)")
+    ap.add_argument("--bs32-tokens", type=int, default=64, help="batch-32 output tokens per request")
+    ap.add_argument("--eager", default="ours", help="comma list of impls run with enforce_eager (others: "
+                    "torch.compile + CUDA graphs, vLLM's defaults)")
+    ap.add_argument("--gpu-util", type=float, default=0.85)
+    ap.add_argument("--profile", action="store_true", help="torch-profiler table of 8 batch-1 decode steps per impl "
+                    "(<impl>.profile.txt; those steps are left out of the timings, not of the end-to-end TPOT)")
+    ap.add_argument("--timeout", type=float, default=560, help="seconds per implementation")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--impl", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        args.eager = args.eager == "1"
+        return worker(args)
+
+    os.makedirs(args.out, exist_ok=True)
+    model = os.path.join(args.out, f"{args.preset}{args.layers}l")
+    cfg = write_config(model, args.layers, args.preset)
+    bw = copy_bandwidth()
+    rb = roofline_bytes(cfg, args.ctx)
+    roof_ms = 1e3 * rb["total"] / bw
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; batch-1 bytes/step at ctx {args.ctx}: weights "
+          f"{rb['weights'] / 1e9:.2f} GB + GDN state {rb['gdn_state'] / 1e9:.3f} GB + QSA keys "
+          f"{rb['qsa_kv'] / 1e9:.3f} GB -> roofline {roof_ms:.3f} ms", flush=True)
+    rows = []
+    eager = set(args.eager.split(","))
+    for impl in args.impls.split(","):
+        res_path = os.path.join(args.out, f"{impl}.json")
+        log = os.path.join(args.out, f"{impl}.log")
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env["QWEN4EXP_VLLM"] = "0" if impl == "upstream" else "1"
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--impl", impl, "--model", model,
+               "--result", res_path, "--ctx", str(args.ctx), "--out-tokens", str(args.out_tokens),
+               "--bs32-ctx", str(args.bs32_ctx), "--bs32-tokens", str(args.bs32_tokens),
+               "--eager", "1" if impl in eager else "0", "--gpu-util", str(args.gpu_util)]
+        if args.profile:
+            cmd.append("--profile")
+        row = dict(impl=impl)
+        if os.path.exists(res_path):
+            os.remove(res_path)
+        try:
+            with open(log, "w") as lf:
+                p = subprocess.run(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT, timeout=args.timeout)
+            if p.returncode:
+                row["error"] = f"rc={p.returncode} (see {os.path.basename(log)})"
+        except subprocess.TimeoutExpired:
+            row["error"] = f"timeout {args.timeout:.0f}s (see {os.path.basename(log)})"
+        if os.path.exists(res_path):
+            row.update(json.load(open(res_path)))
+        else:  # partial: the batch-1 line printed before batch 32
+            for line in open(log):
+                if line.startswith('{"impl"'):
+                    row.update(json.loads(line))
+        row["roofline_ms"] = roof_ms
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, FIELDS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    fmt = lambda v: "-" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))  # noqa: E731
+    print("\n| " + " | ".join(FIELDS) + " |\n|" + "---|" * len(FIELDS))
+    for r in rows:
+        print("| " + " | ".join(fmt(r.get(k)) for k in FIELDS) + " |")
+    by = {r["impl"]: r for r in rows}
+    if "ours" in by and "upstream" in by:
+        for k in ("bs1_tpot_ms", "bs1_step_ms", "bs32_step_ms"):
+            a, b = by["ours"].get(k), by["upstream"].get(k)
+            if a and b:
+                print(f"{k}: ours/upstream = {a / b:.2f}")
+
+
+if __name__ == "__main__":
+    main()

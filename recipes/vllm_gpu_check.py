@@ -1,0 +1,174 @@
+"""Teacher-forced correctness of vLLM on a GPU: the qwen4exp plugin and upstream's in-tree qwen4_exp, each against
+our HF reference's fp32 logits, beside the HF reference's own bf16 run (the bar), in one run.
+
+    python recipes/vllm_gpu_check.py --out bench_out/vllm_gpu_check [--models tiny,coder,fn4] [--impls ours,upstream]
+
+Models: ``tiny`` (random tiny checkpoint of the tests, QSA budget 16), ``coder`` (the trained tiny-coder asset),
+``fn4`` (random, Qwen3.8-Flash-Next widths, 4 layers: 3 GDN + 1 QSA, 64 experts, real vocab and QSA budget 2048;
+prompts up to 3,000 tokens so the indexer selects). Prompts: seeded random ids, EOS inside some. vLLM runs bf16 with
+chunked prefill (mixed prefill + decode batches) and returns the rank-1 token of every prompt position
+(``prompt_logprobs=1``); top-1 agreement with the fp32 argmax is counted over all positions. Also reported: greedy
+tokens of vLLM vs the HF bf16 reference's greedy continuation (first mismatch). Table on stdout, ``results.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+GEN = 16
+
+
+def _dev() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a local smoke run of this script
+
+
+def _prompts(V: int, eos: int, spec) -> list[list[int]]:
+    from prompts import prompt
+
+    return [prompt(n, V, eos, seed, eos_at).tolist() for n, seed, eos_at in spec]
+
+
+def build(name: str, out: str):
+    """-> (checkpoint dir, prompts, engine overrides)."""
+    import torch
+
+    from qwen4exp import Qwen4ExpForCausalLM, presets
+
+    if name == "tiny":
+        from tiny_checkpoint import build_checkpoint
+
+        d = build_checkpoint(os.path.join(out, "tiny"), seed=0)
+        spec = [(300, 1, (50, 51, 120)), (37, 2, ()), (230, 3, (100,)), (5, 4, ()), (180, 5, (0, 90)),
+                (64, 6, (63,)), (1, 7, ()), (260, 8, (200,))]
+        return d, spec, dict(max_model_len=512, max_num_batched_tokens=64)
+    if name == "coder":
+        d = os.path.join(ROOT, "qwen4exp", "assets", "tiny-coder")
+        spec = [(400, 11, (100,)), (120, 12, ()), (700, 13, (300, 301)), (33, 14, ())]
+        return d, spec, dict(max_model_len=1024, max_num_batched_tokens=256)
+    if name == "fn4":
+        d = os.path.join(out, "fn4")
+        if not os.path.exists(os.path.join(d, "model.safetensors")):
+            cfg = presets.fn12l()
+            kw = {k: v for k, v in cfg.to_dict().items() if k not in ("model_type", "transformers_version")}
+            kw.update(num_hidden_layers=4, num_experts=64, ngram_vocab_size_base=20_000,
+                      layer_types=["linear_attention"] * 3 + ["full_attention"])
+            cfg = type(cfg)(**kw)
+            torch.manual_seed(0)
+            with torch.device(_dev()):
+                m = Qwen4ExpForCausalLM(cfg)
+            m.to(torch.bfloat16).cpu().save_pretrained(d)
+            del m
+            torch.cuda.empty_cache()
+        spec = [(3000, 21, (1000, 1001)), (2600, 22, ()), (700, 23, (10,)), (100, 24, ())]
+        return d, spec, dict(max_model_len=3200, max_num_batched_tokens=1024)
+    raise SystemExit(f"unknown model {name!r}")
+
+
+def hf_reference(d: str, prompts):
+    """fp32 argmax, bf16 argmax per position (positions 1..L-1 predicted from the prefix), bf16 greedy tokens."""
+    import torch
+
+    from qwen4exp import Qwen4ExpForCausalLM
+
+    res = {}
+    for dt in (torch.float32, torch.bfloat16):
+        m = Qwen4ExpForCausalLM.from_pretrained(d, dtype=dt, device=_dev()).eval()
+        am, greedy = [], []
+        with torch.no_grad():
+            for p in prompts:
+                x = torch.tensor([p], device=_dev())
+                am.append(m(x).logits[0, :-1].float().argmax(-1).cpu())
+                if dt == torch.bfloat16:
+                    g = m.generate(x, max_new_tokens=GEN, do_sample=False) if hasattr(m, "generate") else None
+                    greedy.append(g[0, len(p):].tolist() if g is not None else None)
+        res[str(dt).split(".")[-1]] = am
+        if dt == torch.bfloat16:
+            res["greedy_bf16"] = greedy
+        del m
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return res
+
+
+def run_vllm(impl: str, d: str, prompts, eng: dict, work: str):
+    from qwen4exp.vllm.offline import run_offline
+
+    engine = dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_num_seqs=8,
+                  enable_prefix_caching=False, enable_chunked_prefill=True, gpu_memory_utilization=0.5, seed=0)
+    engine.update(eng)
+    spec = dict(model=d, engine=engine, prompts=prompts, prompt_top1=True,
+                env={"QWEN4EXP_VLLM": "0" if impl == "upstream" else "1"},
+                sampling=dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, prompt_logprobs=1, detokenize=False))
+    return run_offline(spec, work, timeout=480)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_out/vllm_gpu_check")
+    ap.add_argument("--models", default="tiny,coder,fn4")
+    ap.add_argument("--impls", default="ours,upstream")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    import torch
+
+    rows = []
+    for name in args.models.split(","):
+        t0 = time.perf_counter()
+        d, spec, eng = build(name, args.out)
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        tc = cfg.get("text_config", cfg)
+        eos = tc["eos_token_id"][0] if isinstance(tc["eos_token_id"], list) else tc["eos_token_id"]
+        prompts = _prompts(tc["vocab_size"], eos, spec)
+        ref = hf_reference(d, prompts)
+        f32, b16 = ref["float32"], ref["bfloat16"]
+        total = sum(len(a) for a in f32)
+        agree_b = sum(int((a == b).sum()) for a, b in zip(f32, b16))
+        print(f"[{name}] HF reference done in {time.perf_counter() - t0:.0f}s: bf16 top-1 {agree_b}/{total}",
+              flush=True)
+        for impl in args.impls.split(","):
+            row = dict(model=name, impl=impl, positions=total, hf_bf16_agree=agree_b)
+            try:
+                out = run_vllm(impl, d, prompts, eng, os.path.join(args.out, f"{name}-{impl}"))
+                agree_v = v_only = b_only = 0
+                for a, b, t in zip(f32, b16, out["prompt_top1"]):
+                    t = torch.tensor(t)
+                    ok_v, ok_b = t == a, b == a
+                    agree_v += int(ok_v.sum())
+                    v_only += int((~ok_v & ok_b).sum())
+                    b_only += int((ok_v & ~ok_b).sum())
+                gm = [next((i for i, (x, y) in enumerate(zip(g, h)) if x != y), len(g)) if h else None
+                      for g, h in zip(out["tokens"], ref["greedy_bf16"])]
+                row.update(vllm_agree=agree_v, only_vllm_wrong=v_only, only_hf_bf16_wrong=b_only,
+                           no_worse=agree_v >= agree_b, startup_s=round(out["startup_s"], 1),
+                           greedy_match_len_vs_hf_bf16=gm)
+            except Exception as e:  # an implementation that refuses the checkpoint: say what it said
+                msg = [ln.split("] ", 1)[-1].strip() for ln in str(e).strip().splitlines()]
+                err = [ln for ln in msg if re.search(r"\w(Error|Exception)\b", ln) and "pydantic.dev" not in ln]
+                row["error"] = " / ".join(dict.fromkeys(err[-3:])) [:400] if err else (msg[-1] if msg else repr(e))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    fields = ["model", "impl", "positions", "vllm_agree", "hf_bf16_agree", "only_vllm_wrong", "only_hf_bf16_wrong",
+              "no_worse", "startup_s", "greedy_match_len_vs_hf_bf16", "error"]
+    with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    print("\n| " + " | ".join(fields) + " |\n|" + "---|" * len(fields))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(k, "-")) for k in fields) + " |")
+
+
+if __name__ == "__main__":
+    main()
