@@ -6,7 +6,6 @@ the bar is the HF reference's own bf16 run against the same fp32 logits. Greedy 
 prefill, batching (mixed prefill + decode), prefix caching or preemption.
 """
 
-import math
 import os
 
 import pytest
@@ -84,18 +83,11 @@ def _centered(lp):
     return lp - lp.mean(-1, keepdim=True)
 
 
-def _sign_test_p(worse: int, better: int) -> float:
-    """One-sided sign test: P(X >= worse) for X ~ Binomial(worse + better, 1/2)."""
-    n = worse + better
-    return sum(math.comb(n, k) for k in range(worse, n + 1)) / 2 ** n if n else 1.0
-
-
 @pytest.mark.parametrize("run", BF16_RUNS)
 def test_prompt_logprobs_vs_hf_fp32(setup, runs, run):
     """bf16 engine vs HF fp32, teacher-forced. Logits: relative error (centred log-probs) within 1.25x of the HF
-    bf16 run's. Top-1: agreement with the fp32 argmax no worse than the HF bf16 run's. The two bf16 runs differ only
-    at near-ties, where either may flip, so "no worse" is judged on the positions where exactly one of them is
-    wrong: the engine must not be significantly worse there (one-sided sign test, p > 0.05)."""
+    bf16 run's. Top-1: agreement with the fp32 argmax no worse than the HF bf16 run's (both runtimes share the bf16
+    numerics, routed experts included: fp32 accumulation and top-k combine, see qwen4exp/vllm/README.md)."""
     res = runs[run]
     agree_v = agree_b = total = v_only = b_only = 0
     for i, p in enumerate(setup["prompts"]):
@@ -116,10 +108,9 @@ def test_prompt_logprobs_vs_hf_fp32(setup, runs, run):
         err_b = ((_centered(bl) - _centered(fl)).norm() / _centered(fl).norm()).item()
         print(f"{run} prompt {i} len {len(p)}: rel err vLLM {err_v:.4f} HF-bf16 {err_b:.4f}")
         assert err_v <= 1.25 * err_b + 1e-3, (i, err_v, err_b)
-    p = _sign_test_p(v_only, b_only)
     print(f"{run}: top-1 agreement with HF fp32: vLLM {agree_v}/{total}, HF bf16 {agree_b}/{total}; "
-          f"only vLLM wrong {v_only}, only HF-bf16 wrong {b_only}, sign-test p={p:.3f}")
-    assert agree_v >= agree_b or p > 0.05
+          f"only vLLM wrong {v_only}, only HF-bf16 wrong {b_only}")
+    assert agree_v >= agree_b, (agree_v, agree_b)
 
 
 def test_fp32_matches_hf_fp32(setup, runs):

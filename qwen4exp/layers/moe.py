@@ -33,7 +33,13 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts stored fused, as in the official checkpoint: gate_up_proj [E, 2I, D] (gate rows first),
-    down_proj [E, D, I]."""
+    down_proj [E, D, I].
+
+    Precision (low-precision models): both projections accumulate and return fp32, SiLU(gate) * up is computed in
+    fp32 and rounded once to the model dtype (the down projection's input), and the top-k combine sums the weighted
+    expert outputs in fp32, rounded once at the end. This is what fused MoE kernels do (vLLM's CPU ``cpu_fused_moe``
+    matches it to the last bit but for fp32 summation order), instead of rounding every intermediate to bf16 and
+    accumulating the combine in bf16. In fp32 nothing changes."""
 
     def __init__(self, config):
         super().__init__()
@@ -44,23 +50,24 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         T, k = ids.shape
-        out = torch.zeros_like(x)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        out = torch.zeros(x.shape, dtype=acc, device=x.device)
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tok = order // k
-        wsel = weights.reshape(-1)[order]
+        wsel = weights.reshape(-1)[order].to(acc)
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
             t = tok[start: start + c]
-            h = F.linear(x[t], self.gate_up_proj[e])
+            h = F.linear(x[t].to(acc), self.gate_up_proj[e].to(acc))
             gate, up = h.chunk(2, -1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * wsel[start: start + c, None]
-            out.index_add_(0, t, y.to(out.dtype))
+            a = (F.silu(gate) * up).to(x.dtype).to(acc)
+            out.index_add_(0, t, F.linear(a, self.down_proj[e].to(acc)) * wsel[start: start + c, None])
             start += c
-        return out
+        return out.to(x.dtype)
 
 
 class SwiGLU(nn.Module):

@@ -28,7 +28,8 @@ def vllm_linear(in_features: int, out_features: int, *, prefix: str = "") -> nn.
 
 
 def fused_experts(config, prefix: str, router) -> nn.Module:
-    """vLLM FusedMoE (CPU: bf16 experts) fed with our router's logits; the top-k selection is our ``Router.select``
+    """vLLM FusedMoE (CPU: ``cpu_fused_moe``, bf16 weights, fp32 accumulation and top-k combine: the numerics of
+    ``qwen4exp.layers.moe.Experts``) fed with our router's logits; the top-k selection is our ``Router.select``
     (fp32 softmax over all experts, renormalised in fp32), not vLLM's bf16 softmax over the top-k logits."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
