@@ -111,7 +111,7 @@ def run_vllm(impl: str, d: str, prompts, eng: dict, work: str):
     spec = dict(model=d, engine=engine, prompts=prompts, prompt_top1=True,
                 env={"QWEN4EXP_VLLM": "0" if impl == "upstream" else "1"},
                 sampling=dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, prompt_logprobs=1, detokenize=False))
-    return run_offline(spec, work, timeout=480)
+    return run_offline(spec, work, timeout=float(os.environ.get("QWEN4EXP_CHECK_TIMEOUT", 300)))
 
 
 def main() -> None:
@@ -131,7 +131,9 @@ def main() -> None:
         tc = cfg.get("text_config", cfg)
         eos = tc["eos_token_id"][0] if isinstance(tc["eos_token_id"], list) else tc["eos_token_id"]
         prompts = _prompts(tc["vocab_size"], eos, spec)
+        ref_path = os.path.join(args.out, f"{name}-hf-reference.pt")
         ref = hf_reference(d, prompts)
+        torch.save(dict(ref, prompts=prompts), ref_path)  # kept: a vLLM run killed later can still be scored
         f32, b16 = ref["float32"], ref["bfloat16"]
         total = sum(len(a) for a in f32)
         agree_b = sum(int((a == b).sum()) for a, b in zip(f32, b16))

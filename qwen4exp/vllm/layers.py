@@ -7,6 +7,8 @@ QSA, PLE, HC and shared-expert linears are replicated (``ReplicatedLinear``), so
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -14,6 +16,47 @@ from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+
+# ---------------------------------------------------------------------------------------------- eager graph segments
+# On GPUs vLLM runs Qwen4Exp under "breakable" CUDA graphs (its default for these architecture names): one capture
+# drives the whole forward and every op decorated with ``eager_break_during_capture`` ends the current graph, runs
+# eagerly (on every replay, with the step's real attention metadata) and starts the next graph. Our runtime-state
+# code (QSA caches + selection, the PLE and GDN state slots) reads host-side metadata, so it runs as such eager
+# segments, writing into a caller-provided buffer; everything else (projections, HC, MoE, norms) is captured.
+_EAGER_LAYERS: "weakref.WeakValueDictionary[str, nn.Module]" = weakref.WeakValueDictionary()
+_eager_fn = None
+
+
+def _run_eager(out: torch.Tensor, layer_name: str, *inputs: torch.Tensor) -> None:
+    _EAGER_LAYERS[layer_name].eager_forward(out, *inputs)
+
+
+def eager_segment(layer: nn.Module, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """``layer.eager_forward(out, *inputs)`` as an eager segment of a breakable CUDA graph (a plain call otherwise).
+    Decorated on first use: vLLM decides whether breakable graphs are on while it builds its config."""
+    global _eager_fn
+    if _eager_fn is None:
+        from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+
+        _eager_fn = eager_break_during_capture(_run_eager)
+    _EAGER_LAYERS[layer.eager_name] = layer
+    _eager_fn(out, layer.eager_name, *inputs)
+    return out
+
+
+def check_cudagraph_mode(vllm_config: VllmConfig) -> None:
+    """Our eager segments need vLLM's breakable CUDA graphs (or none): plain FULL graphs would capture host syncs."""
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    cc = vllm_config.compilation_config
+    mode = cc.cudagraph_mode
+    if (current_platform.is_cuda_alike() and mode not in (None, CUDAGraphMode.NONE)
+            and not vllm_config.model_config.enforce_eager and not is_breakable_cudagraph_enabled()):
+        raise ValueError("qwen4exp: CUDA graphs need VLLM_USE_BREAKABLE_CUDAGRAPH=1 (vLLM's default for Qwen4Exp); "
+                         "it is set to 0 here. Unset it, or pass --enforce-eager.")
 
 
 class Linear(ReplicatedLinear):
@@ -63,7 +106,8 @@ class StateSlots(nn.Module, MambaBase):
 
     def __init__(self, shapes, dtypes, prefix: str, tp_replicated: bool = True):
         super().__init__()
-        self.prefix = prefix
+        self.prefix = self.eager_name = prefix
+        self.step = None  # set by the owner: step(*inputs) -> output tensor (binds the states through ``run``)
         self.shapes = tuple(tuple(s) for s in shapes)
         self.dtypes = tuple(dtypes)
         self.replicated = tp_replicated
@@ -86,6 +130,13 @@ class StateSlots(nn.Module, MambaBase):
 
     def get_state_dtype(self):
         return self.dtypes
+
+    def eager_forward(self, out: torch.Tensor, *inputs: torch.Tensor) -> None:
+        out.copy_(self.step(*inputs))
+
+    def __call__(self, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Run the owner's step as an eager graph segment, result into ``out``."""
+        return eager_segment(self, out, *inputs)
 
     def run(self, fn, T: int, device, fresh_values):
         """Gather this step's states, call ``fn(n_tokens, cu_seqlens, states) -> (out, new_states)``, write back.
@@ -131,8 +182,12 @@ def our_gdn(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
             super().__init__(config, vllm_linear, prefix)
             self.A_log.data = self.A_log.data.float()  # kept fp32, as the HF reference loads it
             self.state = StateSlots(self.state_shapes(), gdn_state_dtypes(vllm_config), f"{prefix}.state")
+            self.state.step = self._step
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return self.state(torch.empty_like(x), x)
+
+        def _step(self, x: torch.Tensor) -> torch.Tensor:
             T = x.shape[0]
 
             def fn(n, cu, states):

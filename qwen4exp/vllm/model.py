@@ -11,6 +11,7 @@ the math). Runtime pieces bound here:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 
@@ -37,7 +38,8 @@ from ..configuration import _INDEXED_ALIASES, INDEXED, LINEAR
 from ..layers.hyper_connection import HyperConnection
 from ..layers.rope import RotaryEmbedding
 from ..modeling import DecoderLayer, embed_streams
-from .layers import our_gdn, StateSlots, fused_experts, gdn_mixer, ple_state_shapes, vllm_linear
+from .layers import (StateSlots, check_cudagraph_mode, fused_experts, gdn_mixer, our_gdn, ple_state_shapes,
+                     vllm_linear)
 from .qsa import QSAMixer
 from .weights import load_qwen4exp_weights
 
@@ -68,7 +70,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
             lt = _layer_type(config, i)
             lp = f"{prefix}.layers.{i}"
             if lt == LINEAR:
-                mixer = (gdn_mixer(config, vllm_config, f"{lp}.linear_attn") if gdn_impl() == "vllm"
+                mixer = (gdn_mixer(config, vllm_config, f"{lp}.linear_attn") if gdn_impl(config) == "vllm"
                          else our_gdn(config, vllm_config, f"{lp}.linear_attn"))
             else:
                 mixer = QSAMixer(config, vllm_config, f"{lp}.self_attn", self.rotary_emb)
@@ -77,8 +79,9 @@ class Qwen4ExpVllmTextModel(nn.Module):
             layer.mlp.experts = fused_experts(config, f"{lp}.mlp.experts", layer.mlp.gate)
             if layer.ple is not None:
                 (nD, conv_len), (ctx_len,) = ple_state_shapes(config)
-                self.ple_states[str(i)] = StateSlots(((nD, conv_len), (ctx_len,)), (dtype, torch.int32),
-                                                     f"{lp}.ple_state")
+                st = StateSlots(((nD, conv_len), (ctx_len,)), (dtype, torch.int32), f"{lp}.ple_state")
+                st.step = functools.partial(_ple_step, layer.ple, st)
+                self.ple_states[str(i)] = st
             layers.append(layer)
         self.layers = nn.ModuleList(layers)
         self.hyper_connection_mixer = HyperConnection(config, inject=False, linear=vllm_linear,
@@ -99,8 +102,8 @@ class Qwen4ExpVllmTextModel(nn.Module):
                     return mixer(x, positions, cos, sin)
             ple_fn = None
             if layer.ple is not None:
-                def ple_fn(H, layer=layer, st=self.ple_states[str(i)]):
-                    return _ple_step(layer.ple, st, H, input_ids)
+                def ple_fn(H, st=self.ple_states[str(i)]):
+                    return st(torch.empty_like(H), H, input_ids)
             H = layer(H, mix, ple_fn)
         out, _ = self.hyper_connection_mixer(H)
         return out
@@ -131,11 +134,15 @@ def _on_gpu() -> bool:
     return current_platform.is_cuda_alike()
 
 
-def gdn_impl() -> str:
+def gdn_impl(config) -> str:
     """``QWEN4EXP_VLLM_GDN``: "ours" (CPU default; qwen4exp.layers.gdn math, bf16 inputs + fp32 state, matches the
-    HF reference's numerics) or "vllm" (GPU default: vLLM's GDN layer with its FLA/FlashInfer kernels; on CPU its C++
-    kernels: faster on long prompts, ~1.5x the bf16 error)."""
-    v = os.environ.get("QWEN4EXP_VLLM_GDN", "vllm" if _on_gpu() else "ours").strip().lower()
+    HF reference's numerics) or "vllm" (GPU default where its kernels apply, i.e. 128-wide GDN heads as in the real
+    model: vLLM's GDN layer with its FLA/FlashInfer/CuTe kernels; on CPU its C++ kernels: faster on long prompts,
+    ~1.5x the bf16 error). Small test models (64-wide heads) run ours on the GPU too."""
+    default = "ours"
+    if _on_gpu() and config.linear_key_head_dim == config.linear_value_head_dim == 128:
+        default = "vllm"
+    v = os.environ.get("QWEN4EXP_VLLM_GDN", default).strip().lower()
     if v not in ("ours", "vllm"):
         raise ValueError(f"QWEN4EXP_VLLM_GDN must be 'ours' or 'vllm', got {v!r}")
     return v
@@ -164,12 +171,13 @@ class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         config = _text_config(vllm_config)
         self.config = config
         self.vllm_config = vllm_config
+        check_cudagraph_mode(vllm_config)
         self.model = Qwen4ExpVllmTextModel(vllm_config=vllm_config, prefix="model")
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
         logger.info("%s is served by the qwen4exp plugin (qwen4exp.vllm; GDN: %s, QSA: paged K/V + index cache, "
                     "PLE: per-request state, table in %s memory), not vLLM's in-tree qwen4_exp", type(self).__name__,
-                    gdn_impl(), "pinned host" if ple_table_on_host() else "device")
+                    gdn_impl(config), "pinned host" if ple_table_on_host() else "device")
 
     # -- vLLM model protocol --------------------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -206,7 +214,7 @@ class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         c = _text_config(vllm_config)
         sc = vllm_config.speculative_config
         # our GDN is replicated across TP ranks (full state per rank); vLLM's shards its heads
-        tp = 1 if gdn_impl() == "ours" else vllm_config.parallel_config.tensor_parallel_size
+        tp = 1 if gdn_impl(c) == "ours" else vllm_config.parallel_config.tensor_parallel_size
         return MambaStateShapeCalculator.gated_delta_net_state_shape(
             tp, c.linear_num_key_heads, c.linear_num_value_heads,
             c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim,
@@ -229,7 +237,7 @@ class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         c = _text_config(vllm_config)
         specs = [MambaSpec(shapes=cls.get_mamba_state_shape_from_config(vllm_config),
                            dtypes=cls.get_mamba_state_dtype_from_config(vllm_config), block_size=-1,
-                           tp_replicated=gdn_impl() == "ours")]
+                           tp_replicated=gdn_impl(c) == "ours")]
         if c.ple_layer_ids:
             specs.append(MambaSpec(shapes=ple_state_shapes(c), dtypes=(vllm_config.model_config.dtype, torch.int32),
                                    block_size=-1, tp_replicated=True))

@@ -23,7 +23,7 @@ from vllm.model_executor.layers.attention import Attention
 
 from ..layers.qsa import QSAAttention
 from ..ops.qsa import block_mean, qsa_attention
-from .layers import vllm_linear
+from .layers import eager_segment, vllm_linear
 
 
 def _kv_cache(attn: Attention) -> torch.Tensor:
@@ -61,6 +61,7 @@ class QSAMixer(QSAAttention):
 
     def __init__(self, config, vllm_config, prefix: str, rotary):
         super().__init__(config, vllm_linear, prefix)
+        self.eager_name = prefix
         cc = vllm_config.cache_config
         self.rotary = [rotary]  # shared module, kept out of this module's parameters
         self.attn = Attention(self.n_heads, self.head_dim, self.scale, num_kv_heads=self.n_kv, cache_config=cc,
@@ -71,22 +72,29 @@ class QSAMixer(QSAAttention):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         p = self.project(x, cos, sin)
-        out = torch.zeros_like(p.q)
+        out = eager_segment(self, torch.empty_like(p.q), p.q, p.k, p.v, p.index_q, p.index_k_raw, positions)
+        return self.output(out, p.gate)
+
+    def eager_forward(self, out, q, k, v, index_q, index_k_raw, positions) -> None:
+        """Cache writes, block keys, selection + attention for this step's tokens (an eager graph segment: reads the
+        step's attention metadata on the host). Rows past the step's real tokens (graph padding) are zero."""
+        out.zero_()
         md = get_forward_context().attn_metadata
         if md is None or self.attn.layer_name not in md:  # profiling / warm-up run: no caches bound
-            return self.output(out, p.gate)
+            return
         m, mi = md[self.attn.layer_name], md[self.index_cache.layer_name]
         n = int(m.num_actual_tokens)
         pos1 = positions[0] if positions.dim() == 2 else positions
         pos1 = pos1[:n].long()
         r = self.r
+        device = q.device
         # 1. main K/V into the paged cache
         kv = _kv_cache(self.attn)
-        write_paged(kv, m.slot_mapping[:n].long(), p.k[:n], p.v[:n])
+        write_paged(kv, m.slot_mapping[:n].long(), k[:n], v[:n])
         # 2. block keys of the blocks completed by this step's tokens (open-block raw keys from the index cache)
         ikv = _kv_cache(self.index_cache)
         ibs = ikv.shape[2]
-        raw = p.index_k_raw[:n]
+        raw = index_k_raw[:n]
         bk_rows = torch.zeros_like(raw)
         qsl = m.query_start_loc.tolist()
         seq_lens = m.seq_lens.tolist()
@@ -99,12 +107,12 @@ class QSAMixer(QSAAttention):
             base = (start // r) * r
             chunk = raw[s:e]
             if base < start:
-                prev_pos = torch.arange(base, start, device=x.device)
+                prev_pos = torch.arange(base, start, device=device)
                 prev = read_paged(ikv, slots_of(mi.block_table[b], prev_pos, ibs), "k")[:, 0]
                 chunk = torch.cat([prev.to(chunk.dtype), chunk], 0)
             nfull = chunk.shape[0] // r
             if nfull:
-                first = base + r * torch.arange(nfull, device=x.device)
+                first = base + r * torch.arange(nfull, device=device)
                 cb, sb = self.rotary[0](first, raw.dtype)
                 keys = self.block_keys(block_mean(chunk[: nfull * r], r), cb, sb)
                 last_idx = s + (first + r - 1 - start)
@@ -118,14 +126,13 @@ class QSAMixer(QSAAttention):
             if e <= s:
                 continue
             L = seq_lens[b]
-            all_pos = torch.arange(L, device=x.device)
+            all_pos = torch.arange(L, device=device)
             sl = slots_of(m.block_table[b], all_pos, bs)
             K, V = read_paged(kv, sl, "k"), read_paged(kv, sl, "v")
             nblk = L // r
             bkeys = None
             if nblk > m_sel:  # past the dense regime: the indexer selects blocks
-                ends = r * torch.arange(nblk, device=x.device) + r - 1
+                ends = r * torch.arange(nblk, device=device) + r - 1
                 bkeys = read_paged(ikv, slots_of(mi.block_table[b], ends, ibs), "v")[:, 0]
-            out[s:e] = qsa_attention(p.q[s:e], K, V, pos1[s:e], p.index_q[s:e], bkeys, r, self.budget,
+            out[s:e] = qsa_attention(q[s:e], K, V, pos1[s:e], index_q[s:e], bkeys, r, self.budget,
                                      self.scale, self.index_scale).to(out.dtype)
-        return self.output(out, p.gate)

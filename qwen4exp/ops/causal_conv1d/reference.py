@@ -38,6 +38,8 @@ def causal_conv1d(
     N = lens.numel()
     L = int(lens.max()) if N else 0
     dtype = weight.dtype
+    if L > _SHORT and N > 1 and N * L > 2 * T + N * S:
+        return _packed_conv(x, weight, cu_seqlens, lens, initial_state, dilation, activation)
     # history[n, c, i]: i < S from the state, S <= i < S + len from the new tokens, the rest zero.
     hist = x.new_zeros((N, S + L, C), dtype=dtype)
     if initial_state is not None and S:
@@ -51,12 +53,42 @@ def causal_conv1d(
         y = sum(hist[:, :, j * dilation: j * dilation + L].float() * w[:, j, None] for j in range(K)).to(dtype)
     else:
         y = F.conv1d(hist, weight.unsqueeze(1), groups=C, dilation=dilation)  # [N, C, L]
-    if activation == "silu":
-        y = F.silu(y)
-    elif activation is not None:
-        raise ValueError(f"causal_conv1d: unknown activation {activation!r}")
+    y = _act(y, activation)
     out = y.transpose(1, 2)[valid].to(x.dtype)
     # New state: the S samples ending at each sequence's last token.
     idx = lens.view(N, 1) + torch.arange(S, device=x.device).view(1, S)  # [N, S] into [0, S+L)
     final = hist.gather(2, idx.unsqueeze(1).expand(N, C, S)) if S else hist[:, :, :0]
+    return out, final
+
+
+def _act(y, activation):
+    if activation == "silu":
+        return F.silu(y)
+    if activation is not None:
+        raise ValueError(f"causal_conv1d: unknown activation {activation!r}")
+    return y
+
+
+def _packed_conv(x, weight, cu_seqlens, lens, initial_state, dilation, activation):
+    """Ragged batches (one long sequence among short ones): the sequences laid end to end, each behind its own state
+    [state_n | tokens_n], as one conv1d input, so memory is O(T + N*S) rather than O(N * max_len). Sequence n's
+    outputs look back at most S samples, i.e. never past its own state."""
+    T, C = x.shape
+    K = weight.shape[-1]
+    S = state_len(K, dilation)
+    N = lens.numel()
+    dev, dtype = x.device, weight.dtype
+    cu = cu_seqlens.to(device=dev, dtype=torch.long)
+    seq_of = torch.repeat_interleave(torch.arange(N, device=dev), lens.to(dev), output_size=T)
+    tok_pos = torch.arange(T, device=dev) + (seq_of + 1) * S  # packed row of every token
+    state_pos = (cu[:-1] + torch.arange(N, device=dev) * S).unsqueeze(1) + torch.arange(S, device=dev)  # [N, S]
+    hist = x.new_zeros((T + N * S, C), dtype=dtype)
+    if initial_state is not None and S:
+        hist[state_pos.reshape(-1)] = initial_state.transpose(1, 2).reshape(N * S, C).to(dtype)
+    hist[tok_pos] = x.to(dtype)
+    h = hist.t().unsqueeze(0)  # [1, C, P]
+    y = F.conv1d(h, weight.unsqueeze(1), groups=C, dilation=dilation)[0]  # [C, P - S]: output i <-> input i + S
+    out = _act(y[:, tok_pos - S], activation).t().to(x.dtype)
+    last = (cu[1:] + torch.arange(N, device=dev) * S).unsqueeze(1) + torch.arange(S, device=dev)  # [N, S]
+    final = h[0][:, last].permute(1, 0, 2)  # [N, C, S]
     return out, final
