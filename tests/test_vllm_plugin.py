@@ -33,6 +33,40 @@ def test_register_idempotent_and_replaces_in_tree():
     assert m1 == m2 == "qwen4exp.vllm.model"
 
 
+_HOOK = """
+import types
+import qwen4exp.vllm as plugin
+plugin.register(); plugin._install_config_hooks()  # twice: chained once
+import vllm.model_executor.models.config as mc
+from vllm.config import CUDAGraphMode
+from vllm.platforms import current_platform
+hook = mc.MODELS_CONFIG_MAP["Qwen4ExpForCausalLM"]
+assert hook._qwen4exp_hook and not getattr(hook._base, "_qwen4exp_hook", False), hook
+calls = []
+hook._base = type("B", (), {"verify_and_update_config": staticmethod(lambda c: calls.append(c))})
+out = []
+for gpu in (True, False):
+    current_platform.is_cuda_alike = lambda gpu=gpu: gpu
+    for mode in (None, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL, CUDAGraphMode.NONE):
+        cfg = types.SimpleNamespace(compilation_config=types.SimpleNamespace(cudagraph_mode=mode))
+        hook.verify_and_update_config(cfg)
+        m = cfg.compilation_config.cudagraph_mode
+        out.append(m.name if m is not None else "None")
+print(len(calls), " ".join(out))
+"""
+
+
+def test_gpu_graph_mode_hook_chains_vllm_hook_and_forces_piecewise():
+    """Our eager graph segments only survive PIECEWISE (breakable) capture: the config hook turns FULL* and the
+    default into PIECEWISE on GPUs, leaves NONE alone, changes nothing on CPU, and still runs vLLM's own hook."""
+    env = dict(os.environ)
+    p = subprocess.run([sys.executable, "-c", _HOOK], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    n, *modes = p.stdout.strip().splitlines()[-1].split()
+    assert n == "8"
+    assert modes == ["PIECEWISE", "PIECEWISE", "PIECEWISE", "NONE", "None", "FULL_AND_PIECEWISE", "FULL", "NONE"]
+
+
 def test_opt_out_keeps_vllm_classes():
     a, b, m1, m2 = _probe({"QWEN4EXP_VLLM": "0"})
     assert (a, b) == ("False", "False")

@@ -38,7 +38,51 @@ def register() -> bool:
 
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, f"qwen4exp.vllm.model:{arch}")
+    _install_config_hooks()
     _registered = True
     # the INFO line naming the implementation is logged once, where the model is built (qwen4exp.vllm.model)
     _logger().debug("qwen4exp plugin registered %s", ", ".join(ARCHITECTURES))
     return True
+
+
+def _install_config_hooks() -> None:
+    """Chain our config hook after vLLM's per-architecture one (``MODELS_CONFIG_MAP``, run while vLLM builds its
+    config, before the CUDA-graph defaults are filled in): on GPUs our runtime-state code runs as eager segments of
+    vLLM's breakable CUDA graphs, which only PIECEWISE capture honours (FULL capture would record host syncs), so
+    the graph mode defaults to PIECEWISE instead of FULL_AND_PIECEWISE."""
+    from vllm.model_executor.models import config as mc
+
+    for arch in ARCHITECTURES:
+        base = mc.MODELS_CONFIG_MAP.get(arch)
+        if getattr(base, "_qwen4exp_hook", False):
+            continue
+
+        class Hook(base or mc.VerifyAndUpdateConfig):  # type: ignore[misc, valid-type]
+            _qwen4exp_hook = True
+            _base = base
+
+            @classmethod
+            def verify_and_update_config(cls, vllm_config) -> None:
+                if cls._base is not None:
+                    cls._base.verify_and_update_config(vllm_config)
+                piecewise_graphs_only(vllm_config)
+
+        Hook.__name__ = f"Qwen4ExpPlugin{arch}Config"
+        mc.MODELS_CONFIG_MAP[arch] = Hook
+
+
+def piecewise_graphs_only(vllm_config) -> None:
+    """On CUDA/ROCm: cudagraph_mode FULL* -> PIECEWISE (unset -> PIECEWISE); NONE and PIECEWISE stay."""
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda_alike():
+        return
+    cc = vllm_config.compilation_config
+    mode = cc.cudagraph_mode
+    if mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+        return
+    if mode is not None:
+        _logger().warning("qwen4exp: cudagraph_mode %s -> PIECEWISE (our QSA/PLE/GDN state code runs as eager "
+                          "segments of breakable CUDA graphs; FULL capture cannot hold them)", mode.name)
+    cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
