@@ -462,6 +462,31 @@ def test_qsa_attention_query_subset_decode_and_chunk():
             torch.testing.assert_close(out[t], loop_attention(q[first:], k, v, t, toks, scale), **F32)
 
 
+@pytest.mark.parametrize("L,r,budget,n_q", [(70, 4, 16, 1), (70, 4, 16, 4), (91, 3, 9, 2), (200, 4, 32, 3)])
+def test_qsa_attention_gathered_equals_full(L, r, budget, n_q):
+    """Decode / MTP-verification queries past the budget: fetching only the union of the selected tokens gives
+    the same output as attention over the whole context; only those rows are fetched."""
+    q, k, v, iq, bk = qsa_inputs(L, seed=L + n_q)
+    scale, iscale = 0.3, 0.4
+    pos = torch.arange(L - n_q, L)
+    full = qsa_ref.qsa_attention(q[-n_q:], k, v, pos, iq[-n_q:], bk, r, budget, scale, iscale)
+    fetched = []
+
+    def fetch(tok):
+        fetched.append(tok)
+        return k[tok], v[tok]
+
+    got = qsa_ref.qsa_attention_gathered(q[-n_q:], pos, iq[-n_q:], bk, fetch, r, budget, scale, iscale)
+    torch.testing.assert_close(got, full, **F32)
+    (tok,) = fetched
+    assert tok.tolist() == sorted(set(tok.tolist())) and int(tok.min()) >= 0 and int(tok.max()) < L
+    assert len(tok) <= n_q * (budget + r - 1)
+    union = set()
+    for t, p in enumerate(pos.tolist()):
+        union |= set(loop_selected_tokens(iq[-n_q:], bk, t, p, r, budget, iscale))
+    assert set(tok.tolist()) == union
+
+
 @pytest.mark.parametrize("L", [1, 5, 19])
 def test_qsa_attention_below_budget_is_dense_causal(L):
     """Up to position budget + r - 2 every query has at most m complete blocks: exactly dense causal attention

@@ -22,8 +22,13 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 
 from ..layers.qsa import QSAAttention
-from ..ops.qsa import block_mean, qsa_attention
+from ..ops.qsa import block_mean, qsa_attention, qsa_attention_gathered
 from .layers import eager_segment, vllm_linear
+
+
+# Up to this many queries of one request (decode, MTP verification) past the budget read only the selected tokens'
+# K/V rows (<= queries * (budget + r - 1)) instead of the whole context.
+GATHER_SELECTED_MAX_QUERIES = 8
 
 
 def _kv_cache(attn: Attention) -> torch.Tensor:
@@ -126,13 +131,21 @@ class QSAMixer(QSAAttention):
             if e <= s:
                 continue
             L = seq_lens[b]
-            all_pos = torch.arange(L, device=device)
-            sl = slots_of(m.block_table[b], all_pos, bs)
-            K, V = read_paged(kv, sl, "k"), read_paged(kv, sl, "v")
             nblk = L // r
             bkeys = None
             if nblk > m_sel:  # past the dense regime: the indexer selects blocks
                 ends = r * torch.arange(nblk, device=device) + r - 1
                 bkeys = read_paged(ikv, slots_of(mi.block_table[b], ends, ibs), "v")[:, 0]
+            if bkeys is not None and e - s <= GATHER_SELECTED_MAX_QUERIES:  # decode / MTP verification
+
+                def fetch(tok, row=m.block_table[b]):
+                    sl = slots_of(row, tok, bs)
+                    return read_paged(kv, sl, "k"), read_paged(kv, sl, "v")
+
+                out[s:e] = qsa_attention_gathered(q[s:e], pos1[s:e], index_q[s:e], bkeys, fetch, r, self.budget,
+                                                  self.scale, self.index_scale).to(out.dtype)
+                continue
+            sl = slots_of(m.block_table[b], torch.arange(L, device=device), bs)
+            K, V = read_paged(kv, sl, "k"), read_paged(kv, sl, "v")
             out[s:e] = qsa_attention(q[s:e], K, V, pos1[s:e], index_q[s:e], bkeys, r, self.budget,
                                      self.scale, self.index_scale).to(out.dtype)

@@ -128,3 +128,31 @@ def qsa_attention(
         outs.append(sparse_attention(q[s: s + q_chunk], k[:kv_len], v[:kv_len], mask, scale))
     assert L >= kv_len
     return torch.cat(outs, 0)
+
+
+def qsa_attention_gathered(
+    q: torch.Tensor,  # [Tq, Hq, d] normed + rotated queries of one sequence (all past the dense regime or not)
+    q_pos: torch.Tensor,  # [Tq]
+    index_q: torch.Tensor,  # [Tq, h, d_i]
+    block_keys: torch.Tensor,  # [Nb, d_i], Nb >= max n_complete
+    fetch_kv,  # token positions [U] (sorted, >= 0) -> (k, v) [U, Hkv, d]
+    r: int,
+    budget: int,
+    scale: float,
+    index_scale: float,
+) -> torch.Tensor:
+    """``qsa_attention`` for a few queries (decode, MTP verification) that reads only the selected tokens' K/V:
+    select, take the union U of the queries' token sets (<= Tq * (budget + r - 1) tokens instead of the whole
+    context), fetch those rows, attend under each query's own membership mask. Same selection and softmax as
+    ``qsa_attention``; only the set of masked-out keys handed to the kernel differs."""
+    m = budget // r
+    ncomp = num_complete_blocks(q_pos, r)
+    ids = select_blocks(indexer_scores(index_q, block_keys[: int(ncomp.max())], index_scale), ncomp, m)
+    toks = selected_token_indices(ids, q_pos, r, budget)  # [Tq, W], -1 = none
+    uniq, inv = torch.unique(toks, sorted=True, return_inverse=True)
+    mask = torch.zeros(toks.shape[0], uniq.shape[0], dtype=torch.bool, device=q.device)
+    mask.scatter_(1, inv, True)
+    keep = uniq >= 0
+    uniq, mask = uniq[keep], mask[:, keep]
+    k, v = fetch_kv(uniq)
+    return sparse_attention(q, k, v, mask, scale)
