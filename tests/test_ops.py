@@ -487,6 +487,39 @@ def test_qsa_attention_gathered_equals_full(L, r, budget, n_q):
     assert set(tok.tolist()) == union
 
 
+@pytest.mark.parametrize("r,budget", [(4, 16), (3, 9)])
+def test_qsa_decode_batched_equals_per_sequence(r, budget):
+    """One decode query per sequence, sequences below, at and far past the budget in one batch (block keys and K/V
+    padded with garbage past each sequence's length): equal to qsa_attention run sequence by sequence."""
+    lens = [1, 7, budget + r - 1, budget + r, 3 * budget + 1, 90]
+    seqs = [qsa_inputs(L, seed=100 + i) for i, L in enumerate(lens)]
+    B, Lmax = len(lens), max(lens)
+    scale, iscale = 0.3, 0.4
+    hkv, d, di = seqs[0][1].shape[1], seqs[0][1].shape[2], seqs[0][4].shape[1]
+    K = torch.randn(B, Lmax, hkv, d) * 1e3  # garbage everywhere a sequence has no token
+    V = torch.randn(B, Lmax, hkv, d) * 1e3
+    BK = torch.full((B, Lmax // r + 1, di), float("nan"))
+    for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
+        K[b, :L], V[b, :L] = k, v
+        BK[b, : L // r] = bk[: L // r]
+    pos = torch.tensor(lens) - 1
+    qb = torch.stack([s[0][-1] for s in seqs])
+    iqb = torch.stack([s[3][-1] for s in seqs])
+    n_blocks = Lmax // r
+
+    def read_bk(ends):
+        return BK[:, ends // r]
+
+    def fetch(tok):
+        bidx = torch.arange(B).unsqueeze(1).expand_as(tok)
+        return K[bidx, tok], V[bidx, tok]
+
+    got = qsa_ref.qsa_decode_batched(qb, pos, iqb, read_bk, fetch, n_blocks, r, budget, scale, iscale)
+    for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
+        want = qsa_ref.qsa_attention(q[-1:], k, v, pos[b:b + 1], iq[-1:], bk, r, budget, scale, iscale)
+        torch.testing.assert_close(got[b], want[0], **F32)
+
+
 @pytest.mark.parametrize("L", [1, 5, 19])
 def test_qsa_attention_below_budget_is_dense_causal(L):
     """Up to position budget + r - 2 every query has at most m complete blocks: exactly dense causal attention

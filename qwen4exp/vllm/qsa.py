@@ -22,7 +22,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 
 from ..layers.qsa import QSAAttention
-from ..ops.qsa import block_mean, qsa_attention, qsa_attention_gathered
+from ..ops.qsa import block_mean, qsa_attention, qsa_attention_gathered, qsa_decode_batched
 from .layers import eager_segment, vllm_linear
 
 
@@ -59,6 +59,13 @@ def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
 
 def slots_of(block_row: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
     return block_row[pos // bs].long() * bs + pos % bs
+
+
+def slots_of_rows(block_rows: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
+    """block_rows [B, nbt], pos [B, n] -> slots [B, n]; positions past a row's table read its last entry (callers
+    mask those rows)."""
+    col = (pos // bs).clamp(max=block_rows.shape[1] - 1)
+    return block_rows.gather(1, col).long() * bs + pos % bs
 
 
 class QSAMixer(QSAAttention):
@@ -126,9 +133,13 @@ class QSAMixer(QSAAttention):
         # 3. selection + attention per request over K/V gathered from the paged cache
         bs = kv.shape[2]
         m_sel = self.budget // r
+        decodes = [b for b in range(nreq) if qsl[b + 1] - qsl[b] == 1]
+        if decodes:  # all single-query requests at once, whatever their lengths
+            self._decode_batch(out, q, index_q, pos1, decodes, qsl, seq_lens, m, mi, kv, ikv)
+        done = set(decodes)
         for b in range(nreq):
             s, e = qsl[b], qsl[b + 1]
-            if e <= s:
+            if e <= s or b in done:
                 continue
             L = seq_lens[b]
             nblk = L // r
@@ -149,3 +160,23 @@ class QSAMixer(QSAAttention):
             K, V = read_paged(kv, sl, "k"), read_paged(kv, sl, "v")
             out[s:e] = qsa_attention(q[s:e], K, V, pos1[s:e], index_q[s:e], bkeys, r, self.budget,
                                      self.scale, self.index_scale).to(out.dtype)
+
+    def _decode_batch(self, out, q, index_q, pos1, reqs, qsl, seq_lens, m, mi, kv, ikv) -> None:
+        """Single-query requests in one ``qsa_decode_batched`` call: block keys and the selected tokens' K/V read
+        through each request's block table (no per-request loop)."""
+        device = q.device
+        rows = torch.tensor([qsl[b] for b in reqs], device=device)
+        idx = torch.tensor(reqs, device=device)
+        bt, ibt = m.block_table[idx], mi.block_table[idx]
+        bs, ibs, B = kv.shape[2], ikv.shape[2], len(reqs)
+        n_blocks = max(1, max(seq_lens[b] for b in reqs) // self.r)
+
+        def read_block_keys(ends):
+            return read_paged(ikv, slots_of_rows(ibt, ends.unsqueeze(0).expand(B, -1), ibs), "v")[:, :, 0]
+
+        def fetch_kv(tok):
+            sl = slots_of_rows(bt, tok, bs)
+            return read_paged(kv, sl, "k"), read_paged(kv, sl, "v")
+
+        out[rows] = qsa_decode_batched(q[rows], pos1[rows], index_q[rows], read_block_keys, fetch_kv, n_blocks,
+                                       self.r, self.budget, self.scale, self.index_scale).to(out.dtype)

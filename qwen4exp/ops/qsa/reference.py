@@ -156,3 +156,36 @@ def qsa_attention_gathered(
     uniq, mask = uniq[keep], mask[:, keep]
     k, v = fetch_kv(uniq)
     return sparse_attention(q, k, v, mask, scale)
+
+
+def qsa_decode_batched(
+    q: torch.Tensor,  # [B, Hq, d]: one query per sequence (decode), normed + rotated
+    q_pos: torch.Tensor,  # [B]
+    index_q: torch.Tensor,  # [B, h, d_i]
+    read_block_keys,  # block end positions [n_blocks] -> block keys [B, n_blocks, d_i] (rows past a sequence's
+    #                   complete blocks may hold anything: they are masked)
+    fetch_kv,  # token positions [B, W] (>= 0) -> (k, v) [B, W, Hkv, d]
+    n_blocks: int,  # >= every sequence's number of complete blocks
+    r: int,
+    budget: int,
+    scale: float,
+    index_scale: float,
+) -> torch.Tensor:
+    """``qsa_attention`` for a batch of single-query sequences with no per-sequence loop and fixed shapes: score
+    every sequence's blocks at once ([B, n_blocks]), select (rows below the budget keep all their blocks: dense),
+    fetch the <= budget + r - 1 selected tokens of each sequence, one batched masked attention. -> [B, Hq, d]."""
+    B, Hq, d = q.shape
+    m = budget // r
+    ncomp = num_complete_blocks(q_pos, r)
+    ends = r * torch.arange(n_blocks, device=q.device) + r - 1
+    bk = read_block_keys(ends)
+    s = torch.einsum("bhd,bnd->bhn", index_q.float(), bk.float()).relu_().sum(1) * index_scale
+    ids = select_blocks(s, ncomp, m)
+    toks = selected_token_indices(ids, q_pos, r, budget)  # [B, budget + r - 1], -1 = none
+    k, v = fetch_kv(toks.clamp(min=0))
+    hkv = k.shape[2]
+    qh = q.view(B, hkv, Hq // hkv, d)
+    mask = (toks >= 0)[:, None, None, :]
+    o = F.scaled_dot_product_attention(qh, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                       attn_mask=mask, scale=scale)
+    return o.reshape(B, Hq, -1)
