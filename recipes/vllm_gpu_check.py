@@ -6,7 +6,8 @@ our HF reference's fp32 logits, beside the HF reference's own bf16 run (the bar)
 Models: ``tiny`` (random tiny checkpoint of the tests, QSA budget 16), ``coder`` (the trained tiny-coder asset),
 ``fn4`` (random, Qwen3.8-Flash-Next widths, 4 layers: 3 GDN + 1 QSA, 64 experts, real vocab and QSA budget 2048;
 prompts up to 3,000 tokens so the indexer selects). Prompts: seeded random ids, EOS inside some. vLLM runs bf16 with
-chunked prefill (mixed prefill + decode batches) and returns the rank-1 token of every prompt position
+vLLM's default CUDA graphs (``QWEN4EXP_CHECK_EAGER=1``: eager; always eager on CPU), chunked prefill (mixed
+prefill + decode batches) and returns the rank-1 token of every prompt position
 (``prompt_logprobs=1``); top-1 agreement with the fp32 argmax is counted over all positions. Also reported: greedy
 tokens of vLLM vs the HF bf16 reference's greedy continuation (first mismatch). Table on stdout, ``results.csv``.
 """
@@ -105,7 +106,10 @@ def hf_reference(d: str, prompts):
 def run_vllm(impl: str, d: str, prompts, eng: dict, work: str):
     from qwen4exp.vllm.offline import run_offline
 
-    engine = dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_num_seqs=8,
+    import torch
+
+    eager = os.environ.get("QWEN4EXP_CHECK_EAGER", "0") == "1" or not torch.cuda.is_available()
+    engine = dict(dtype="bfloat16", enforce_eager=eager, skip_tokenizer_init=True, max_num_seqs=8,
                   enable_prefix_caching=False, enable_chunked_prefill=True, gpu_memory_utilization=0.5, seed=0)
     engine.update(eng)
     spec = dict(model=d, engine=engine, prompts=prompts, prompt_top1=True,

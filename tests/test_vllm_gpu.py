@@ -1,0 +1,33 @@
+"""The vLLM plugin on a CUDA GPU (issue 7): teacher-forced top-1 against our HF reference's fp32 logits, no worse
+than the HF reference's own bf16 run, on the tiny random checkpoint and the trained tiny-coder, with vLLM's default
+CUDA graphs (breakable, PIECEWISE) and eager. Runs ``recipes/vllm_gpu_check.py``; needs the CUDA build of vLLM.
+
+On the H200 (after the gpu-vllm kit's install):  python -m pytest tests/test_vllm_gpu.py -q -rs
+"""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and vLLM's CUDA build")]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["cudagraphs", "eager"])
+def test_plugin_top1_no_worse_than_hf_bf16(tmp_path, eager):
+    env = dict(os.environ, QWEN4EXP_CHECK_EAGER="1" if eager else "0")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "vllm_gpu_check.py"), "--out", str(tmp_path),
+                        "--models", "tiny,coder", "--impls", "ours"], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert [r["model"] for r in rows] == ["tiny", "coder"]
+    for r in rows:
+        assert not r["error"], r
+        assert int(r["vllm_agree"]) >= int(r["hf_bf16_agree"]), r
