@@ -692,3 +692,33 @@ def test_summarize_level_weights_turns_equally_and_counts_failures():
     assert row["turns_not_sent"] == 3
     assert row["cache_hit_pct"] is None
     assert math.isclose(row["tok_s_user_p90"], 1000.0 / M.percentile([10.0, 30.0, 20.0], 90))
+
+
+class _JumpyTokenizer:
+    """Counts words; ids decode to words, every third id to two words, so prefix counts jump by two there."""
+
+    name = "jumpy"
+
+    async def decode(self, ids):
+        return " ".join(f"w{i}" if i % 3 else f"w{i} v{i}" for i in ids)
+
+    async def encode(self, text):
+        return list(range(len(text.split())))
+
+    async def count_chat(self, messages, add_generation_prompt=True):
+        return 3 + sum(len(m["content"].split()) for m in messages)
+
+
+def test_fit_chat_pads_when_no_prefix_fits_exactly():
+    """The count jumps over the target between two prefixes (a BPE merge): the closest shorter prefix is padded
+    with filler characters to the exact target instead of giving up one token short."""
+    import asyncio
+
+    from qwen4exp.bench.workload import fit_chat
+
+    tok = _JumpyTokenizer()
+    ids = list(range(1, 60))
+    for target in range(8, 60):
+        text, counted, n = asyncio.run(fit_chat(tok, [], ids, target, n_guess=target // 2))
+        assert counted == target == asyncio.run(tok.count_chat([{"role": "user", "content": text}])), target
+        assert text.startswith(asyncio.run(tok.decode(ids[:n])))

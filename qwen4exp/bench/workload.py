@@ -206,8 +206,9 @@ async def fit_chat(
 ) -> tuple[str, int, int]:
     """Choose ``n`` so that ``prefix + [user: decode(ids[:n])]`` is exactly ``target`` chat tokens.
 
-    Returns ``(text, counted_tokens, n)``; ``counted_tokens != target`` only when
-    no prefix of ``ids`` fits exactly (the caller records the mismatch).
+    Returns ``(text, counted_tokens, n)``. When no prefix of ``ids`` fits exactly (the count jumps over the target
+    where BPE merges), the closest shorter prefix is padded with a few filler characters to the target;
+    ``counted_tokens != target`` only when that fails too (the caller records the mismatch).
     ``guess_text``, when given, is ``decode(ids[:n_guess])`` (saves a call).
     """
     lo, hi = 1, len(ids)
@@ -232,7 +233,40 @@ async def fit_chat(
                 break
         n = nxt
     assert best is not None
+    if best[1] != target:  # no prefix of ids fits (the count jumps over the target): pad the closest one below
+        below = [(c, k) for k, c in seen.items() if c < target]
+        if below:
+            c, k = max(below)
+            text = best[0] if best[2] == k else await tok.decode(ids[:k])
+            padded = await _pad_to(tok, prefix, text, c, target)
+            if padded is not None:
+                return padded[0], padded[1], k
     return best
+
+
+# Short suffixes that usually add one token (or a few) to a text; ``_pad_to`` climbs to the target with them.
+_FILLERS = (" x", " .", "\n", " #", " 0", ";", " y", " z")
+
+
+async def _pad_to(tok: Tokenizer, prefix: list[dict[str, Any]], text: str, count: int, target: int,
+                  budget: int = 24) -> tuple[str, int] | None:
+    """Append fillers to ``text`` (``count`` chat tokens < ``target``) until the chat is exactly ``target`` tokens;
+    None when ``budget`` counts do not get there."""
+    while count < target and budget > 0:
+        step = None
+        for f in _FILLERS:
+            budget -= 1
+            c = await tok.count_chat(prefix + [{"role": "user", "content": text + f}])
+            if c == target:
+                return text + f, c
+            if count < c < target and step is None:
+                step = (text + f, c)
+            if budget <= 0:
+                break
+        if step is None:
+            return None
+        text, count = step
+    return (text, count) if count == target else None
 
 
 PROXY_USER = {"role": "user", "content": "ok"}
