@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# On a GPU machine with vLLM 0.32 (CUDA) already installed in the active Python (e.g. the gpu-vllm kit's venv:
+# `source <venv>/env.sh`): make this checkout the qwen4exp package of that Python without pip (offline), then run
+# one of the GPU jobs, logs and results under OUT (default bench_out/gpu).
+#
+#   bash recipes/gpu_device.sh register             # dist-info with the vllm.general_plugins entry point + .pth
+#   bash recipes/gpu_device.sh tests                # GPU kernel tests + the plugin's teacher-forced GPU test
+#   bash recipes/gpu_device.sh check [models]       # recipes/vllm_gpu_check.py, ours + upstream (default tiny,coder,fn4)
+#   bash recipes/gpu_device.sh bench IMPL           # recipes/bench_vllm_gpu.py --profile for upstream or ours: one
+#                                                   # implementation per call (each needs ~4-5 min at full sizes);
+#                                                   # run both back to back on the same warm machine
+#
+# Each job is bounded (timeout) and writes to files, never through a pipe that an engine process could hold open.
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT=${OUT:-$ROOT/bench_out/gpu}
+mkdir -p "$OUT"
+cd "$ROOT"
+
+register() {
+  local sp
+  sp=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  mkdir -p "$sp/qwen4exp-0.1.0.dist-info"
+  printf 'Metadata-Version: 2.1\nName: qwen4exp\nVersion: 0.1.0\n' > "$sp/qwen4exp-0.1.0.dist-info/METADATA"
+  printf '[vllm.general_plugins]\nqwen4exp = qwen4exp.vllm:register\n' > "$sp/qwen4exp-0.1.0.dist-info/entry_points.txt"
+  echo "$ROOT" > "$sp/qwen4exp-dev.pth"
+  python -c "import qwen4exp, vllm, torch; print('qwen4exp from', qwen4exp.__file__, '| vllm', vllm.__version__, '| torch', torch.__version__)"
+}
+
+case "${1:-}" in
+  register) register ;;
+  tests)
+    register
+    timeout 560 python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_kernels.py tests/test_vllm_gpu.py \
+      > "$OUT/tests.log" 2>&1
+    echo "rc=$?"; tail -15 "$OUT/tests.log" ;;
+  check)
+    register
+    QWEN4EXP_CHECK_TIMEOUT=${QWEN4EXP_CHECK_TIMEOUT:-240} timeout 560 python recipes/vllm_gpu_check.py --out "$OUT/check" \
+      --models "${2:-tiny,coder,fn4}" --impls ours,upstream > "$OUT/check.log" 2>&1
+    echo "rc=$?"; tail -12 "$OUT/check.log" ;;
+  bench)
+    register
+    impl=${2:?bench needs upstream or ours}
+    timeout 585 python recipes/bench_vllm_gpu.py --out "$OUT/bench-$impl" --impls "$impl" --profile \
+      --timeout 575 > "$OUT/bench-$impl.log" 2>&1
+    echo "rc=$?"; tail -8 "$OUT/bench-$impl.log" ;;
+  *) sed -n '2,13p' "$0"; exit 2 ;;
+esac
