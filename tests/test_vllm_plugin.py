@@ -104,3 +104,43 @@ def test_bad_checkpoint_fails_with_tensor_name(tiny_ckpt, tmp_path, kind):
     msg = str(e.value)
     assert name in msg
     assert ("missing" in msg) if kind == "missing" else ("has shape" in msg)
+
+
+_GUARD = """
+import os, types
+os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
+from vllm.config import CUDAGraphMode
+from vllm.platforms import current_platform
+from qwen4exp.vllm.layers import check_cudagraph_mode
+current_platform.is_cuda_alike = lambda: True
+def cfg(mode, eager=False):
+    return types.SimpleNamespace(compilation_config=types.SimpleNamespace(cudagraph_mode=mode),
+                                 model_config=types.SimpleNamespace(enforce_eager=eager))
+res = []
+for mode, eager in ((CUDAGraphMode.PIECEWISE, False), (CUDAGraphMode.NONE, False), (CUDAGraphMode.PIECEWISE, True)):
+    try:
+        check_cudagraph_mode(cfg(mode, eager)); res.append("ok")
+    except ValueError as e:
+        res.append("refused:" + ("VLLM_USE_BREAKABLE_CUDAGRAPH" in str(e) and "--enforce-eager" in str(e)) * "named")
+print(" ".join(res))
+"""
+
+
+def test_cuda_graphs_without_breakable_graphs_are_refused_with_a_message():
+    """On a GPU with breakable CUDA graphs switched off, graph capture would record our eager segments' host syncs:
+    the model refuses at build time, naming the variable and the way out; eager or NONE mode is fine."""
+    p = subprocess.run([sys.executable, "-c", _GUARD], env=dict(os.environ), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "refused:named ok ok"
+
+
+def test_slots_of_rows_reads_each_rows_block_table():
+    from qwen4exp.vllm.qsa import slots_of_rows
+
+    table = torch.tensor([[5, 2, 7], [1, 0, 3]])
+    pos = torch.tensor([[0, 3, 4, 11, 40], [2, 5, 9, 8, 1]])
+    got = slots_of_rows(table, pos, 4)
+    want = [[5 * 4 + 0, 5 * 4 + 3, 2 * 4 + 0, 7 * 4 + 3, 7 * 4 + 0], [1 * 4 + 2, 0 * 4 + 1, 3 * 4 + 1, 3 * 4 + 0,
+                                                                       1 * 4 + 1]]
+    assert got.tolist() == want  # position 40 is past row 0's table: its last block (callers mask such rows)
