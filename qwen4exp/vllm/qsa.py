@@ -38,12 +38,17 @@ def _kv_cache(attn: Attention) -> torch.Tensor:
     return kv
 
 
+def read_paged_kv(kv: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V rows of one of our paged caches at ``slots`` (any shape [...]) -> two [..., kv_heads, head] views of
+    one gather."""
+    bs, hd = kv.shape[2], kv.shape[3] // 2
+    rows = kv[slots // bs, :, slots % bs]  # [..., kv_heads, 2 * head]
+    return rows[..., :hd], rows[..., hd:]
+
+
 def read_paged(kv: torch.Tensor, slots: torch.Tensor, part: str) -> torch.Tensor:
-    """Rows of one of our paged caches at ``slots`` -> [N, kv_heads, head] (part "k" or "v")."""
-    nb, nkv, bs, two_hd = kv.shape
-    hd = two_hd // 2
-    rows = kv[slots // bs, :, slots % bs]  # [N, kv_heads, 2 * head]
-    return rows[..., :hd] if part == "k" else rows[..., hd:]
+    """One half of ``read_paged_kv`` (part "k" or "v")."""
+    return read_paged_kv(kv, slots)[0 if part == "k" else 1]
 
 
 def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -150,14 +155,12 @@ class QSAMixer(QSAAttention):
             if bkeys is not None and e - s <= GATHER_SELECTED_MAX_QUERIES:  # decode / MTP verification
 
                 def fetch(tok, row=m.block_table[b]):
-                    sl = slots_of(row, tok, bs)
-                    return read_paged(kv, sl, "k"), read_paged(kv, sl, "v")
+                    return read_paged_kv(kv, slots_of(row, tok, bs))
 
                 out[s:e] = qsa_attention_gathered(q[s:e], pos1[s:e], index_q[s:e], bkeys, fetch, r, self.budget,
                                                   self.scale, self.index_scale).to(out.dtype)
                 continue
-            sl = slots_of(m.block_table[b], torch.arange(L, device=device), bs)
-            K, V = read_paged(kv, sl, "k"), read_paged(kv, sl, "v")
+            K, V = read_paged_kv(kv, slots_of(m.block_table[b], torch.arange(L, device=device), bs))
             out[s:e] = qsa_attention(q[s:e], K, V, pos1[s:e], index_q[s:e], bkeys, r, self.budget,
                                      self.scale, self.index_scale).to(out.dtype)
 
@@ -175,8 +178,7 @@ class QSAMixer(QSAAttention):
             return read_paged(ikv, slots_of_rows(ibt, ends.unsqueeze(0).expand(B, -1), ibs), "v")[:, :, 0]
 
         def fetch_kv(tok):
-            sl = slots_of_rows(bt, tok, bs)
-            return read_paged(kv, sl, "k"), read_paged(kv, sl, "v")
+            return read_paged_kv(kv, slots_of_rows(bt, tok, bs))
 
         out[rows] = qsa_decode_batched(q[rows], pos1[rows], index_q[rows], read_block_keys, fetch_kv, n_blocks,
                                        self.r, self.budget, self.scale, self.index_scale).to(out.dtype)
