@@ -385,6 +385,11 @@ def test_indexer_scores_matches_loop(dtype):
     assert s.dtype == torch.float32 and s.shape == (9, 9)
     ref = torch.tensor([[loop_score(iq, bk, t, j, scale) for j in range(9)] for t in range(9)], dtype=torch.float32)
     torch.testing.assert_close(s, ref, **F32)
+    # one key set per query (batched decode): query t against its own keys, here bk rolled by t
+    own = torch.stack([bk.roll(t, 0) for t in range(9)])
+    s2 = qsa_ref.indexer_scores(iq, own, scale)
+    ref2 = torch.tensor([[loop_score(iq, bk.roll(t, 0), t, j, scale) for j in range(9)] for t in range(9)])
+    torch.testing.assert_close(s2, ref2, **F32)
 
 
 @pytest.mark.parametrize("ties", [False, True])

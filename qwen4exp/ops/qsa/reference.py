@@ -24,8 +24,10 @@ def num_complete_blocks(q_pos: torch.Tensor, r: int) -> torch.Tensor:
 
 
 def indexer_scores(q: torch.Tensor, block_keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [Tq, h, d], block_keys [Nb, d] -> [Tq, Nb] fp32 = scale * sum_h relu(q_h . K_j)."""
-    s = torch.einsum("thd,nd->thn", q.float(), block_keys.float())
+    """q [Tq, h, d], block_keys [Nb, d] (shared) or [Tq, Nb, d] (one set per query) -> [Tq, Nb] fp32
+    = scale * sum_h relu(q_h . K_j)."""
+    eq = "thd,nd->thn" if block_keys.dim() == 2 else "thd,tnd->thn"
+    s = torch.einsum(eq, q.float(), block_keys.float())
     return s.relu_().sum(1) * scale
 
 
@@ -178,9 +180,7 @@ def qsa_decode_batched(
     m = budget // r
     ncomp = num_complete_blocks(q_pos, r)
     ends = r * torch.arange(n_blocks, device=q.device) + r - 1
-    bk = read_block_keys(ends)
-    s = torch.einsum("bhd,bnd->bhn", index_q.float(), bk.float()).relu_().sum(1) * index_scale
-    ids = select_blocks(s, ncomp, m)
+    ids = select_blocks(indexer_scores(index_q, read_block_keys(ends), index_scale), ncomp, m)
     toks = selected_token_indices(ids, q_pos, r, budget)  # [B, budget + r - 1], -1 = none
     k, v = fetch_kv(toks.clamp(min=0))
     hkv = k.shape[2]
