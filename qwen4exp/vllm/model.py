@@ -65,6 +65,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         dtype = vllm_config.model_config.dtype
         layers = []
+        on_host = ple_table_on_host()
         self.ple_states = nn.ModuleDict()
         for i in range(config.num_hidden_layers):
             lt = _layer_type(config, i)
@@ -74,12 +75,9 @@ class Qwen4ExpVllmTextModel(nn.Module):
                          else our_gdn(config, vllm_config, f"{lp}.linear_attn"))
             else:
                 mixer = QSAMixer(config, vllm_config, f"{lp}.self_attn", self.rotary_emb)
-            layer = DecoderLayer(config, i, linear=vllm_linear, prefix=lp, mixer=mixer, layer_type=lt,
-                                 experts=_LazyExperts(), ple_table_on_host=ple_table_on_host())
-            layer.mlp.experts = fused_experts(config, f"{lp}.mlp.experts", layer.mlp.gate)
+            layer = decoder_layer(config, i, lp, mixer, lt, ple_table_on_host=on_host)
             if layer.ple is not None:
-                (nD, conv_len), (ctx_len,) = ple_state_shapes(config)
-                st = StateSlots(((nD, conv_len), (ctx_len,)), (dtype, torch.int32), f"{lp}.ple_state")
+                st = StateSlots(ple_state_shapes(config), (dtype, torch.int32), f"{lp}.ple_state")
                 st.step = functools.partial(_ple_step, layer.ple, st)
                 self.ple_states[str(i)] = st
             layers.append(layer)
@@ -116,6 +114,15 @@ class Qwen4ExpVllmTextModel(nn.Module):
 
 class _LazyExperts(nn.Module):
     """Placeholder so ``MoE`` does not allocate reference experts; replaced by FusedMoE right after."""
+
+
+def decoder_layer(config, i: int, prefix: str, mixer: nn.Module, layer_type: str, **kw) -> DecoderLayer:
+    """The shared ``DecoderLayer`` with vLLM linears and vLLM's FusedMoE routed experts (fed by our router); used by
+    the target model and the MTP draft head."""
+    layer = DecoderLayer(config, i, linear=vllm_linear, prefix=prefix, mixer=mixer, layer_type=layer_type,
+                         experts=_LazyExperts(), **kw)
+    layer.mlp.experts = fused_experts(config, f"{prefix}.mlp.experts", layer.mlp.gate)
+    return layer
 
 
 def _ple_step(ple, st: StateSlots, H: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

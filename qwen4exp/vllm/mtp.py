@@ -32,9 +32,8 @@ from ..layers.hyper_connection import HyperConnection
 from ..layers.mtp import MTPInput
 from ..layers.qsa import QSAAttention
 from ..layers.rope import RotaryEmbedding
-from ..modeling import DecoderLayer
-from .layers import fused_experts, vllm_linear
-from .model import _LazyExperts
+from .layers import vllm_linear
+from .model import decoder_layer
 from .qsa import QSAMixer
 
 
@@ -103,10 +102,7 @@ class Qwen4ExpMTPModel(MTPInput):
         for i in range(n):
             lp = f"{prefix}.layers.{i}"
             mixer = DraftQSAMixer(config, vllm_config, f"{lp}.self_attn", self.rotary_emb)
-            layer = DecoderLayer(config, i, linear=vllm_linear, prefix=lp, mixer=mixer, layer_type=INDEXED,
-                                 experts=_LazyExperts(), with_ple=False)
-            layer.mlp.experts = fused_experts(config, f"{lp}.mlp.experts", layer.mlp.gate)
-            layers.append(layer)
+            layers.append(decoder_layer(config, i, lp, mixer, INDEXED, with_ple=False))
         self.layers = nn.ModuleList(layers)
         self.hyper_connection_mixer = HyperConnection(config, inject=False, linear=vllm_linear,
                                                       prefix=f"{prefix}.hyper_connection_mixer")
