@@ -136,6 +136,25 @@ def test_causal_conv1d_matches_upstream_update():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dilation", [1, 3])
+def test_causal_conv1d_update_equals_one_token_sequences(dtype, dilation):
+    """The decode form (one token per sequence, no cu_seqlens) = ``causal_conv1d`` on N one-token sequences,
+    several steps in a row (state carried)."""
+    torch.manual_seed(5)
+    N, C, K = 5, 12, 4
+    w = torch.randn(C, K).to(dtype)
+    st = torch.randn(N, C, conv_ref.state_len(K, dilation)).to(dtype)
+    st_ref = st.clone()
+    for _ in range(3):
+        x = torch.randn(N, C).to(dtype)
+        y, st = conv_ref.causal_conv1d_update(x, w, st, dilation, "silu")
+        y_ref, st_ref = conv_ref.causal_conv1d(x, w, cu_of([1] * N), st_ref, dilation, "silu")
+        assert y.dtype == x.dtype and st.shape == st_ref.shape
+        torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+        torch.testing.assert_close(st, st_ref.to(st.dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[1, 1, 1], [3, 1, 5]])
 def test_causal_conv1d_short_path_equals_conv_path(monkeypatch, dtype, lens):
     """Decode-sized inputs sum the taps directly instead of calling conv1d: same values (fp32 accumulation, one
@@ -777,6 +796,20 @@ def test_ngram_context_random_and_longer_context():
         assert torch.equal(ctx, loop_ngram_context(ids, lens, prev, EOS))
 
 
+@pytest.mark.parametrize("c", [1, 2, 3])
+def test_ngram_context_decode_equals_one_token_sequences(c):
+    """The decode form = ``ngram_context`` on N one-token sequences (random ids, EOS frequent incl. in the carried
+    context), and it agrees with the loop."""
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(5):
+        N = 40
+        ids = torch.randint(0, 4, (N,), generator=gen)
+        prev = torch.randint(0, 4, (N, c), generator=gen)
+        ctx = ple_ref.ngram_context_decode(ids, prev, EOS)
+        assert torch.equal(ctx, ple_ref.ngram_context(ids, cu_of([1] * N), prev, EOS))
+        assert torch.equal(ctx, loop_ngram_context(ids, [1] * N, prev, EOS))
+
+
 def test_ngram_context_carried_across_a_split():
     """Splitting every sequence in two calls, carrying its last n-1 history ids, equals one call."""
     gen = torch.Generator().manual_seed(1)
@@ -876,3 +909,31 @@ def test_ple_lookup_fp8_table_with_scale():
             assert torch.equal(out[t, g * 5:(g + 1) * 5], want)
     out32 = ple_ref.ple_lookup(table, rows, scale, out_dtype=torch.float32)
     torch.testing.assert_close(out32, table.float()[rows].reshape(6, 20) * 0.0123, **F32)
+
+
+def test_ple_layer_decode_form_equals_packed_form():
+    """``PLE`` with ``cu_seqlens=None`` (one token per sequence: the graph-capturable decode form the vLLM plugin
+    uses) = the packed form on one-token sequences, over several steps with its states carried (EOS included)."""
+    from qwen4exp import presets
+    from qwen4exp.layers.ple import PLE
+
+    torch.manual_seed(6)
+    cfg = presets.tiny_text()
+    ple = PLE(cfg, 0).eval()
+    for p in ple.parameters():
+        p.data.normal_(0, 0.5)
+    N, nD = 6, cfg.hc_count * cfg.hidden_size
+    eos = ple.ple_embedding.eos
+    ctx = torch.full((N, ple.context_len), eos, dtype=torch.long)
+    conv = torch.randn(N, nD, ple.conv_state_len)
+    ctx_ref, conv_ref_ = ctx.clone(), conv.clone()
+    with torch.no_grad():
+        for step in range(4):
+            H = torch.randn(N, nD)
+            ids = torch.randint(0, cfg.vocab_size, (N,))
+            ids[step] = eos
+            out, ctx, conv = ple(H, ids, None, ctx, conv)
+            out_ref, ctx_ref, conv_ref_ = ple(H, ids, cu_of([1] * N), ctx_ref, conv_ref_)
+            torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+            assert torch.equal(ctx, ctx_ref)
+            torch.testing.assert_close(conv, conv_ref_, rtol=0, atol=0)

@@ -45,10 +45,13 @@ assert hook._qwen4exp_hook and not getattr(hook._base, "_qwen4exp_hook", False),
 calls = []
 hook._base = type("B", (), {"verify_and_update_config": staticmethod(lambda c: calls.append(c))})
 out = []
-for gpu in (True, False):
+for gpu, width, spec in ((True, 128, None), (True, 64, None), (True, 128, object()), (False, 128, None)):
     current_platform.is_cuda_alike = lambda gpu=gpu: gpu
-    for mode in (None, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL, CUDAGraphMode.NONE):
-        cfg = types.SimpleNamespace(compilation_config=types.SimpleNamespace(cudagraph_mode=mode))
+    text = types.SimpleNamespace(linear_key_head_dim=width, linear_value_head_dim=width)
+    for mode in (None, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY,
+                 CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
+        cfg = types.SimpleNamespace(compilation_config=types.SimpleNamespace(cudagraph_mode=mode),
+                                    model_config=types.SimpleNamespace(hf_text_config=text), speculative_config=spec)
         hook.verify_and_update_config(cfg)
         m = cfg.compilation_config.cudagraph_mode
         out.append(m.name if m is not None else "None")
@@ -56,15 +59,21 @@ print(len(calls), " ".join(out))
 """
 
 
-def test_gpu_graph_mode_hook_chains_vllm_hook_and_forces_piecewise():
-    """Our eager graph segments only survive PIECEWISE (breakable) capture: the config hook turns FULL* and the
-    default into PIECEWISE on GPUs, leaves NONE alone, changes nothing on CPU, and still runs vLLM's own hook."""
+def test_gpu_graph_mode_hook_chains_vllm_hook_and_picks_modes():
+    """On GPUs the config hook keeps FULL graphs for pure decode where our code is capturable (vLLM's GDN on
+    128-wide heads, no speculative decoding): default/FULL -> FULL_AND_PIECEWISE; with our GDN (64-wide heads) or
+    spec decode every FULL* mode -> PIECEWISE; NONE and PIECEWISE stay; nothing changes on CPU; vLLM's own hook
+    still runs."""
     env = dict(os.environ)
     p = subprocess.run([sys.executable, "-c", _HOOK], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     n, *modes = p.stdout.strip().splitlines()[-1].split()
-    assert n == "8"
-    assert modes == ["PIECEWISE", "PIECEWISE", "PIECEWISE", "NONE", "None", "FULL_AND_PIECEWISE", "FULL", "NONE"]
+    assert n == "24"
+    fp, pw = "FULL_AND_PIECEWISE", "PIECEWISE"
+    assert modes[:6] == [fp, fp, fp, "FULL_DECODE_ONLY", pw, "NONE"]  # capturable decode
+    assert modes[6:12] == [pw, pw, pw, pw, pw, "NONE"]  # our GDN
+    assert modes[12:18] == [pw, pw, pw, pw, pw, "NONE"]  # speculative decoding
+    assert modes[18:] == ["None", fp, "FULL", "FULL_DECODE_ONLY", pw, "NONE"]  # CPU: untouched
 
 
 def test_opt_out_keeps_vllm_classes():

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from ..configuration import first_eos
-from ..ops.causal_conv1d import causal_conv1d
-from ..ops.ple import hash_multipliers, head_table_sizes, ngram_context, ngram_ids, ple_lookup, table_rows
+from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
+from ..ops.ple import (hash_multipliers, head_table_sizes, ngram_context, ngram_context_decode, ngram_ids,
+                       ple_lookup, table_rows)
 from .linear import LinearFactory, default_linear
 from .norms import RMSNorm
 
@@ -58,7 +59,11 @@ class NGramEmbedding(nn.Module):
         self.ngram_embedding = NGramTable(self.rows, self.dim, host=table_on_host)
 
     def forward(self, ids, cu_seqlens, ctx_state, out_dtype):
-        ctx = ngram_context(ids, cu_seqlens, ctx_state, self.eos)
+        """``cu_seqlens`` None: one token per sequence (decode; fixed shapes, no host sync)."""
+        if cu_seqlens is None:
+            ctx = ngram_context_decode(ids, ctx_state, self.eos)
+        else:
+            ctx = ngram_context(ids, cu_seqlens, ctx_state, self.eos)
         rows = ngram_ids(ctx, self.layer_multipliers, self.ngram_heads_vocab_sizes, self.ngram_heads_offsets,
                          self.heads_per_ngram)
         t = self.ngram_embedding
@@ -73,6 +78,8 @@ def _next_context(ids, cu_seqlens, prev):
     c = prev.shape[1]
     if c == 0:
         return prev
+    if cu_seqlens is None:  # one new id per sequence
+        return torch.cat([prev[:, 1:], ids.unsqueeze(1).to(prev.dtype)], 1)
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     j = torch.arange(c, device=ids.device)
     src = lens.unsqueeze(1) - c + j  # index into the new ids; < 0 -> from prev
@@ -110,7 +117,7 @@ class PLE(nn.Module):
         self,
         H: torch.Tensor,  # [T, nD]
         ids: torch.Tensor,  # [T] raw token ids
-        cu_seqlens: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,  # None: one token per sequence (decode, graph-capturable)
         ctx_state: torch.Tensor,  # [N, n-1] int64
         conv_state: torch.Tensor | None,  # [N, nD, (K-1)*n]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,6 +130,10 @@ class PLE(nn.Module):
         d = d.abs().clamp_min(1e-6).sqrt() * d.sign()
         u = (torch.sigmoid(d) * v.unsqueeze(1)).flatten(1)
         un = self.norm_conv(u)
-        z, conv_state = causal_conv1d(un, self.conv1d.weight.squeeze(1), cu_seqlens, conv_state,
-                                      dilation=self.dilation, activation="silu")
+        if cu_seqlens is None:
+            z, conv_state = causal_conv1d_update(un, self.conv1d.weight.squeeze(1), conv_state,
+                                                 dilation=self.dilation, activation="silu")
+        else:
+            z, conv_state = causal_conv1d(un, self.conv1d.weight.squeeze(1), cu_seqlens, conv_state,
+                                          dilation=self.dilation, activation="silu")
         return u + z, ctx_state, conv_state

@@ -50,9 +50,8 @@ def register() -> bool:
 
 def _install_config_hooks() -> None:
     """Chain our config hook after vLLM's per-architecture one (``MODELS_CONFIG_MAP``, run while vLLM builds its
-    config, before the CUDA-graph defaults are filled in): on GPUs our runtime-state code runs as eager segments of
-    vLLM's breakable CUDA graphs, which only PIECEWISE capture honours (FULL capture would record host syncs), so
-    the graph mode defaults to PIECEWISE instead of FULL_AND_PIECEWISE."""
+    config, before the CUDA-graph defaults are filled in): ``graph_modes`` picks FULL graphs for pure decode batches
+    where our code is capturable, PIECEWISE (breakable, with eager segments) otherwise."""
     from vllm.model_executor.models import config as mc
 
     for arch in ARCHITECTURES:
@@ -68,7 +67,7 @@ def _install_config_hooks() -> None:
             def verify_and_update_config(cls, vllm_config) -> None:
                 if cls._base is not None:
                     cls._base.verify_and_update_config(vllm_config)
-                piecewise_graphs_only(vllm_config)
+                graph_modes(vllm_config)
                 widen_draft_hidden(vllm_config)
                 no_mamba_prefix_cache_for_spec_on_cpu(vllm_config)
 
@@ -76,8 +75,15 @@ def _install_config_hooks() -> None:
         mc.MODELS_CONFIG_MAP[arch] = Hook
 
 
-def piecewise_graphs_only(vllm_config) -> None:
-    """On CUDA/ROCm: cudagraph_mode FULL* -> PIECEWISE (unset -> PIECEWISE); NONE and PIECEWISE stay."""
+def graph_modes(vllm_config) -> None:
+    """On CUDA/ROCm, pick the CUDA-graph mode our runtime-state code can be captured in.
+
+    Pure decode batches run fixed-shape, sync-free code (QSA ``_decode_step``, PLE ``StateSlots._run_decode``,
+    vLLM's own GDN), so FULL graphs are kept for them: unset/FULL/FULL_AND_PIECEWISE -> FULL_AND_PIECEWISE (mixed
+    batches: PIECEWISE, where that code runs as eager segments of vLLM's breakable graphs); FULL_DECODE_ONLY stays.
+    Everything becomes PIECEWISE where a decode step is not one query per request through sync-free code:
+    speculative decoding (1 + k queries per request) or our GDN (small test models: host-side varlen code).
+    NONE and PIECEWISE stay."""
     from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
 
@@ -87,9 +93,22 @@ def piecewise_graphs_only(vllm_config) -> None:
     mode = cc.cudagraph_mode
     if mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
         return
+    why = None
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        why = "speculative decoding verifies 1 + k queries per request"
+    else:
+        from .model import gdn_impl
+
+        mc = getattr(vllm_config, "model_config", None)
+        text = getattr(mc, "hf_text_config", None)
+        if text is None or gdn_impl(text) != "vllm":
+            why = "our GDN layer (GDN heads not 128 wide, or QWEN4EXP_VLLM_GDN=ours) binds its state on the host"
+    if why is None:
+        if mode in (None, CUDAGraphMode.FULL):
+            cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+        return
     if mode is not None:
-        _logger().warning("qwen4exp: cudagraph_mode %s -> PIECEWISE (our QSA/PLE/GDN state code runs as eager "
-                          "segments of breakable CUDA graphs; FULL capture cannot hold them)", mode.name)
+        _logger().warning("qwen4exp: cudagraph_mode %s -> PIECEWISE (%s)", mode.name, why)
     cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 

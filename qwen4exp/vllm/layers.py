@@ -108,6 +108,7 @@ class StateSlots(nn.Module, MambaBase):
         super().__init__()
         self.prefix = self.eager_name = prefix
         self.step = None  # set by the owner: step(*inputs) -> output tensor (binds the states through ``run``)
+        self.decode_form = False  # owner's fn accepts cu_seqlens=None (one token per request): graph-safe decode
         self.shapes = tuple(tuple(s) for s in shapes)
         self.dtypes = tuple(dtypes)
         self.replicated = tp_replicated
@@ -138,6 +139,20 @@ class StateSlots(nn.Module, MambaBase):
         """Run the owner's step as an eager graph segment, result into ``out``."""
         return eager_segment(self, out, *inputs)
 
+    def _run_decode(self, fn, T: int, md, nd: int) -> torch.Tensor:
+        """A pure single-token decode batch: ``fn(slice(0, nd), None, states)`` (None: one token per request), no
+        host sync, fixed shapes, so it can be captured in a FULL CUDA graph. Requests that pad a captured batch
+        carry vLLM's null block as their state index: they read and write that scratch slot only."""
+        idx = md.state_indices_tensor_d[:nd, 0].long()
+        out, new_states = fn(slice(0, nd), None, [st[idx] for st in self.kv_cache])
+        for st, new in zip(self.kv_cache, new_states):
+            st[idx] = new.to(st.dtype)
+        if nd == T:
+            return out
+        full = out.new_zeros(T, *out.shape[1:])
+        full[:nd] = out
+        return full
+
     def run(self, fn, T: int, device, fresh_values):
         """Gather this step's states, call ``fn(rows, cu_seqlens, states) -> (out, new_states)``, write back.
         ``rows``: the step's token rows that ``fn`` processes (a slice or an index tensor), ``cu_seqlens`` their
@@ -157,6 +172,8 @@ class StateSlots(nn.Module, MambaBase):
             return None
         nd, npf, ndt = int(md.num_decodes), int(md.num_prefills), int(md.num_decode_tokens)
         nacc = getattr(md, "num_accepted_tokens", None)
+        if self.decode_form and nd and not npf and nacc is None:
+            return self._run_decode(fn, T, md, nd)
         outs: list[tuple[object, torch.Tensor]] = []
         first = 0  # first token row of the packed (plain decode + prefill) call
         if nd and nacc is not None:  # speculative decoding: per-position state slots, stepped
@@ -188,10 +205,10 @@ class StateSlots(nn.Module, MambaBase):
         if idx_parts:
             cu, idx, init = torch.cat(cu_parts), torch.cat(idx_parts), torch.cat(init_parts)
             states = [st[idx].clone() for st in self.kv_cache]
-            fresh = ~init
-            if bool(fresh.any()):
+            if npf:  # requests without an initial state start from the fill values
+                fresh = ~init
                 for st, v in zip(states, fresh_values):
-                    st[fresh] = 0 if v is None else v
+                    st.masked_fill_(fresh.view(-1, *[1] * (st.dim() - 1)), 0 if v is None else v)
             rows = slice(first, first + int(cu[-1]))
             out, new_states = fn(rows, cu, states)
             outs.append((rows, out))

@@ -79,6 +79,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
             if layer.ple is not None:
                 st = StateSlots(ple_state_shapes(config), (dtype, torch.int32), f"{lp}.ple_state")
                 st.step = functools.partial(_ple_step, layer.ple, st)
+                st.decode_form = True
                 self.ple_states[str(i)] = st
             layers.append(layer)
         self.layers = nn.ModuleList(layers)

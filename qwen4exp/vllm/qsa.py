@@ -52,14 +52,14 @@ def read_paged(kv: torch.Tensor, slots: torch.Tensor, part: str) -> torch.Tensor
 
 
 def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store k, v [N, kv_heads, head] at ``slots`` (negative = padding, skipped)."""
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, k, v = slots[keep], k[keep], v[keep]
+    """Store k, v [N, kv_heads, head] at ``slots`` (negative = padding: that row rewrites what slot 0 holds, so
+    nothing changes; slot 0 is in vLLM's null block, never a request's). No host sync (CUDA-graph safe)."""
     bs, hd = kv.shape[2], kv.shape[3] // 2
-    blk, off = slots // bs, slots % bs
-    kv[blk, :, off, :hd] = k.to(kv.dtype)
-    kv[blk, :, off, hd:] = v.to(kv.dtype)
+    keep = slots >= 0
+    s = slots.clamp(min=0)
+    blk, off = s // bs, s % bs
+    new = torch.cat([k, v], -1).to(kv.dtype)
+    kv[blk, :, off] = torch.where(keep.view(-1, 1, 1), new, kv[blk, :, off])
 
 
 def slots_of(block_row: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
@@ -100,6 +100,12 @@ class QSAMixer(QSAAttention):
         if md is None or self.attn.layer_name not in md:  # profiling / warm-up run: no caches bound
             return
         m, mi = md[self.attn.layer_name], md[self.index_cache.layer_name]
+        if int(m.max_query_len) <= 1:  # pure decode: the graph-capturable path
+            self._decode_step(out, q, k, v, index_q, index_k_raw, m, mi)
+            return
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("qwen4exp QSA: only pure decode batches can be captured in a FULL CUDA graph (got "
+                               f"max_query_len={m.max_query_len}); speculative decoding runs PIECEWISE graphs")
         n = int(m.num_actual_tokens)
         pos1 = positions[0] if positions.dim() == 2 else positions
         pos1 = pos1[:n].long()
@@ -164,15 +170,48 @@ class QSAMixer(QSAAttention):
             out[s:e] = qsa_attention(q[s:e], K, V, pos1[s:e], index_q[s:e], bkeys, r, self.budget,
                                      self.scale, self.index_scale).to(out.dtype)
 
+    def _decode_step(self, out, q, k, v, index_q, index_k_raw, m, mi) -> None:
+        """A pure decode batch (one query per request): cache writes, the block key of any block this token
+        completes, selection + attention, all with fixed shapes and no host sync, so a FULL CUDA graph can capture
+        it. Row b is request b; requests that pad a captured batch have seq_len 0, slot -1 and a null block
+        table: they write nothing and read the null block (finite, discarded)."""
+        B, r = m.seq_lens.shape[0], self.r
+        seq = m.seq_lens[:B].long()
+        pos = (seq - 1).clamp(min=0)
+        kv, ikv = _kv_cache(self.attn), _kv_cache(self.index_cache)
+        ibs = ikv.shape[2]
+        ibt = mi.block_table[:B]
+        write_paged(kv, m.slot_mapping[:B].long(), k[:B], v[:B])
+        # block key of the block ending at this token: fp32 mean of its r raw keys (r-1 from the index cache),
+        # rotated at the block's first position; zero rows for tokens that complete no block
+        raw = index_k_raw[:B]
+        back = pos.unsqueeze(1) - (r - 1) + torch.arange(r - 1, device=q.device)
+        prev = read_paged(ikv, slots_of_rows(ibt, back.clamp(min=0), ibs), "k")[:, :, 0].to(raw.dtype)
+        mean = block_mean(torch.cat([prev, raw.unsqueeze(1)], 1).reshape(B * r, -1), r)
+        cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), raw.dtype)
+        keys = self.block_keys(mean, cb, sb).to(raw.dtype)
+        completes = ((pos + 1) % r == 0) & (seq > 0)
+        bk = torch.where(completes.unsqueeze(1), keys, torch.zeros_like(keys))
+        write_paged(ikv, mi.slot_mapping[:B].long(), raw.unsqueeze(1), bk.unsqueeze(1))
+        # n_blocks: every block the table can hold while capturing (replays serve any length), else the step's max
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            n_blocks = ibt.shape[1] * ibs // r
+        else:
+            n_blocks = max(1, int(m.max_seq_len) // r)
+        out[:B] = self._attend_decodes(q[:B], index_q[:B], pos, m.block_table[:B], ibt, kv, ikv, n_blocks)
+
     def _decode_batch(self, out, q, index_q, pos1, reqs, qsl, seq_lens, m, mi, kv, ikv) -> None:
-        """Single-query requests in one ``qsa_decode_batched`` call: block keys and the selected tokens' K/V read
-        through each request's block table (no per-request loop)."""
+        """The single-query requests of a mixed step in one batched call (no per-request loop)."""
         device = q.device
         rows = torch.tensor([qsl[b] for b in reqs], device=device)
         idx = torch.tensor(reqs, device=device)
-        bt, ibt = m.block_table[idx], mi.block_table[idx]
-        bs, ibs, B = kv.shape[2], ikv.shape[2], len(reqs)
         n_blocks = max(1, max(seq_lens[b] for b in reqs) // self.r)
+        out[rows] = self._attend_decodes(q[rows], index_q[rows], pos1[rows], m.block_table[idx],
+                                         mi.block_table[idx], kv, ikv, n_blocks)
+
+    def _attend_decodes(self, q, index_q, pos, bt, ibt, kv, ikv, n_blocks: int) -> torch.Tensor:
+        """``qsa_decode_batched`` with block keys and the selected tokens' K/V read through the block tables."""
+        bs, ibs, B = kv.shape[2], ikv.shape[2], q.shape[0]
 
         def read_block_keys(ends):
             return read_paged(ikv, slots_of_rows(ibt, ends.unsqueeze(0).expand(B, -1), ibs), "v")[:, :, 0]
@@ -180,5 +219,5 @@ class QSAMixer(QSAAttention):
         def fetch_kv(tok):
             return read_paged_kv(kv, slots_of_rows(bt, tok, bs))
 
-        out[rows] = qsa_decode_batched(q[rows], pos1[rows], index_q[rows], read_block_keys, fetch_kv, n_blocks,
-                                       self.r, self.budget, self.scale, self.index_scale).to(out.dtype)
+        return qsa_decode_batched(q, pos, index_q, read_block_keys, fetch_kv, n_blocks, self.r, self.budget,
+                                  self.scale, self.index_scale).to(q.dtype)

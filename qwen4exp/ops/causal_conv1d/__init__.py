@@ -1,6 +1,6 @@
 from .._dispatch import pick
 from . import reference
-from .reference import state_len
+from .reference import causal_conv1d_update, state_len
 
 
 def causal_conv1d(x, weight, cu_seqlens, initial_state=None, dilation=1, activation="silu"):
@@ -8,4 +8,4 @@ def causal_conv1d(x, weight, cu_seqlens, initial_state=None, dilation=1, activat
     return fn(x, weight, cu_seqlens, initial_state, dilation, activation)
 
 
-__all__ = ["causal_conv1d", "state_len", "reference"]
+__all__ = ["causal_conv1d", "causal_conv1d_update", "state_len", "reference"]

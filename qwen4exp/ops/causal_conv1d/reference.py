@@ -61,6 +61,23 @@ def causal_conv1d(
     return out, final
 
 
+def causal_conv1d_update(
+    x: torch.Tensor,  # [N, C]: one new input per sequence (decode)
+    weight: torch.Tensor,  # [C, K]
+    state: torch.Tensor,  # [N, C, S]: the last S inputs, S = (K-1) * dilation
+    dilation: int = 1,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_conv1d`` for sequences of exactly one token: -> (y [N, C], new state [N, C, S]). The K taps as
+    multiply-adds in fp32 rounded once (the short path of ``causal_conv1d``). Fixed shapes, no host sync."""
+    K = weight.shape[-1]
+    dtype = weight.dtype
+    hist = torch.cat([state.to(dtype), x.to(dtype).unsqueeze(2)], 2)  # [N, C, S+1]
+    w = weight.float()
+    y = sum(hist[:, :, j * dilation].float() * w[:, j] for j in range(K)).to(dtype)
+    return _act(y, activation).to(x.dtype), hist[:, :, 1:]
+
+
 def _act(y, activation):
     if activation == "silu":
         return F.silu(y)

@@ -104,6 +104,20 @@ def ngram_context(
     return out[~is_prev]
 
 
+def ngram_context_decode(ids: torch.Tensor, prev: torch.Tensor, eos: int) -> torch.Tensor:
+    """``ngram_context`` for one new token per sequence (decode): ids [N], prev [N, n-1] -> [N, n]. Fixed shapes,
+    no host sync (usable inside a CUDA graph). T_k = prev[-k] unless an EOS sits among the k ids back from t-1
+    to t-k (the segment of t then starts after it), else EOS."""
+    c = prev.shape[1]
+    hist = torch.cat([prev.long(), ids.long().unsqueeze(1)], 1)  # [N, c+1]: ids t-c .. t
+    is_eos = hist[:, :c] == eos
+    # EOS anywhere in t-k .. t-1 <=> in columns c-k .. c-1: a suffix-OR over the history columns
+    eos_since = is_eos.flip(1).cummax(1).values  # [:, k-1]: EOS in t-k .. t-1
+    cols = [hist[:, c]] + [torch.where(eos_since[:, k - 1], torch.full_like(hist[:, c], eos), hist[:, c - k])
+                           for k in range(1, c + 1)]
+    return torch.stack(cols, 1)
+
+
 def ngram_ids(
     ctx: torch.Tensor,  # [T, n] from ngram_context
     multipliers: torch.Tensor,  # [n] int64

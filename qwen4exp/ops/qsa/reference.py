@@ -31,31 +31,34 @@ def indexer_scores(q: torch.Tensor, block_keys: torch.Tensor, scale: float) -> t
     return s.relu_().sum(1) * scale
 
 
+def _order_keys(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """One int64 per score that orders like (score descending, block id ascending): the fp32 score's bits made
+    order-preserving as a signed int in the high half, 2^32 - 1 - id in the low half; ``INT64_MIN`` where not
+    visible. The keys are unique, so a plain top-k over them is exact and deterministic (no host sync)."""
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 -> +0.0 (the two tie)
+    key32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
+    ids = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
+    key = (key32.to(torch.int64) << 32) + (0xFFFFFFFF - ids)
+    return key.masked_fill(~visible, _KEY_MIN)
+
+
+_KEY_MIN = -(1 << 63)
+
+
 def select_blocks(scores: torch.Tensor, n_complete: torch.Tensor, m: int) -> torch.Tensor:
     """Top-m block ids per query among its complete blocks; -1 where a query has fewer than m blocks.
-    scores [Tq, Nb]; n_complete [Tq]. Returns [Tq, min(m, Nb)] int64.
+    scores [Tq, Nb]; n_complete [Tq]. Returns [Tq, min(m, Nb)] int64, in score order.
     Ties (frequent: ReLU makes many scores exactly 0) go to the lower block id, so the choice does not depend on
-    the padded width of ``scores`` (torch.topk's tie order does)."""
+    the padded width of ``scores`` (torch.topk's own tie order does). Fixed shapes, no host sync: usable inside a
+    CUDA graph."""
     Tq, Nb = scores.shape
     k = min(m, Nb)
     if k == 0:
         return scores.new_empty((Tq, 0), dtype=torch.long)
     visible = torch.arange(Nb, device=scores.device).unsqueeze(0) < n_complete.unsqueeze(1)
-    s = scores.masked_fill(~visible, float("-inf"))
-    # = a stable descending sort cut at k, without sorting all Nb scores: every block above the k-th largest score
-    # is in, and the ties at that score fill the remaining places in id order.
-    kth = s.topk(k, dim=-1).values[:, -1:]
-    above, ties = s > kth, s == kth
-    take = above | (ties & (ties.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
-    picked = take.nonzero()
-    if picked.shape[0] != Tq * k:  # NaN scores: fall back to the full sort
-        vals, idx = s.sort(dim=-1, descending=True, stable=True)
-        return idx[:, :k].masked_fill(vals[:, :k] == float("-inf"), -1)
-    idx = picked[:, 1].view(Tq, k)  # ascending ids
-    vals = s.gather(1, idx)
-    order = vals.sort(dim=-1, descending=True, stable=True).indices  # score order, ties by id
-    idx, vals = idx.gather(1, order), vals.gather(1, order)
-    return idx.masked_fill(vals == float("-inf"), -1)
+    top = _order_keys(scores, visible).topk(k, dim=-1).values
+    ids = 0xFFFFFFFF - (top & 0xFFFFFFFF)
+    return ids.masked_fill(top == _KEY_MIN, -1)
 
 
 def selection_mask(block_ids: torch.Tensor, q_pos: torch.Tensor, kv_len: int, r: int) -> torch.Tensor:
