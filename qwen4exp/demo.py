@@ -52,12 +52,13 @@ def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 300.0) -> flo
     raise TimeoutError(f"server not ready after {timeout:.0f} s")
 
 
-def stop_server(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM the server's process group, SIGKILL it if the leader has not exited after ``timeout`` seconds."""
     if proc.poll() is not None:
         return
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        proc.wait(timeout=timeout)
     except (subprocess.TimeoutExpired, ProcessLookupError):
         try:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -9,6 +9,11 @@
 #   bash recipes/gpu_device.sh bench IMPL           # recipes/bench_vllm_gpu.py --profile for upstream or ours: one
 #                                                   # implementation per call (each needs ~4-5 min at full sizes);
 #                                                   # run both back to back on the same warm machine
+#   bash recipes/gpu_device.sh agentic [GPUS]       # recipes/agentic_gpu.py: qwen4exp-bench (shortened agentic
+#                                                   # workload, concurrency 1 and 8) against vLLM servers of upstream
+#                                                   # and ours (FN-12L, dummy weights); GPUS default 0,1 = one server
+#                                                   # per GPU at once (upstream on 0, ours on 1), one id = one after
+#                                                   # the other; table: $OUT/agentic/agentic.csv
 #
 # Each job is bounded (timeout) and writes to files, never through a pipe that an engine process could hold open.
 set -uo pipefail
@@ -45,5 +50,10 @@ case "${1:-}" in
     timeout 585 python recipes/bench_vllm_gpu.py --out "$OUT/bench-$impl" --impls "$impl" --profile \
       --timeout 575 > "$OUT/bench-$impl.log" 2>&1
     echo "rc=$?"; tail -8 "$OUT/bench-$impl.log" ;;
-  *) sed -n '2,13p' "$0"; exit 2 ;;
+  agentic)
+    register
+    timeout 585 python recipes/agentic_gpu.py --out "$OUT/agentic" --gpus "${2:-0,1}" --timeout 570 "${@:3}" \
+      > "$OUT/agentic.log" 2>&1
+    echo "rc=$?"; tail -25 "$OUT/agentic.log" ;;
+  *) sed -n '2,/^set /{/^#/p}' "$0"; exit 2 ;;
 esac
