@@ -14,6 +14,9 @@
 #                                                   # and ours (FN-12L, dummy weights); GPUS default 0,1 = one server
 #                                                   # per GPU at once (upstream on 0, ours on 1), one id = one after
 #                                                   # the other; table: $OUT/agentic/agentic.csv
+#   bash recipes/gpu_device.sh tp2 [models]         # recipes/vllm_tp_check.py: tensor_parallel_size 2 vs 1, greedy
+#                                                   # tokens + teacher-forced top-1 + what is sharded (default fn4;
+#                                                   # 2 GPUs: kind nvidia-h200-x2); NVLink multicast kept off
 #
 # Each job is bounded (timeout) and writes to files, never through a pipe that an engine process could hold open.
 set -uo pipefail
@@ -55,5 +58,11 @@ case "${1:-}" in
     timeout 585 python recipes/agentic_gpu.py --out "$OUT/agentic" --gpus "${2:-0,1}" --timeout 570 "${@:3}" \
       > "$OUT/agentic.log" 2>&1
     echo "rc=$?"; tail -25 "$OUT/agentic.log" ;;
+  tp2)
+    register
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0 \
+      QWEN4EXP_CHECK_TIMEOUT=${QWEN4EXP_CHECK_TIMEOUT:-240} timeout 560 python recipes/vllm_tp_check.py \
+      --out "$OUT/tp2" --models "${2:-fn4}" --tp 2 > "$OUT/tp2.log" 2>&1
+    echo "rc=$?"; tail -30 "$OUT/tp2.log" ;;
   *) sed -n '2,/^set /{/^#/p}' "$0"; exit 2 ;;
 esac

@@ -6,8 +6,6 @@ the bar is the HF reference's own bf16 run against the same fp32 logits. Greedy 
 prefill, batching (mixed prefill + decode), prefix caching or preemption.
 """
 
-import os
-
 import pytest
 import torch
 from prompts import prompt
@@ -133,8 +131,6 @@ def test_greedy_same_tokens_chunked_batched(runs):
     assert a == b
 
 
-
-
 def test_prefix_caching_same_tokens(setup, tmp_path_factory):
     """Prefix caching on ("align" mode for the hybrid state): a second pass over prompts sharing a long prefix hits
     the cache (hits come in multiples of the KV groups' block-size LCM, 768 tokens here) and gives the tokens of
@@ -175,17 +171,3 @@ def test_preemption_same_tokens(setup, tmp_path_factory):
     print("preemptions:", res["num_preemptions"], "(large pool:", ref["num_preemptions"], ")")
     assert res["num_preemptions"], "the small KV pool did not force a preemption"
     assert res["tokens"] == ref["tokens"]
-
-
-def test_tensor_parallel_2_same_tokens(setup, runs, tmp_path_factory):
-    """TP=2 on CPU (two worker processes, one core each): vocab-parallel embedding / LM head and FusedMoE sharded,
-    GDN / QSA / PLE / HC replicated. Same greedy tokens as TP=1."""
-    from qwen4exp.vllm.offline import run_offline
-
-    spec = dict(model=setup["ckpt"], prompts=setup["prompts"][:3],
-                sampling=dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, detokenize=False),
-                engine=_engine(tensor_parallel_size=2, distributed_executor_backend="mp",
-                               enable_chunked_prefill=True, max_num_batched_tokens=64),
-                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if (os.cpu_count() or 1) <= 2 else {})
-    res = run_offline(spec, str(tmp_path_factory.mktemp("tp2")))
-    assert res["tokens"] == runs["single_nochunk"]["tokens"][:3]

@@ -1,14 +1,22 @@
 """Run an offline ``vllm.LLM`` over token-id prompts in a clean subprocess (tests, benchmarks).
 
-    python -m qwen4exp.vllm.offline spec.json out.pt
+    python -m qwen4exp.vllm.offline spec.json out.pt [--tensor-parallel-size N]
 
-spec: {"model": dir, "engine": {LLM kwargs}, "env": {extra environment} (run_offline only), "sampling": {SamplingParams kwargs}, "prompts": [[ids], ...],
+spec: {"model": dir, "engine": {LLM kwargs}, "env": {extra environment} (run_offline only),
+       "sampling": {SamplingParams kwargs}, "prompts": [[ids], ...],
        "batches": [[prompt indices], ...] (default: all at once), "full_prompt_logprobs": bool,
        "prompt_top1": bool (with sampling prompt_logprobs >= 1: the rank-1 token id at every prompt position),
+       "tp_layout": bool (every worker's TP rank, layer partition sizes and parameter sums: ``tp_layout``),
        "warmup": bool (untimed short generate first)}
-out (torch.save): {"tokens": [[ids]...], "prompt_logprobs": [tensor [L-1, V] or None],
-       "prompt_top1": [[ids of positions 1..L-1]] or None, "startup_s", "run_s",
+out (torch.save): {"tokens": [[ids]...], "logprobs": [[{id: logprob} per generated token]] or None (sampling
+       "logprobs": k), "prompt_logprobs": [tensor [L-1, V] or None],
+       "prompt_top1": [[ids of positions 1..L-1]] or None, "tp_layout": [per rank] or None, "startup_s", "run_s",
        "metrics" (counters/gauges when disable_log_stats=False), "num_preemptions"}
+
+Tensor parallelism (``--tensor-parallel-size`` or engine ``tensor_parallel_size``): one worker process per rank
+(vLLM's "mp" executor). On CPU vLLM binds each rank's OpenMP threads to the cores of one NUMA node
+(``VLLM_CPU_OMP_THREADS_BIND=auto``) and refuses more ranks than NUMA nodes ("Not enough allowed NUMA nodes"); there
+``_main`` splits this process's allowed cores among the ranks (``cpu_threads_bind``) unless the variable is set.
 """
 
 from __future__ import annotations
@@ -39,7 +47,52 @@ def run_offline(spec: dict, workdir: str, timeout: float = 600) -> dict:
     return torch.load(out, weights_only=False)
 
 
-def _main(spec_path: str, out_path: str) -> None:
+def cpu_threads_bind(ranks: int, cpus: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers: the allowed cores in ``ranks`` contiguous groups
+    (2 cores, 2 ranks: ``"0|1"``; cores left over when they do not divide go unused)."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    k = len(cpus) // ranks
+    if k < 1:
+        raise ValueError(f"{ranks} CPU workers need at least {ranks} cores, {len(cpus)} allowed")
+    return "|".join(",".join(str(c) for c in cpus[i * k:(i + 1) * k]) for i in range(ranks))
+
+
+def _bind_cpu_ranks(engine: dict) -> None:
+    """On CPU with more ranks than NUMA nodes and no ``VLLM_CPU_OMP_THREADS_BIND``: bind each rank to its share of
+    the allowed cores (vLLM's "auto" binding wants one NUMA node per rank)."""
+    ranks = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))
+    if ranks <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    if len(get_visible_memory_node()) < ranks:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(ranks)
+
+
+_PARTITION_ATTRS = ("num_embeddings_per_partition", "output_size_per_partition", "input_size_per_partition",
+                    "intermediate_size_per_partition", "local_num_experts")
+
+
+def tp_layout(model) -> dict:
+    """``LLM.apply_model`` target: how this worker's model is split. ``partitions``: the per-rank sizes vLLM's
+    parallel layers record ("<module>.<attr>": int); ``sums``: the fp64 sum of every parameter (a rank's share of
+    a sharded tensor; a kernel's zero padding or repacking leaves it unchanged, a weight the CPU linear kernel keeps
+    packed elsewhere reads 0)."""
+    import torch
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    parts = {f"{n}.{a}": getattr(m, a) for n, m in model.named_modules() for a in _PARTITION_ATTRS
+             if isinstance(getattr(m, a, None), int)}
+    sums = {n: p.detach().sum(dtype=torch.float64).item() for n, p in model.named_parameters()}
+    return {"tp_rank": get_tensor_model_parallel_rank(), "tp_size": get_tensor_model_parallel_world_size(),
+            "partitions": parts, "sums": sums}
+
+
+def _main(spec_path: str, out_path: str, tensor_parallel_size: int | None = None) -> None:
     from ..serve import cpu_env
 
     cpu_env()
@@ -48,6 +101,9 @@ def _main(spec_path: str, out_path: str) -> None:
 
     with open(spec_path) as f:
         spec = json.load(f)
+    if tensor_parallel_size is not None:
+        spec.setdefault("engine", {})["tensor_parallel_size"] = tensor_parallel_size
+    _bind_cpu_ranks(spec.get("engine", {}))
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], **spec.get("engine", {}))
     startup = time.perf_counter() - t0
@@ -55,6 +111,7 @@ def _main(spec_path: str, out_path: str) -> None:
     batches = spec.get("batches") or [list(range(len(prompts)))]
     sampling = SamplingParams(**spec.get("sampling", {}))
     tokens: list = [None] * len(prompts)
+    lps: list = [None] * len(prompts)
     plps: list = [None] * len(prompts)
     top1: list = [None] * len(prompts)
     full = spec.get("full_prompt_logprobs", False)
@@ -68,6 +125,8 @@ def _main(spec_path: str, out_path: str) -> None:
         outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in batch], sampling, use_tqdm=False)
         for i, o in zip(batch, outs):
             tokens[i] = list(o.outputs[0].token_ids)
+            if o.outputs[0].logprobs is not None:
+                lps[i] = [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]
             if want_top1 and o.prompt_logprobs is not None:
                 top1[i] = [next((t for t, lp in d.items() if lp.rank == 1), -1) for d in o.prompt_logprobs[1:]]
             if full and o.prompt_logprobs is not None:
@@ -87,9 +146,23 @@ def _main(spec_path: str, out_path: str) -> None:
                 metrics[m.name] = metrics.get(m.name, 0) + m.value
     except Exception:
         pass
-    torch.save({"tokens": tokens, "prompt_logprobs": plps, "prompt_top1": top1, "startup_s": startup, "run_s": run, "metrics": metrics,
-                "num_preemptions": metrics.get("vllm:num_preemptions")}, out_path)
+    layout = None
+    if spec.get("tp_layout"):  # by its module name: run as ``-m``, this file is ``__main__``, which workers lack
+        from qwen4exp.vllm.offline import tp_layout as fn
+
+        layout = llm.apply_model(fn)
+    torch.save({"tokens": tokens, "logprobs": lps, "prompt_logprobs": plps, "prompt_top1": top1, "startup_s": startup,
+                "run_s": run, "metrics": metrics, "num_preemptions": metrics.get("vllm:num_preemptions"),
+                "tp_layout": layout}, out_path)
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spec")
+    ap.add_argument("out")
+    ap.add_argument("--tensor-parallel-size", type=int, default=None,
+                    help="override the spec's engine tensor_parallel_size")
+    a = ap.parse_args()
+    _main(a.spec, a.out, a.tensor_parallel_size)
