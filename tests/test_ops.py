@@ -544,6 +544,56 @@ def test_qsa_decode_batched_equals_per_sequence(r, budget):
         torch.testing.assert_close(got[b], want[0], **F32)
 
 
+def paged_qsa_case(seqs, lens, r, bs, ibs, seed=0):
+    """Page per-sequence (k, v, block keys) into the runtime layout (``qsa_ref.paged_rows``): [blocks, Hkv, bs,
+    2d] K|V and a one-head index cache whose row j*r + r - 1 holds block j's key in its V half; physical blocks
+    shuffled, every unused row garbage (1e3-scale noise; NaN in the index cache's K half, never read here).
+    -> (kv, block_table, index_kv, index_block_table), block tables padded to the longest sequence (+1 column)."""
+    gen = torch.Generator().manual_seed(seed)
+    hkv, d, di = seqs[0][1].shape[1], seqs[0][1].shape[2], seqs[0][4].shape[1]
+    dt = seqs[0][1].dtype
+    nbt, nbti = max(lens) // bs + 2, max(lens) // ibs + 2
+    B = len(lens)
+    kv = (torch.randn(B * nbt + 1, hkv, bs, 2 * d, generator=gen) * 1e3).to(dt)
+    ikv = (torch.randn(B * nbti + 1, 1, ibs, 2 * di, generator=gen) * 1e3).to(dt)
+    ikv[..., :di] = float("nan")
+    perm, iperm = torch.randperm(B * nbt, generator=gen) + 1, torch.randperm(B * nbti, generator=gen) + 1
+    bt, ibt = perm.view(B, nbt).int(), iperm.view(B, nbti).int()
+    for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
+        p = torch.arange(L)
+        kv[bt[b, p // bs].long(), :, p % bs] = torch.cat([k, v], -1)
+        ends = r * torch.arange(L // r) + r - 1
+        ikv[ibt[b, ends // ibs].long(), 0, ends % ibs, di:] = bk[: L // r]
+    return kv, bt, ikv, ibt
+
+
+@pytest.mark.parametrize("r,budget,bs,ibs", [(4, 16, 16, 64), (2, 6, 4, 4)])
+def test_qsa_decode_paged_equals_per_sequence(r, budget, bs, ibs):
+    """The paged decode op (block keys and selected K/V through shuffled block tables, garbage elsewhere, padded
+    block tables) = qsa_attention sequence by sequence on contiguous K/V; ``n_blocks`` only needs to bound them."""
+    lens = [1, 7, budget + r - 1, budget + r, 3 * budget + 1, 90]
+    seqs = [qsa_inputs(L, seed=200 + i) for i, L in enumerate(lens)]
+    kv, bt, ikv, ibt = paged_qsa_case(seqs, lens, r, bs, ibs)
+    pos = torch.tensor(lens) - 1
+    qb = torch.stack([s_[0][-1] for s_ in seqs])
+    iqb = torch.stack([s_[3][-1] for s_ in seqs])
+    for n_blocks in (max(lens) // r, max(lens) // r + 13):
+        got = qsa_ref.qsa_decode_paged(qb, pos, iqb, kv, bt, ikv, ibt, n_blocks, r, budget, 0.3, 0.4)
+        for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
+            want = qsa_ref.qsa_attention(q[-1:], k, v, pos[b:b + 1], iq[-1:], bk, r, budget, 0.3, 0.4)
+            torch.testing.assert_close(got[b], want[0], **F32)
+
+
+def test_paged_rows_reads_each_sequence_block_table():
+    cache = torch.arange(8 * 1 * 4 * 2).view(8, 1, 4, 2)
+    table = torch.tensor([[5, 2, 7], [1, 0, 3]])
+    pos = torch.tensor([[0, 3, 4, 11, 40], [2, 5, 9, 8, 1]])
+    got = qsa_ref.paged_rows(cache, table, pos)[..., 0, 0] // 2  # row number = block * 4 + offset
+    want = [[5 * 4 + 0, 5 * 4 + 3, 2 * 4 + 0, 7 * 4 + 3, 7 * 4 + 0], [1 * 4 + 2, 0 * 4 + 1, 3 * 4 + 1, 3 * 4 + 0,
+                                                                       1 * 4 + 1]]
+    assert got.tolist() == want  # position 40 is past row 0's table: its last block (callers mask such rows)
+
+
 @pytest.mark.parametrize("L", [1, 5, 19])
 def test_qsa_attention_below_budget_is_dense_causal(L):
     """Up to position budget + r - 2 every query has at most m complete blocks: exactly dense causal attention

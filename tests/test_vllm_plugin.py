@@ -144,12 +144,3 @@ def test_cuda_graphs_without_breakable_graphs_are_refused_with_a_message():
     assert p.stdout.strip().splitlines()[-1] == "refused:named ok ok"
 
 
-def test_slots_of_rows_reads_each_rows_block_table():
-    from qwen4exp.vllm.qsa import slots_of_rows
-
-    table = torch.tensor([[5, 2, 7], [1, 0, 3]])
-    pos = torch.tensor([[0, 3, 4, 11, 40], [2, 5, 9, 8, 1]])
-    got = slots_of_rows(table, pos, 4)
-    want = [[5 * 4 + 0, 5 * 4 + 3, 2 * 4 + 0, 7 * 4 + 3, 7 * 4 + 0], [1 * 4 + 2, 0 * 4 + 1, 3 * 4 + 1, 3 * 4 + 0,
-                                                                       1 * 4 + 1]]
-    assert got.tolist() == want  # position 40 is past row 0's table: its last block (callers mask such rows)

@@ -77,6 +77,28 @@ def qsa_attention(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_s
     return qsa_attention_op(q, k, v, q_pos, index_q, block_keys, r, budget, float(scale), float(index_scale))
 
 
+@torch.library.custom_op("qwen4exp::qsa_decode_paged", mutates_args=())
+def qsa_decode_paged_op(q: Tensor, q_pos: Tensor, index_q: Tensor, kv: Tensor, block_table: Tensor, index_kv: Tensor,
+                        index_block_table: Tensor, n_blocks: int, r: int, budget: int, scale: float,
+                        index_scale: float) -> Tensor:
+    return qsa_tk.qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks,
+                                          r, budget, scale, index_scale)
+
+
+@qsa_decode_paged_op.register_fake
+def _(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks, r, budget, scale, index_scale):
+    return torch.empty_like(q)
+
+
+def qsa_decode_paged(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks, r, budget, scale,
+                     index_scale):
+    if not qsa_tk.paged_supported(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, r, budget):
+        return qsa_ref.qsa_decode_paged(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks,
+                                        r, budget, scale, index_scale)
+    return qsa_decode_paged_op(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, int(n_blocks), r,
+                               budget, float(scale), float(index_scale))
+
+
 # ------------------------------------------------------------------------------------------------------------ PLE
 @torch.library.custom_op("qwen4exp::ple_lookup", mutates_args=())
 def ple_lookup_op(table: Tensor, rows: Tensor, scale: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
@@ -99,4 +121,5 @@ def ple_lookup(table, rows, scale=None, out_dtype=None):
 register_kernel("hc_mix", "cuda", hc_mix)
 register_kernel("hc_inject", "cuda", hc_inject)
 register_kernel("qsa_attention", "cuda", qsa_attention)
+register_kernel("qsa_decode_paged", "cuda", qsa_decode_paged)
 register_kernel("ple_lookup", "cuda", ple_lookup)

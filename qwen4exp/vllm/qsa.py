@@ -22,7 +22,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 
 from ..layers.qsa import QSAAttention
-from ..ops.qsa import block_mean, qsa_attention, qsa_attention_gathered, qsa_decode_batched
+from ..ops.qsa import block_mean, paged_rows, qsa_attention, qsa_attention_gathered, qsa_decode_paged
 from .layers import eager_segment, vllm_linear
 
 
@@ -31,18 +31,32 @@ from .layers import eager_segment, vllm_linear
 GATHER_SELECTED_MAX_QUERIES = 8
 
 
+_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
 def _kv_cache(attn: Attention) -> torch.Tensor:
+    """The layer's paged cache; an FP8 cache (``--kv-cache-dtype fp8``; vLLM allocates it as bytes) viewed in its
+    FP8 type, so writes round to it and reads widen back (unit scales: see ``QSAMixer.check_kv_scales``)."""
     kv = attn.kv_cache
     if isinstance(kv, (list, tuple)):
         kv = kv[get_forward_context().virtual_engine]
+    if kv.dtype == torch.uint8:
+        fp8 = _FP8.get(attn.kv_cache_dtype)
+        if fp8 is None:
+            raise NotImplementedError(f"qwen4exp QSA: kv_cache_dtype {attn.kv_cache_dtype!r} is not supported "
+                                      f"(bf16/fp16/fp32 or {', '.join(_FP8)})")
+        kv = kv.view(fp8)
     return kv
 
 
-def read_paged_kv(kv: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def read_paged_kv(kv: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V rows of one of our paged caches at ``slots`` (any shape [...]) -> two [..., kv_heads, head] views of
-    one gather."""
+    one gather (in ``dtype`` if given: FP8 caches widen to the activations' dtype)."""
     bs, hd = kv.shape[2], kv.shape[3] // 2
     rows = kv[slots // bs, :, slots % bs]  # [..., kv_heads, 2 * head]
+    if dtype is not None and rows.dtype != dtype:
+        rows = rows.to(dtype)
     return rows[..., :hd], rows[..., hd:]
 
 
@@ -58,19 +72,16 @@ def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
     keep = slots >= 0
     s = slots.clamp(min=0)
     blk, off = s // bs, s % bs
-    new = torch.cat([k, v], -1).to(kv.dtype)
+    new = torch.cat([k, v], -1)
+    if kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # saturate: FP8 casts do not
+        fmax = torch.finfo(kv.dtype).max
+        new = new.clamp(-fmax, fmax)
+    new = new.to(kv.dtype)
     kv[blk, :, off] = torch.where(keep.view(-1, 1, 1), new, kv[blk, :, off])
 
 
 def slots_of(block_row: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
     return block_row[pos // bs].long() * bs + pos % bs
-
-
-def slots_of_rows(block_rows: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
-    """block_rows [B, nbt], pos [B, n] -> slots [B, n]; positions past a row's table read its last entry (callers
-    mask those rows)."""
-    col = (pos // bs).clamp(max=block_rows.shape[1] - 1)
-    return block_rows.gather(1, col).long() * bs + pos % bs
 
 
 class QSAMixer(QSAAttention):
@@ -87,6 +98,18 @@ class QSAMixer(QSAAttention):
         self.index_cache = Attention(1, d_i, d_i ** -0.5, num_kv_heads=1, cache_config=cc,
                                      prefix=f"{prefix}.index_cache")
 
+    _scales_checked = False
+
+    def check_kv_scales(self) -> None:
+        """FP8 caches store K/V as they are (scale 1); a checkpoint with calibrated K/V scales is refused, naming
+        the layer, rather than read wrongly."""
+        for a in (self.attn, self.index_cache):
+            ks, vs = getattr(a, "_k_scale_float", 1.0), getattr(a, "_v_scale_float", 1.0)
+            if (ks, vs) != (1.0, 1.0) and a.kv_cache_dtype in _FP8:
+                raise NotImplementedError(f"qwen4exp QSA {a.layer_name}: FP8 KV cache with calibrated scales "
+                                          f"(k {ks}, v {vs}) is not supported yet; serve with --kv-cache-dtype auto")
+        self._scales_checked = True
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         p = self.project(x, cos, sin)
         out = eager_segment(self, torch.empty_like(p.q), p.q, p.k, p.v, p.index_q, p.index_k_raw, positions)
@@ -100,6 +123,8 @@ class QSAMixer(QSAAttention):
         if md is None or self.attn.layer_name not in md:  # profiling / warm-up run: no caches bound
             return
         m, mi = md[self.attn.layer_name], md[self.index_cache.layer_name]
+        if not self._scales_checked:
+            self.check_kv_scales()
         if int(m.max_query_len) <= 1:  # pure decode: the graph-capturable path
             self._decode_step(out, q, k, v, index_q, index_k_raw, m, mi)
             return
@@ -161,12 +186,12 @@ class QSAMixer(QSAAttention):
             if bkeys is not None and e - s <= GATHER_SELECTED_MAX_QUERIES:  # decode / MTP verification
 
                 def fetch(tok, row=m.block_table[b]):
-                    return read_paged_kv(kv, slots_of(row, tok, bs))
+                    return read_paged_kv(kv, slots_of(row, tok, bs), q.dtype)
 
                 out[s:e] = qsa_attention_gathered(q[s:e], pos1[s:e], index_q[s:e], bkeys, fetch, r, self.budget,
                                                   self.scale, self.index_scale).to(out.dtype)
                 continue
-            K, V = read_paged_kv(kv, slots_of(m.block_table[b], torch.arange(L, device=device), bs))
+            K, V = read_paged_kv(kv, slots_of(m.block_table[b], torch.arange(L, device=device), bs), q.dtype)
             out[s:e] = qsa_attention(q[s:e], K, V, pos1[s:e], index_q[s:e], bkeys, r, self.budget,
                                      self.scale, self.index_scale).to(out.dtype)
 
@@ -179,14 +204,13 @@ class QSAMixer(QSAAttention):
         seq = m.seq_lens[:B].long()
         pos = (seq - 1).clamp(min=0)
         kv, ikv = _kv_cache(self.attn), _kv_cache(self.index_cache)
-        ibs = ikv.shape[2]
         ibt = mi.block_table[:B]
         write_paged(kv, m.slot_mapping[:B].long(), k[:B], v[:B])
         # block key of the block ending at this token: fp32 mean of its r raw keys (r-1 from the index cache),
         # rotated at the block's first position; zero rows for tokens that complete no block
         raw = index_k_raw[:B]
         back = pos.unsqueeze(1) - (r - 1) + torch.arange(r - 1, device=q.device)
-        prev = read_paged(ikv, slots_of_rows(ibt, back.clamp(min=0), ibs), "k")[:, :, 0].to(raw.dtype)
+        prev = paged_rows(ikv, ibt, back.clamp(min=0))[:, :, 0, : raw.shape[-1]].to(raw.dtype)
         mean = block_mean(torch.cat([prev, raw.unsqueeze(1)], 1).reshape(B * r, -1), r)
         cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), raw.dtype)
         keys = self.block_keys(mean, cb, sb).to(raw.dtype)
@@ -195,7 +219,7 @@ class QSAMixer(QSAAttention):
         write_paged(ikv, mi.slot_mapping[:B].long(), raw.unsqueeze(1), bk.unsqueeze(1))
         # n_blocks: every block the table can hold while capturing (replays serve any length), else the step's max
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            n_blocks = ibt.shape[1] * ibs // r
+            n_blocks = ibt.shape[1] * ikv.shape[2] // r
         else:
             n_blocks = max(1, int(m.max_seq_len) // r)
         out[:B] = self._attend_decodes(q[:B], index_q[:B], pos, m.block_table[:B], ibt, kv, ikv, n_blocks)
@@ -210,14 +234,7 @@ class QSAMixer(QSAAttention):
                                          mi.block_table[idx], kv, ikv, n_blocks)
 
     def _attend_decodes(self, q, index_q, pos, bt, ibt, kv, ikv, n_blocks: int) -> torch.Tensor:
-        """``qsa_decode_batched`` with block keys and the selected tokens' K/V read through the block tables."""
-        bs, ibs, B = kv.shape[2], ikv.shape[2], q.shape[0]
-
-        def read_block_keys(ends):
-            return read_paged(ikv, slots_of_rows(ibt, ends.unsqueeze(0).expand(B, -1), ibs), "v")[:, :, 0]
-
-        def fetch_kv(tok):
-            return read_paged_kv(kv, slots_of_rows(bt, tok, bs))
-
-        return qsa_decode_batched(q, pos, index_q, read_block_keys, fetch_kv, n_blocks, self.r, self.budget,
-                                  self.scale, self.index_scale).to(q.dtype)
+        """Selection + attention of single queries, caches read through the block tables (``qsa_decode_paged``:
+        one Triton pass on GPUs)."""
+        return qsa_decode_paged(q, pos, index_q, kv, bt, ikv, ibt, n_blocks, self.r, self.budget, self.scale,
+                                self.index_scale)

@@ -1,7 +1,7 @@
 from .._dispatch import pick
 from . import reference
-from .reference import (block_mean, indexer_scores, num_complete_blocks, qsa_attention_gathered, qsa_decode_batched,
-                        select_blocks, selected_token_indices, selection_mask, sparse_attention)
+from .reference import (block_mean, indexer_scores, num_complete_blocks, paged_rows, qsa_attention_gathered,
+                        qsa_decode_batched, select_blocks, selected_token_indices, selection_mask, sparse_attention)
 
 
 def qsa_attention(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_scale):
@@ -9,6 +9,13 @@ def qsa_attention(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_s
     return fn(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_scale)
 
 
-__all__ = ["qsa_attention", "qsa_attention_gathered", "qsa_decode_batched", "block_mean", "indexer_scores",
+def qsa_decode_paged(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks, r, budget, scale,
+                     index_scale):
+    fn = pick("qsa_decode_paged", q.device, reference.qsa_decode_paged)
+    return fn(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks, r, budget, scale,
+              index_scale)
+
+
+__all__ = ["qsa_attention", "qsa_decode_paged", "paged_rows", "qsa_attention_gathered", "qsa_decode_batched", "block_mean", "indexer_scores",
            "num_complete_blocks", "select_blocks", "selected_token_indices", "selection_mask", "sparse_attention",
            "reference"]

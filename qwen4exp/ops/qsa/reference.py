@@ -192,3 +192,47 @@ def qsa_decode_batched(
     o = F.scaled_dot_product_attention(qh, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
                                        attn_mask=mask, scale=scale)
     return o.reshape(B, Hq, -1)
+
+
+# ------------------------------------------------------------------------------------------------ paged caches
+# The layout our runtimes page K/V in: [num_blocks, heads, block_size, 2 * head_dim], each token row holding its K
+# in the first half and its V in the second; sequence b's token p sits in block block_table[b, p // block_size].
+# The index cache has the same layout with one head: K half = the token's raw indexer key, V half = the key of the
+# block that token completes ((p + 1) % r == 0; zeros otherwise).
+
+
+def paged_rows(cache: torch.Tensor, block_table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rows of a paged cache at token positions pos [B, n] (>= 0) of each sequence -> [B, n, heads, 2 * d].
+    Positions past a sequence's table read its last entry (callers mask them)."""
+    bs = cache.shape[2]
+    col = (pos // bs).clamp(max=block_table.shape[1] - 1)
+    return cache[block_table.gather(1, col).long(), :, pos % bs]
+
+
+def qsa_decode_paged(
+    q: torch.Tensor,  # [B, Hq, d]: one query per sequence, normed + rotated
+    q_pos: torch.Tensor,  # [B]
+    index_q: torch.Tensor,  # [B, h, d_i]
+    kv: torch.Tensor,  # [num_blocks, Hkv, block_size, 2 * d] paged K | V
+    block_table: torch.Tensor,  # [B, nbt]
+    index_kv: torch.Tensor,  # [num_blocks_i, 1, block_size_i, 2 * d_i] paged raw key | block key
+    index_block_table: torch.Tensor,  # [B, nbt_i]
+    n_blocks: int,  # >= every sequence's number of complete blocks
+    r: int,
+    budget: int,
+    scale: float,
+    index_scale: float,
+) -> torch.Tensor:
+    """``qsa_decode_batched`` over paged caches: block keys and the selected tokens' K/V read through each
+    sequence's block table. Fixed shapes given ``n_blocks``, no host sync. -> [B, Hq, d] in q's dtype."""
+    B, hd, di = q.shape[0], kv.shape[-1] // 2, index_kv.shape[-1] // 2
+
+    def read_block_keys(ends):
+        return paged_rows(index_kv, index_block_table, ends.unsqueeze(0).expand(B, -1))[:, :, 0, di:]
+
+    def fetch_kv(tok):
+        rows = paged_rows(kv, block_table, tok)
+        return rows[..., :hd], rows[..., hd:]
+
+    return qsa_decode_batched(q, q_pos, index_q, read_block_keys, fetch_kv, n_blocks, r, budget, scale,
+                              index_scale).to(q.dtype)

@@ -52,13 +52,48 @@ def _qsa_score_kernel(IQ, BK, QPOS, KEYS, Nb, r, scale,
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < Nb
     k = tl.load(BK + offs_n[:, None] * stride_kb + offs_d[None, :], mask=nmask[:, None], other=0.0)
-    s = _dot(k, tl.trans(q))  # [BLOCK_N, HI_P] fp32
+    n_complete = (tl.load(QPOS + t).to(tl.int64) + 1) // r
+    key = _order_key(_dot(k, tl.trans(q)), offs_n, n_complete, scale)
+    tl.store(KEYS + t * stride_keys_t + offs_n, key, mask=nmask)
+
+
+@triton.jit
+def _order_key(s, offs_n, n_complete, scale):
+    """Scores [BLOCK_N, HI_P] (q . K per head, fp32) -> int64 sort keys (orderable score bits << 32) |
+    (2^32 - 1 - id); INT64_MIN for blocks the query cannot see."""
     s = tl.sum(tl.maximum(s, 0.0), axis=1) * scale + 0.0  # + 0.0: -0.0 -> +0.0 (they tie in the reference)
     bits = s.to(tl.int32, bitcast=True)
     key32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
     key = (key32.to(tl.int64) << 32) + (4294967295 - offs_n.to(tl.int64))
+    return tl.where(offs_n < n_complete, key, _KEY_MIN)
+
+
+@triton.jit
+def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, Nb, r, scale, n_bt,
+                            stride_qt, stride_qh, stride_kvb, stride_kvl, stride_bt, stride_keys_t,
+                            HI: tl.constexpr, HI_P: tl.constexpr, DI: tl.constexpr, IBS: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """``_qsa_score_kernel`` for a batch of single queries, each reading its own block keys out of the paged index
+    cache: block j's key is the V half of the row of token j*r + r - 1 (the token that completed it)."""
+    pid = tl.program_id(0)
+    t = tl.program_id(1)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < Nb
     n_complete = (tl.load(QPOS + t).to(tl.int64) + 1) // r
-    key = tl.where(offs_n < n_complete, key, _KEY_MIN)
+    if pid * BLOCK_N >= n_complete:  # nothing this query can see: keys only
+        tl.store(KEYS + t * stride_keys_t + offs_n, tl.full([BLOCK_N], _KEY_MIN, tl.int64), mask=nmask)
+        return
+    offs_h = tl.arange(0, HI_P)
+    offs_d = tl.arange(0, DI)
+    q = tl.load(IQ + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=(offs_h < HI)[:, None],
+                other=0.0)
+    vis = nmask & (offs_n < n_complete)
+    tok = offs_n.to(tl.int64) * r + r - 1
+    page = tl.minimum(tok // IBS, n_bt - 1)
+    phys = tl.load(IBT + t * stride_bt + page, mask=vis, other=0).to(tl.int64)
+    row = phys * stride_kvb + (tok % IBS) * stride_kvl + DI
+    k = tl.load(IKV + row[:, None] + offs_d[None, :], mask=vis[:, None], other=0.0)
+    key = _order_key(_dot(k, tl.trans(q)), offs_n, n_complete, scale)
     tl.store(KEYS + t * stride_keys_t + offs_n, key, mask=nmask)
 
 
@@ -141,8 +176,11 @@ def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.const
 @triton.jit
 def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
                      stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
+                     BT, stride_bt, n_bt, stride_kb, stride_vb,
                      G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr, TAIL: tl.constexpr,
-                     KEYS: tl.constexpr):
+                     KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
+    """PAGED: K/V are paged caches (block ``stride_kb``/``stride_vb``, row ``stride_kl``/``stride_vl``, PBS rows a
+    block) and token p of query t lives in block BT[t, p // PBS]; else K/V rows are the tokens themselves."""
     sp = tl.program_id(0)
     g = tl.program_id(1)
     t = tl.program_id(2)
@@ -168,8 +206,15 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
     gmask = offs_g < G
     q = tl.load(Q + t * stride_qt + (g * G + offs_g)[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None],
                 other=0.0)
-    k = tl.load(K + tok[:, None] * stride_kl + g * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(V + tok[:, None] * stride_vl + g * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0)
+    if PAGED:
+        phys = tl.load(BT + t * stride_bt + tl.minimum(tok // PBS, n_bt - 1), mask=valid, other=0).to(tl.int64)
+        k_row = phys * stride_kb + (tok % PBS) * stride_kl
+        v_row = phys * stride_vb + (tok % PBS) * stride_vl
+    else:
+        k_row = tok * stride_kl
+        v_row = tok * stride_vl
+    k = tl.load(K + k_row[:, None] + g * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(V + v_row[:, None] + g * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0)
     s = _dot(q, tl.trans(k)) * scale_log2  # [G_P, SB], log2 units
     s = tl.where(valid[None, :], s, float("-inf"))
     mx = tl.max(s, axis=1)
@@ -298,9 +343,10 @@ def select_block_ids(q_pos, index_q, block_keys, r: int, budget: int, index_scal
     return torch.where(top == INT64_MIN, -1, 4294967295 - (top & 4294967295))
 
 
-def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool):
+def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool, block_table=None):
     """Attention of q [Tq, Hq, d] over the tokens of the selected blocks plus each query's tail.  ``sel`` [Tq, m]:
-    block ids (-1 = none), or with ``keys`` the top-k sort keys they decode from."""
+    block ids (-1 = none), or with ``keys`` the top-k sort keys they decode from. ``block_table`` [Tq, nbt]: k and
+    v are paged caches [num_blocks, Hkv, block_size, d] (views with any row stride), query t's tokens in its row."""
     Tq, Hq, HD = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -314,10 +360,18 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
     mp = torch.empty(Tq * Hkv * n_split * G_P, dtype=torch.float32, device=dev)
     lp = torch.empty_like(mp)
     sel = sel.contiguous()
+    if block_table is None:
+        paged = (sel, 0, 1, 0, 0)  # unused
+        strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+        pbs = 1
+    else:
+        paged = (block_table, block_table.stride(0), block_table.shape[1], k.stride(0), v.stride(0))
+        strides = (k.stride(2), k.stride(1), v.stride(2), v.stride(1))
+        pbs = k.shape[2]
     LAUNCHED["qsa_attn"] = _qsa_attn_kernel[(n_split, Hkv, Tq)](
         q, k, v, q_pos, sel, op, mp, lp, r, m, n_split, float(scale) * 1.4426950408889634,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sel.stride(0),
-        G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, num_warps=4)
+        q.stride(0), q.stride(1), *strides, sel.stride(0), *paged,
+        G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs, num_warps=4)
     out = torch.empty(Tq, Hq, HD, dtype=q.dtype, device=dev)
     LAUNCHED["qsa_merge"] = _qsa_merge_kernel[(G, Hkv, Tq)](
         op, mp, lp, out, n_split, out.stride(0), out.stride(1),
@@ -334,3 +388,42 @@ def qsa_attention_triton(q, k, v, q_pos, index_q, block_keys, r: int, budget: in
     if TOPK == "triton":
         return sparse_attention_slots(q, k, v, q_pos, top_ids(keys, m), r, scale, keys=False)
     return sparse_attention_slots(q, k, v, q_pos, top_keys(keys, m), r, scale, keys=True)
+
+
+def paged_supported(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, r, budget) -> bool:
+    """What ``qsa_decode_paged_triton`` covers: bf16 queries and caches, contiguous caches, the head sizes above."""
+    if not (q.is_cuda and q.dtype == kv.dtype == index_kv.dtype == index_q.dtype == torch.bfloat16):
+        return False
+    B, Hq, HD = q.shape
+    Hkv, di = kv.shape[1], index_kv.shape[-1] // 2
+    if B == 0 or Hq % Hkv or Hq // Hkv > 16 or HD not in (64, 128, 256) or kv.shape[-1] != 2 * HD or r < 1:
+        return False
+    if di not in (32, 64, 128, 256) or index_q.shape[-1] != di or index_q.shape[1] > 16 or index_kv.shape[1] != 1:
+        return False
+    return (kv.is_contiguous() and index_kv.is_contiguous() and q.stride(-1) == 1 and index_q.stride(-1) == 1
+            and block_table.dim() == index_block_table.dim() == 2)
+
+
+def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks: int, r: int,
+                            budget: int, scale: float, index_scale: float):
+    """One query per sequence, caches read through the block tables (``qwen4exp.ops.qsa.reference.
+    qsa_decode_paged`` is the contract): scores of every block key in the paged index cache, top-m select, split
+    attention over the selected tokens' paged K/V. Fixed grid given ``n_blocks``: no host sync."""
+    m = budget // r
+    HD = q.shape[-1]
+    if n_blocks > m and m > 0:
+        B = q.shape[0]
+        HI, DI = index_q.shape[1], index_q.shape[2]
+        keys = torch.empty(B, n_blocks, dtype=torch.int64, device=q.device)
+        BLOCK_N = 64
+        LAUNCHED["qsa_score_paged"] = _qsa_score_paged_kernel[(triton.cdiv(n_blocks, BLOCK_N), B)](
+            index_q, index_kv, index_block_table, q_pos, keys, n_blocks, r, float(index_scale),
+            index_block_table.shape[1], index_q.stride(0), index_q.stride(1), index_kv.stride(0),
+            index_kv.stride(2), index_block_table.stride(0), keys.stride(0),
+            HI=HI, HI_P=max(16, triton.next_power_of_2(HI)), DI=DI, IBS=index_kv.shape[2], BLOCK_N=BLOCK_N,
+            num_warps=4)
+        sel = top_ids(keys, m)
+    else:
+        sel = _dense_ids(q_pos, r, m)
+    return sparse_attention_slots(q, kv[..., :HD], kv[..., HD:], q_pos, sel, r, scale, keys=False,
+                                  block_table=block_table)
