@@ -72,16 +72,19 @@ def vllm_linear(in_features: int, out_features: int, *, prefix: str = "") -> nn.
 
 def fused_experts(config, prefix: str, router) -> nn.Module:
     """vLLM FusedMoE (CPU: ``cpu_fused_moe``, bf16 weights, fp32 accumulation and top-k combine: the numerics of
-    ``qwen4exp.layers.moe.Experts``) fed with our router's logits; the top-k selection is our ``Router.select``
-    (fp32 softmax over all experts, renormalised in fp32), not vLLM's bf16 softmax over the top-k logits."""
+    ``qwen4exp.layers.moe.Experts``) fed with our router's logits. Top-k selection: on CPU our ``Router.select``
+    (fp32 softmax over all experts, top-k, renormalised in fp32, weights rounded to the model dtype, as the HF
+    reference); on GPUs vLLM's fused ``topk_softmax`` kernel, the same math in one kernel (fp32 softmax over all
+    experts, renormalised in fp32; weights kept fp32), instead of five torch kernels per layer."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+    from vllm.platforms import current_platform
 
     def route(hidden_states, gating_output, topk, renormalize):
         w, ids = router.select(gating_output)
         return w, ids
 
     experts = FusedMoEFactory(
-        custom_routing_function=route,
+        custom_routing_function=None if current_platform.is_cuda_alike() else route,
         num_experts=config.num_experts,
         top_k=config.num_experts_per_tok,
         hidden_size=config.hidden_size,
