@@ -58,6 +58,9 @@ _RUNS = {
     # fp32 end to end (the plugin's own GDN / QSA / PLE paths all run in fp32), batched + chunked
     "fp32_batched_chunk32": dict(engine=_engine(dtype="float32", enable_chunked_prefill=True,
                                                 max_num_batched_tokens=32), batches=None),
+    # FP8 (e4m3) KV cache for the QSA layers (main K/V and index cache), bf16 activations, batched + chunked
+    "fp8kv_batched_chunk32": dict(engine=_engine(kv_cache_dtype="fp8", enable_chunked_prefill=True,
+                                                 max_num_batched_tokens=32), batches=None),
 }
 BF16_RUNS = ["single_nochunk", "batched_chunk32"]
 
@@ -123,6 +126,35 @@ def test_fp32_matches_hf_fp32(setup, runs):
             assert err < 1e-4, (i, err)
             assert torch.equal(lp.argmax(-1), fl.argmax(-1)), i
     assert res["tokens"] == setup["greedy_fp32"]
+
+
+def test_fp8_kv_cache_vs_hf_fp32(setup, runs):
+    """``kv_cache_dtype="fp8"``: K/V (and indexer keys) are stored in e4m3 and read back widened. The logits move
+    away from the bf16-cache run's (so the cache really is FP8), but stay close to HF fp32: relative error within
+    2x the HF bf16 run's, top-1 agreement within 2% of the positions of the HF bf16 run's."""
+    res, ref = runs["fp8kv_batched_chunk32"], runs["batched_chunk32"]
+    agree_8 = agree_b = total = 0
+    moved = False
+    for i, p in enumerate(setup["prompts"]):
+        if len(p) < 2:
+            continue
+        lp = res["prompt_logprobs"][i]
+        assert lp.shape == (len(p) - 1, setup["V"]) and not torch.isnan(lp).any()
+        moved |= not torch.equal(lp, ref["prompt_logprobs"][i])
+        f, b = setup["f32"][i][:-1], setup["b16"][i][:-1]
+        fl, bl = torch.log_softmax(f, -1), torch.log_softmax(b, -1)
+        err_8 = ((_centered(lp) - _centered(fl)).norm() / _centered(fl).norm()).item()
+        err_b = ((_centered(bl) - _centered(fl)).norm() / _centered(fl).norm()).item()
+        print(f"fp8 KV prompt {i} len {len(p)}: rel err vLLM-fp8 {err_8:.4f} HF-bf16 {err_b:.4f}")
+        assert err_8 <= 2 * err_b + 1e-3, (i, err_8, err_b)
+        top = f.argmax(-1)
+        agree_8 += (lp.argmax(-1) == top).sum().item()
+        agree_b += (b.argmax(-1) == top).sum().item()
+        total += len(top)
+    print(f"fp8 KV: top-1 agreement with HF fp32: vLLM-fp8 {agree_8}/{total}, HF bf16 {agree_b}/{total}")
+    assert moved, "the fp8 run's logits equal the bf16-cache run's: the cache was not FP8"
+    assert agree_8 >= agree_b - 0.02 * total, (agree_8, agree_b, total)
+    assert all(len(t) == GEN for t in res["tokens"])
 
 
 def test_greedy_same_tokens_chunked_batched(runs):
