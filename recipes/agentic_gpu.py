@@ -244,6 +244,9 @@ def child_env(job: Job) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default (an offline recipe may have set 0)
     env["QWEN4EXP_VLLM"] = "0" if job.impl == "upstream" else "1"
+    # both servers: vLLM's FlashInfer top-k/top-p sampler is JIT-built on a fresh machine (~2 min of start-up);
+    # the benchmark samples greedily, so the torch sampler serves
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if job.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = job.gpu
     return env

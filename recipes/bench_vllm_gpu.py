@@ -182,7 +182,8 @@ def worker(args) -> None:
         _drive(engine, prompts(1, args.ctx), 48,
                os.path.join(os.path.dirname(args.result), f"{args.impl}.profile.txt"))
     if args.bs32_ctx > 0:
-        t_first, t_end, steps, ntok = _drive(engine, prompts(32, args.bs32_ctx), args.bs32_tokens)
+        prof32 = os.path.join(os.path.dirname(args.result), f"{args.impl}.profile-bs32.txt") if args.profile else None
+        t_first, t_end, steps, ntok = _drive(engine, prompts(32, args.bs32_ctx), args.bs32_tokens, prof32)
         step = statistics.median(steps) if steps else float("nan")
         res.update(bs32_ctx=args.bs32_ctx, bs32_prefill_s=t_first, bs32_e2e_s=t_end, bs32_step_ms=1e3 * step,
                    bs32_decode_tok_s=32 / step, bs32_e2e_out_tok_s=ntok / t_end)
@@ -193,6 +194,20 @@ def worker(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- driver
+def _finish(proc_lf, timeout: float) -> str | None:
+    """Wait for a worker (kill it past ``timeout``); None when it exited cleanly, else what went wrong."""
+    p, lf = proc_lf
+    try:
+        rc = p.wait(timeout=timeout)
+        err = f"rc={rc}" if rc else None
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        err = f"timeout {timeout:.0f}s"
+    lf.close()
+    return err
+
+
 FIELDS = ["impl", "eager", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "bs1_ctx", "bs1_prefill_s",
           "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s", "bs32_step_ms", "bs32_decode_tok_s",
           "bs32_e2e_out_tok_s", "roofline_ms", "error"]
@@ -215,8 +230,11 @@ def main() -> None:
     ap.add_argument("--gpu-util-ours", type=float, default=0.7, help="ours: vLLM's profiling run does not see the "
                     "peak of our eager QSA prefill (masked SDPA over the whole context), so leave it headroom")
     ap.add_argument("--profile", action="store_true", help="torch-profiler table of 8 batch-1 decode steps per impl "
-                    "(<impl>.profile.txt; those steps are left out of the timings, not of the end-to-end TPOT)")
+                    "(<impl>.profile.txt; those steps are left out of the timings, not of the end-to-end TPOT), "
+                    "and of 8 batch-32 decode steps (<impl>.profile-bs32.txt; left out of the batch-32 figures)")
     ap.add_argument("--timeout", type=float, default=560, help="seconds per implementation")
+    ap.add_argument("--gpus", default="", help="comma list of GPU ids, one per implementation (e.g. 0,1): all "
+                    "implementations then run at the same time, each on its own GPU")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--impl", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -237,11 +255,19 @@ def main() -> None:
           f"{rb['qsa_kv'] / 1e9:.3f} GB -> roofline {roof_ms:.3f} ms", flush=True)
     rows = []
     eager = set(args.eager.split(","))
-    for impl in args.impls.split(","):
+    impls = args.impls.split(",")
+    gpus = [g for g in args.gpus.split(",") if g] if args.gpus else []
+    runs = []  # (impl, res_path, log, cmd, env)
+    for i, impl in enumerate(impls):
         res_path = os.path.join(args.out, f"{impl}.json")
         log = os.path.join(args.out, f"{impl}.log")
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         env["QWEN4EXP_VLLM"] = "0" if impl == "upstream" else "1"
+        # both: vLLM's FlashInfer top-k/top-p sampler is JIT-built on a fresh machine (~2 min of start-up, seen on
+        # the H200); greedy sampling does not use it
+        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--impl", impl, "--model", model,
                "--result", res_path, "--ctx", str(args.ctx), "--out-tokens", str(args.out_tokens),
                "--bs32-ctx", str(args.bs32_ctx), "--bs32-tokens", str(args.bs32_tokens),
@@ -249,16 +275,26 @@ def main() -> None:
                "--gpu-util", str(args.gpu_util_ours if impl == "ours" else args.gpu_util)]
         if args.profile:
             cmd.append("--profile")
-        row = dict(impl=impl)
         if os.path.exists(res_path):
             os.remove(res_path)
-        try:
-            with open(log, "w") as lf:
-                p = subprocess.run(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT, timeout=args.timeout)
-            if p.returncode:
-                row["error"] = f"rc={p.returncode} (see {os.path.basename(log)})"
-        except subprocess.TimeoutExpired:
-            row["error"] = f"timeout {args.timeout:.0f}s (see {os.path.basename(log)})"
+        runs.append((impl, res_path, log, cmd, env))
+    # one GPU per implementation when --gpus names enough of them: all run at once (same wall clock, same host
+    # load); otherwise one after the other
+    parallel = len(gpus) >= len(impls) > 1
+    procs, errs = {}, {}
+    t_start = time.monotonic()
+    for impl, res_path, log, cmd, env in runs:
+        lf = open(log, "w")
+        procs[impl] = (subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT), lf)
+        if not parallel:
+            errs[impl] = _finish(procs[impl], args.timeout)
+    for impl, res_path, log, cmd, env in runs:
+        row = dict(impl=impl)
+        if impl not in errs:
+            errs[impl] = _finish(procs[impl], max(1.0, args.timeout - (time.monotonic() - t_start)))
+        err = errs[impl]
+        if err:
+            row["error"] = f"{err} (see {os.path.basename(log)})"
         if os.path.exists(res_path):
             row.update(json.load(open(res_path)))
         else:  # partial: the batch-1 line printed before batch 32

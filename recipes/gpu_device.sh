@@ -8,7 +8,8 @@
 #   bash recipes/gpu_device.sh check [models]       # recipes/vllm_gpu_check.py, ours + upstream (default tiny,coder,fn4)
 #   bash recipes/gpu_device.sh bench IMPL           # recipes/bench_vllm_gpu.py --profile for upstream or ours: one
 #                                                   # implementation per call (each needs ~4-5 min at full sizes);
-#                                                   # run both back to back on the same warm machine
+#                                                   # run both back to back on the same warm machine; IMPL=both on
+#                                                   # a two-GPU machine runs them at once, one per GPU
 #   bash recipes/gpu_device.sh agentic [GPUS]       # recipes/agentic_gpu.py: qwen4exp-bench (shortened agentic
 #                                                   # workload, concurrency 1 and 8) against vLLM servers of upstream
 #                                                   # and ours (FN-12L, dummy weights); GPUS default 0,1 = one server
@@ -49,10 +50,13 @@ case "${1:-}" in
     echo "rc=$?"; tail -12 "$OUT/check.log" ;;
   bench)
     register
-    impl=${2:?bench needs upstream or ours}
-    timeout 585 python recipes/bench_vllm_gpu.py --out "$OUT/bench-$impl" --impls "$impl" --profile \
-      --timeout 575 > "$OUT/bench-$impl.log" 2>&1
-    echo "rc=$?"; tail -8 "$OUT/bench-$impl.log" ;;
+    impl=${2:?bench needs upstream, ours or both}
+    extra=()
+    if [ "$impl" = both ]; then impl=upstream,ours; extra=(--gpus 0,1); fi  # two GPUs: side by side, same clock
+    extra+=("${@:3}")  # further arguments go to bench_vllm_gpu.py (e.g. --bs32-ctx 8000)
+    timeout 585 python recipes/bench_vllm_gpu.py --out "$OUT/bench-${impl/,/-}" --impls "$impl" --profile \
+      --timeout 575 "${extra[@]}" > "$OUT/bench-${impl/,/-}.log" 2>&1
+    echo "rc=$?"; tail -12 "$OUT/bench-${impl/,/-}.log" ;;
   agentic)
     register
     timeout 585 python recipes/agentic_gpu.py --out "$OUT/agentic" --gpus "${2:-0,1}" --timeout 570 "${@:3}" \
