@@ -141,6 +141,25 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None):
     return t_first, time.perf_counter() - t0, steps, sum(got.values())
 
 
+def self_consistency(llm, prompt: list[int], n: int = 48) -> dict:
+    """A correctness probe that needs no reference weights: generate n greedy tokens (the decode path: CUDA graphs),
+    then run prompt + generation as one prompt (the prefill path) and count the positions whose prefill top-1 is
+    the token the decode path produced. Random (dummy) weights give narrow margins, so a few bf16 flips are
+    normal; a broken decode path (wrong cache, wrong selection) agrees at chance level."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+    gen = list(llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids)
+    sp2 = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
+    plp = llm.generate([{"prompt_token_ids": prompt + gen}], sp2, use_tqdm=False)[0].prompt_logprobs
+    agree = 0
+    for i, tok in enumerate(gen):
+        d = plp[len(prompt) + i] or {}
+        top = [t for t, lp in d.items() if getattr(lp, "rank", None) == 1]
+        agree += bool(top) and top[0] == tok
+    return dict(consistency=f"{agree}/{len(gen)}", consistency_ctx=len(prompt))
+
+
 def worker(args) -> None:
     import random
 
@@ -173,6 +192,7 @@ def worker(args) -> None:
         return [[rng.randrange(10, V - 10) for _ in range(L)] for _ in range(n)]
 
     _drive(engine, prompts(1, 64), 8)  # warm-up (kernels, allocator) outside every figure
+    res.update(self_consistency(llm, prompts(1, min(args.ctx, 3000))[0]))
     t_first, t_end, steps, ntok = _drive(engine, prompts(1, args.ctx), args.out_tokens)
     res.update(bs1_ctx=args.ctx, bs1_prefill_s=t_first, bs1_e2e_s=t_end,
                bs1_tpot_ms=1e3 * (t_end - t_first) / max(ntok - 1, 1),
@@ -208,8 +228,8 @@ def _finish(proc_lf, timeout: float) -> str | None:
     return err
 
 
-FIELDS = ["impl", "eager", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "bs1_ctx", "bs1_prefill_s",
-          "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s", "bs32_step_ms", "bs32_decode_tok_s",
+FIELDS = ["impl", "eager", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "consistency", "bs1_ctx",
+          "bs1_prefill_s", "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s", "bs32_step_ms", "bs32_decode_tok_s",
           "bs32_e2e_out_tok_s", "roofline_ms", "error"]
 
 
