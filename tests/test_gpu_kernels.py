@@ -46,7 +46,7 @@ def test_dispatcher_picks_the_kernels_for_cuda():
     fn = _dispatch.pick("hc_mix", torch.device("cuda"), hc_ref.hc_mix)
     cuda = cuda_ops()
     assert fn is cuda.hc_mix
-    for op in ("hc_inject", "qsa_attention", "qsa_decode_paged", "ple_lookup"):
+    for op in ("hc_inject", "qsa_attention", "qsa_decode_paged", "ple_lookup", "rms_norm", "apply_rope"):
         assert _dispatch._KERNELS[(op, "cuda")] is getattr(cuda, op)
 
 
@@ -377,3 +377,42 @@ def test_qsa_decode_paged_in_cuda_graph():
     ibt.copy_(ibt.roll(1, 0))
     g.replay()
     torch.testing.assert_close(out, run(), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- norm, RoPE
+@pytest.mark.parametrize("shape,group", [((1, 24, 256), 256), ((32, 2, 256), 256), ((7, 4, 128), 128),
+                                         ((5, 10240), 2560), ((3, 640), 640), ((1, 1, 128), 128)])
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_rms_norm_matches_reference(shape, group, dtype):
+    from qwen4exp.ops.norm import reference as ref
+    cuda = cuda_ops()
+    g = gen(sum(shape) + group)
+    x = rnd(shape, g, 3.0, dtype)
+    w = rnd((shape[-1],), g, 0.1, dtype)
+    poison()
+    out = cuda.rms_norm(x, w, group, 1e-6)
+    want = ref.grouped_rms_norm(x, w, group, 1e-6)
+    if dtype == BF:
+        bf16_close(out, want, min_equal=0.99)
+    else:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    qg = rnd((4, 3, 2 * 128), g, 1.0, dtype)  # the query slice of [q | gate] the QSA layer normalises
+    torch.testing.assert_close(cuda.rms_norm(qg[..., :128], w[:128], 128, 1e-6),
+                               ref.grouped_rms_norm(qg[..., :128], w[:128], 128, 1e-6), rtol=1e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("T,H,D,R", [(1, 24, 256, 64), (32, 2, 256, 64), (5, 4, 128, 32), (3, 1, 128, 128)])
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_apply_rope_matches_reference(T, H, D, R, dtype):
+    from qwen4exp.ops.rope import reference as ref
+    cuda = cuda_ops()
+    g = gen(T * H + D + R)
+    x = rnd((T, H, 2 * D), g, 1.0, dtype)[..., :D]  # strided, as q out of [q | gate]
+    ang = torch.randn(T, R // 2, generator=g, device="cuda") * 50
+    cos, sin = torch.cat([ang, ang], -1).cos().to(dtype), torch.cat([ang, ang], -1).sin().to(dtype)
+    poison()
+    out, want = cuda.apply_rope(x, cos, sin), ref.apply_rope(x, cos, sin)
+    if dtype == BF:  # every rounding point of the reference reproduced
+        assert torch.equal(out, want)
+    else:  # fp32: the compiler may contract x*cos + rot*sin into an FMA
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)

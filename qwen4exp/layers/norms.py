@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.hyper_connection.reference import grouped_rms_norm
+from ..ops.norm import grouped_rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.rope import apply_rope  # noqa: F401  (the layers import it from here)
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, config):
@@ -41,13 +43,3 @@ class RotaryEmbedding(nn.Module):
             freqs = f3.gather(0, self.axis.to(positions.device).view(1, 1, -1).expand(1, f3.shape[1], -1))[0]
         emb = torch.cat([freqs, freqs], -1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, d]; cos/sin [T, R] with R <= d. Rotates the first R dims (pairs i, i + R/2)."""
-    R = cos.shape[-1]
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    xr, xp = x[..., :R], x[..., R:]
-    x1, x2 = xr[..., : R // 2], xr[..., R // 2:]
-    rot = torch.cat([-x2, x1], -1)
-    return torch.cat([xr * c + rot * s, xp], -1)

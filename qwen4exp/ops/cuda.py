@@ -15,10 +15,14 @@ import torch
 from ._dispatch import register_kernel
 from .hyper_connection import reference as hc_ref
 from .hyper_connection import triton_kernel as hc_tk
+from .norm import reference as norm_ref
+from .norm import triton_kernel as norm_tk
 from .ple import reference as ple_ref
 from .ple import triton_kernel as ple_tk
 from .qsa import reference as qsa_ref
 from .qsa import triton_kernel as qsa_tk
+from .rope import reference as rope_ref
+from .rope import triton_kernel as rope_tk
 
 Tensor = torch.Tensor
 
@@ -118,8 +122,43 @@ def ple_lookup(table, rows, scale=None, out_dtype=None):
     return ple_lookup_op(table, rows, scale, dt)
 
 
+# ------------------------------------------------------------------------------------------------- norm, RoPE
+@torch.library.custom_op("qwen4exp::rms_norm", mutates_args=())
+def rms_norm_op(x: Tensor, weight: Tensor, group: int, eps: float) -> Tensor:
+    return norm_tk.rms_norm_triton(x, weight, group, eps)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, group, eps):
+    return torch.empty_like(x)
+
+
+def rms_norm(x, weight, group, eps):
+    if not norm_tk.supported(x, weight, group):
+        return norm_ref.grouped_rms_norm(x, weight, group, eps)
+    return rms_norm_op(x, weight, int(group), float(eps))
+
+
+@torch.library.custom_op("qwen4exp::apply_rope", mutates_args=())
+def apply_rope_op(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return rope_tk.apply_rope_triton(x, cos, sin)
+
+
+@apply_rope_op.register_fake
+def _(x, cos, sin):
+    return x.new_empty(x.shape)
+
+
+def apply_rope(x, cos, sin):
+    if not rope_tk.supported(x, cos, sin):
+        return rope_ref.apply_rope(x, cos, sin)
+    return apply_rope_op(x, cos, sin)
+
+
 register_kernel("hc_mix", "cuda", hc_mix)
 register_kernel("hc_inject", "cuda", hc_inject)
 register_kernel("qsa_attention", "cuda", qsa_attention)
 register_kernel("qsa_decode_paged", "cuda", qsa_decode_paged)
 register_kernel("ple_lookup", "cuda", ple_lookup)
+register_kernel("rms_norm", "cuda", rms_norm)
+register_kernel("apply_rope", "cuda", apply_rope)

@@ -14,12 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm with the mean square taken per ``group`` elements; weight spans the full width."""
-    xf = x.float().unflatten(-1, (-1, group))
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
-    return (y * (1.0 + weight.float())).to(x.dtype)
+from ..norm.reference import grouped_rms_norm
 
 
 def _as_fn(w):

@@ -1,0 +1,69 @@
+"""Triton kernel for the zero-centred (grouped) RMSNorm: one program per group row, the reference's math (fp32,
+rsqrt of the mean square + eps, times (1 + w), one rounding). Imported only on the CUDA path.
+
+The torch reference is ~7 kernels per norm (upcast, square, mean, add, rsqrt, two products, cast); at decode sizes
+each is a launch-bound ~1-2 us, and the QSA layers run four norms per token. Sums are taken in another order than
+torch's mean, so a bf16 output can differ by one unit now and then.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    @triton.jit
+    def _rsqrt(x):
+        return 1.0 / tl.sqrt(x)
+else:
+    from triton.language.extra import libdevice
+    _rsqrt = libdevice.rsqrt
+
+
+@triton.jit
+def _rbf(x):
+    """fp32 -> nearest bf16 (ties to even) in fp32 (integer arithmetic: explicit, whatever the cast's mode)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, G, groups_per_w, eps, inv_g, stride_x, stride_y, BLOCK: tl.constexpr,
+                     BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < G
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = _rsqrt(tl.sum(x * x, axis=0) * inv_g + eps)
+    w = tl.load(W + (row % groups_per_w) * G + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (x * rstd) * (1.0 + w)
+    if BF16:
+        y = _rbf(y)
+    tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+MAX_GROUP = 16384
+
+
+def supported(x, weight, group: int) -> bool:
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and 0 < group <= MAX_GROUP
+            and x.shape[-1] % group == 0 and weight.numel() == x.shape[-1] and weight.is_contiguous())
+
+
+def rms_norm_triton(x, weight, group: int, eps: float):
+    dim = x.shape[-1]
+    x2 = x.reshape(-1, group)  # a view for the layouts the layers pass (row stride uniform), else a copy
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    rows = x2.shape[0]
+    if rows:
+        BLOCK = triton.next_power_of_2(group)
+        _rms_norm_kernel[(rows,)](x2, weight, y, group, dim // group, float(eps), 1.0 / group, x2.stride(0),
+                                  y.stride(0), BLOCK=BLOCK, BF16=x.dtype == torch.bfloat16,
+                                  num_warps=min(16, max(1, BLOCK // 256)))
+    return y.view(x.shape)

@@ -1,0 +1,16 @@
+"""Rotate-half RoPE applied to the first R dims of every head (partial RoPE), in the activations' dtype."""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, d]; cos/sin [T, R] with R <= d. Rotates the first R dims (pairs i, i + R/2)."""
+    R = cos.shape[-1]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    xr, xp = x[..., :R], x[..., R:]
+    x1, x2 = xr[..., : R // 2], xr[..., R // 2:]
+    rot = torch.cat([-x2, x1], -1)
+    return torch.cat([xr * c + rot * s, xp], -1)
+

@@ -1,0 +1,68 @@
+"""Triton kernel for partial rotate-half RoPE: one program per (token, head) row. Rounding as the reference in a
+16-bit dtype: bf16(bf16(x * cos) + bf16(rot * sin)) on the first R dims, the rest copied. Imported only on the CUDA
+path. (The reference is ~6 kernels: slices, negate, two cats, products and the sum.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, ROUND: tl.constexpr):
+    """fp32 -> nearest bf16 (ties to even), kept in fp32, where every op of the reference rounds (integer
+    arithmetic: the compiler folds a plain ``x.to(bf16).to(fp32)`` round trip away)."""
+    if ROUND:
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        x = b.to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _rope_kernel(X, COS, SIN, Y, H, R, D, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh,
+                 HALF_P: tl.constexpr, D_P: tl.constexpr, ROUND: tl.constexpr):
+    pid = tl.program_id(0)
+    t = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    half = R // 2
+    o = tl.arange(0, HALF_P)
+    m = o < half
+    x1 = tl.load(X + t * stride_xt + h * stride_xh + o, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(X + t * stride_xt + h * stride_xh + half + o, mask=m, other=0.0).to(tl.float32)
+    c1 = tl.load(COS + t * stride_ct + o, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + t * stride_ct + half + o, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + t * stride_ct + o, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + t * stride_ct + half + o, mask=m, other=0.0).to(tl.float32)
+    y1 = _round(_round(x1 * c1, ROUND) + _round(-x2 * s1, ROUND), ROUND)
+    y2 = _round(_round(x2 * c2, ROUND) + _round(x1 * s2, ROUND), ROUND)
+    yp = Y + t * stride_yt + h * stride_yh
+    tl.store(yp + o, y1.to(Y.dtype.element_ty), mask=m)
+    tl.store(yp + half + o, y2.to(Y.dtype.element_ty), mask=m)
+    p = R + tl.arange(0, D_P)
+    pm = p < D
+    tl.store(yp + p, tl.load(X + t * stride_xt + h * stride_xh + p, mask=pm, other=0.0), mask=pm)
+
+
+def supported(x, cos, sin) -> bool:
+    if not (x.is_cuda and x.dim() == 3 and x.dtype == cos.dtype == sin.dtype):
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    R = cos.shape[-1]
+    return (cos.dim() == sin.dim() == 2 and cos.shape == sin.shape and cos.shape[0] == x.shape[0] and R % 2 == 0
+            and 0 < R <= x.shape[-1] and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride())
+
+
+def apply_rope_triton(x, cos, sin):
+    T, H, D = x.shape
+    R = cos.shape[-1]
+    y = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    if T * H:
+        _rope_kernel[(T * H,)](x, cos, sin, y, H, R, D, x.stride(0), x.stride(1), cos.stride(0), y.stride(0),
+                               y.stride(1), HALF_P=triton.next_power_of_2(max(R // 2, 1)),
+                               D_P=triton.next_power_of_2(max(D - R, 1)), ROUND=x.dtype == torch.bfloat16,
+                               num_warps=1 if D <= 256 else 4)
+    return y
