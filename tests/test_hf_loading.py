@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from qwen4exp import Qwen4ExpForCausalLM, presets
 from qwen4exp.hf.loading import CheckpointError
+from tiny_checkpoint import split_experts
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +52,7 @@ def test_per_expert_layout_and_shard_order(ckpt, tmp_path):
     cfg, m, d = ckpt
 
     def split(sd):
-        for k in [k for k in sd if k.endswith("experts.gate_up_proj")]:
-            base = k[: -len(".gate_up_proj")]
-            gu, dn = sd.pop(k), sd.pop(base + ".down_proj")
-            I = gu.shape[1] // 2
-            for e in range(gu.shape[0]):
-                sd[f"{base}.{e}.gate_proj.weight"] = gu[e, :I].clone()
-                sd[f"{base}.{e}.up_proj.weight"] = gu[e, I:].clone()
-                sd[f"{base}.{e}.down_proj.weight"] = dn[e].clone()
+        sd = split_experts(sd)
         # checkpoints also carry an unused final-mixer injection and the composite prefix
         sd["model.hyper_connection_mixer.block_inject_weight.weight"] = torch.zeros(cfg.hc_count,
                                                                                    cfg.hc_count * cfg.hidden_size)

@@ -55,14 +55,20 @@ def setup():
 def runs(setup, tmp_path_factory):
     from qwen4exp.vllm.offline import run_offline
 
-    engine = dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8,
-                  enable_chunked_prefill=True, max_num_batched_tokens=48, disable_log_stats=False)
     out = {}
-    for name, extra in (("plain", {}), ("mtp", dict(speculative_config={"method": "mtp", "num_speculative_tokens": K}))):
-        spec = dict(model=CKPT, engine=dict(engine, **extra), prompts=setup["prompts"],
-                    sampling=dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, detokenize=False))
-        out[name] = run_offline(spec, str(tmp_path_factory.mktemp(name)), timeout=240)
+    for name, extra in (("plain", {}), ("mtp", MTP)):
+        out[name] = run_offline(_spec(CKPT, setup, **extra), str(tmp_path_factory.mktemp(name)), timeout=240)
     return out
+
+
+ENGINE = dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8,
+              enable_chunked_prefill=True, max_num_batched_tokens=48, disable_log_stats=False)
+MTP = dict(speculative_config={"method": "mtp", "num_speculative_tokens": K})
+
+
+def _spec(model, setup, **engine):
+    return dict(model=model, engine=dict(ENGINE, **engine), prompts=setup["prompts"],
+                sampling=dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, detokenize=False))
 
 
 def test_mtp_greedy_equals_plain_and_hf(setup, runs):
@@ -81,3 +87,62 @@ def test_mtp_acceptance_reported(setup, runs):
     assert abs(mean - setup["hf_acceptance"]) < 0.5
     assert "vllm:spec_decode_num_drafts" not in runs["plain"]["metrics"] or not runs["plain"]["metrics"][
         "vllm:spec_decode_num_drafts"]
+
+
+def _rewritten_checkpoint(dst, edit):
+    """tiny-coder copied to ``dst`` with its tensors edited (``edit(state_dict) -> state_dict``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(CKPT, dst)
+    f = os.path.join(dst, "model.safetensors")
+    save_file(edit(dict(load_file(f))), f, metadata={"format": "pt"})
+    return str(dst)
+
+
+_SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                  "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+
+
+def test_mtp_per_expert_checkpoint_drafts_like_fused(setup, runs, tmp_path):
+    """The draft loads through the target's loader (``weights.MTP_DRAFT``): the same checkpoint with every expert
+    stored per expert (``mtp.layers.0.mlp.experts.{e}.*_proj.weight`` too), the composite ``model.language_model.``
+    prefix (the draft's shared embedding included) and the unused ``mtp.hyper_connection_mixer.block_inject_weight``
+    drafts exactly as the fused one: same tokens, same acceptance counters."""
+    from tiny_checkpoint import split_experts
+
+    from qwen4exp.vllm.offline import run_offline
+
+    def edit(sd):
+        sd = split_experts(sd)
+        assert "mtp.layers.0.mlp.experts.7.down_proj.weight" in sd and "mtp.layers.0.mlp.experts.down_proj" not in sd
+        inject = sd["mtp.layers.0.attn_hyper_connection.block_inject_weight.weight"]  # [n, nD], as the mixer's
+        sd["mtp.hyper_connection_mixer.block_inject_weight.weight"] = torch.zeros_like(inject)
+        return {("model.language_model." + k[6:] if k.startswith("model.") else k): v for k, v in sd.items()}
+
+    ck = _rewritten_checkpoint(tmp_path / "per_expert", edit)
+    out = run_offline(_spec(ck, setup, **MTP), str(tmp_path / "run"), timeout=240)
+    assert out["tokens"] == runs["mtp"]["tokens"]
+    got, want = ({k: r["metrics"].get(k) for k in _SPEC_COUNTERS} for r in (out, runs["mtp"]))
+    assert want["vllm:spec_decode_num_drafts"]
+    assert got == want
+
+
+def test_misshaped_mtp_tensor_fails_with_its_name(tmp_path):
+    """A wrong-shaped ``mtp.`` tensor is refused by the shape check against the reference model, naming it."""
+    from qwen4exp.vllm.offline import run_offline
+
+    name = "mtp.layers.0.self_attn.indexer.index_qk_proj.weight"
+
+    def edit(sd):
+        sd[name] = torch.zeros(sd[name].shape[0] + 1, sd[name].shape[1], dtype=sd[name].dtype)
+        return sd
+
+    ck = _rewritten_checkpoint(tmp_path / "ck", edit)
+    spec = dict(model=ck, prompts=[[2, 3]], sampling=dict(max_tokens=1),
+                engine=dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=128, **MTP))
+    with pytest.raises(RuntimeError) as e:
+        run_offline(spec, str(tmp_path / "run"))
+    msg = str(e.value)
+    assert f"CheckpointError: qwen4exp: tensor {name} has shape" in msg, msg[-2000:]

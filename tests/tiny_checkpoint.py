@@ -89,6 +89,20 @@ def build_checkpoint(out_dir: str, seed: int = 0, tokenizer: bool = True, **over
     return out_dir
 
 
+def split_experts(sd: dict) -> dict:
+    """Rewrite a state dict's fused experts (``mlp.experts.gate_up_proj`` [E, 2I, D], ``down_proj`` [E, D, I]; the
+    target's and the MTP head's) into the per-expert format, ``mlp.experts.{e}.{gate,up,down}_proj.weight``."""
+    for k in [k for k in sd if k.endswith("experts.gate_up_proj")]:
+        base = k[: -len(".gate_up_proj")]
+        gu, dn = sd.pop(k), sd.pop(base + ".down_proj")
+        I = gu.shape[1] // 2
+        for e in range(gu.shape[0]):
+            sd[f"{base}.{e}.gate_proj.weight"] = gu[e, :I].clone()
+            sd[f"{base}.{e}.up_proj.weight"] = gu[e, I:].clone()
+            sd[f"{base}.{e}.down_proj.weight"] = dn[e].clone()
+    return sd
+
+
 if __name__ == "__main__":
     import sys
 

@@ -24,7 +24,6 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
 from ..configuration import INDEXED
@@ -35,6 +34,7 @@ from ..layers.rope import RotaryEmbedding
 from .layers import vllm_linear
 from .model import decoder_layer
 from .qsa import QSAMixer
+from .weights import MTP_DRAFT, load_qwen4exp_weights
 
 
 class _CacheView:
@@ -142,29 +142,5 @@ class Qwen4ExpMTP(nn.Module):
         return self.logits_processor(self.lm_head, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for ck_name, t in weights:
-            if ck_name.startswith("mtp."):
-                name = "model." + ck_name[len("mtp."):]
-            elif ck_name in ("model.embed_tokens.weight", "lm_head.weight"):
-                name = ck_name
-            else:
-                continue  # the target's weights
-            mod, leaf = name.rsplit(".", 1)
-            if mod.endswith(".mlp.experts") and leaf in ("gate_up_proj", "down_proj"):
-                list(modules[mod].load_weights([(leaf, t)]))
-                loaded.update(n for n in params if n.startswith(mod + "."))
-                continue
-            p = params.get(name)
-            if p is None:
-                raise ValueError(f"qwen4exp MTP: no parameter for checkpoint tensor {ck_name}")
-            if tuple(p.shape) != tuple(t.shape):
-                raise ValueError(f"qwen4exp MTP: {ck_name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-            getattr(p, "weight_loader", default_weight_loader)(p, t)
-            loaded.add(name)
-        missing = [n for n in params if n not in loaded]
-        if missing:
-            raise ValueError("qwen4exp MTP: checkpoint is missing " + ", ".join(missing[:10]))
-        return loaded
+        """``mtp.*`` plus the shared embedding and LM head, through the target's loader (``weights.MTP_DRAFT``)."""
+        return load_qwen4exp_weights(self, weights, MTP_DRAFT, mtp_layers=len(self.model.layers))

@@ -1,16 +1,18 @@
-"""Official checkpoint -> vLLM parameters.
+"""Official checkpoint -> vLLM parameters, for the target model and for the MTP draft head.
 
 Accepts what the HF reference loads (``qwen4exp.hf.loading``): text-only (``model.*``) or composite
-(``model.language_model.*``; ``model.visual.*`` and ``mtp.*`` are skipped), experts fused or per expert, PLE tables
-as row shards. Every tensor is checked against the shape our reference model expects (built on the meta device from
-the same config) before it is handed to a vLLM weight loader, and tensors that never arrive are reported by name.
+(``model.language_model.*``; ``model.visual.*`` is skipped), experts fused or per expert, PLE tables as row shards.
+Which tensors a vLLM module takes, and under which parameter names, is one declarative ``NameMap`` per module
+(``TARGET``, ``MTP_DRAFT``). Every tensor a module takes is checked against the shape our reference model expects
+(built on the meta device from the same config, with the MTP head for the draft) before it is handed to a vLLM
+weight loader, and tensors that never arrive are reported by their checkpoint names.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -23,29 +25,60 @@ _GDN_FUSED = {"in_proj_qkv": ("in_proj_qkvz", None), "in_proj_z": ("in_proj_qkvz
 _BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 
 
-def _reference_shapes(config) -> dict[str, tuple[int, ...]]:
+@dataclass(frozen=True)
+class NameMap:
+    """The checkpoint tensors a vLLM module takes and its parameter names for them: ``rules`` are (checkpoint
+    prefix, parameter prefix) pairs over canonical checkpoint names (``hf.loading.canonical_name``), first match
+    wins; a tensor whose first match has no parameter prefix (None), or that matches no rule, is not this module's
+    (skipped, and not required)."""
+
+    rules: tuple[tuple[str, str | None], ...]
+
+    def param(self, name: str) -> str | None:
+        for ck, ours in self.rules:
+            if name.startswith(ck):
+                return None if ours is None else ours + name[len(ck):]
+        return None
+
+
+# the target: everything but the MTP head, same names
+TARGET = NameMap((("mtp.", None), ("", "")))
+# the MTP draft (``mtp.Qwen4ExpMTP``): ``mtp.*`` under ``model.``, plus the embedding and LM head it shares with the
+# target. They are loaded into the draft too; vLLM's proposer then swaps in the target's modules (the embedding
+# only without pipeline parallelism: there the draft keeps its own copy).
+MTP_DRAFT = NameMap((("mtp.", "model."), ("model.embed_tokens.weight", "model.embed_tokens.weight"),
+                     ("lm_head.weight", "lm_head.weight")))
+
+
+def _reference_shapes(config, mtp_layers: int = 0) -> dict[str, tuple[int, ...]]:
     from ..configuration import load_config
     from ..hf.modeling import Qwen4ExpForCausalLM as Reference
 
     ours = load_config(config.to_dict())
     ours = ours.get_text_config() if hasattr(ours, "get_text_config") else ours
     with torch.device("meta"):
-        ref = Reference(ours, mtp_layers=0)
+        ref = Reference(ours, mtp_layers=mtp_layers)
     return {k: tuple(v.shape) for k, v in ref.named_parameters()}
 
 
-def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], names: NameMap = TARGET,
+                          mtp_layers: int = 0) -> set[str]:
+    """Load the tensors ``names`` selects into ``model``; returns the names of the parameters written.
+    ``mtp_layers``: the number of MTP layers the reference is built with (the draft's)."""
     cfg = model.config
-    expected = _reference_shapes(cfg)
+    expected = {k: s for k, s in _reference_shapes(cfg, mtp_layers).items() if names.param(k) is not None}
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    seen: set[str] = set()
+    seen: set[str] = set()  # checkpoint names (canonical) that arrived
+    loaded: set[str] = set()  # our parameter names written
     shard_rows: dict[str, dict[int, int]] = {}
     per_expert: dict[str, set[tuple[int, str]]] = {}
 
     def check(ck_name: str, t: torch.Tensor, shape: tuple[int, ...] | None):
         if shape is None:
-            raise CheckpointError(f"qwen4exp: unexpected tensor {ck_name} in the checkpoint")
+            hint = (" (an MTP LM head of its own is not supported: vLLM's MTP proposer uses the target's)"
+                    if ".shared_head." in ck_name else "")
+            raise CheckpointError(f"qwen4exp: unexpected tensor {ck_name} in the checkpoint{hint}")
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"qwen4exp: tensor {ck_name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
 
@@ -54,12 +87,17 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) ->
         if p is None:
             raise CheckpointError(f"qwen4exp: no parameter {pname} for checkpoint tensor")
         getattr(p, "weight_loader", default_weight_loader)(p, t, *shard)
+        loaded.add(pname)
+
+    def load_experts(pmod: str, items):
+        loaded.update(f"{pmod}.{n}" for n in modules[pmod].load_weights(items))
 
     for ck_name, t in weights:
-        if ck_name.startswith("mtp."):
-            continue
         name = canonical_name(ck_name, composite=False)
         if name is None:
+            continue
+        pname = names.param(name)
+        if pname is None:
             continue
         m = _SHARD.match(name)
         if m:
@@ -70,45 +108,46 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) ->
             s = int(m.group(2))
             step = math.ceil(rows / cfg.split_ngram_parts)
             check(ck_name, t, (max(0, min(step, rows - s * step)), dim))
-            params[base].data[s * step: s * step + t.shape[0]].copy_(t.to(params[base].dtype))
+            pbase = names.param(base)
+            params[pbase].data[s * step: s * step + t.shape[0]].copy_(t.to(params[pbase].dtype))
             shard_rows.setdefault(base, {})[s] = t.shape[0]
+            loaded.add(pbase)
             continue
         m = _EXPERT.match(name)
         if m:
             base, e, proj = m.group(1), int(m.group(2)), m.group(3)
-            E, twoI, D = expected[f"{base}.gate_up_proj"]
+            E, twoI, D = expected.get(f"{base}.gate_up_proj", (0, 0, 0))
             I = twoI // 2
             if e >= E:
                 check(ck_name, t, None)
             check(ck_name, t, (D, I) if proj == "down_proj" else (I, D))
-            list(modules[base].load_weights([(f"{e}.{proj}.weight", t)]))
+            load_experts(names.param(base), [(f"{e}.{proj}.weight", t)])
             per_expert.setdefault(base, set()).add((e, proj))
             continue
+        pmod, leaf = pname.rsplit(".", 1)
         if name.endswith(tuple(f".ple_embedding.{b}" for b in _BUFFERS)):
-            mod, leaf = name.rsplit(".", 1)
-            ours = getattr(modules[mod], leaf)
+            ours = getattr(modules[pmod], leaf)
             if tuple(t.shape) != tuple(ours.shape) or not torch.equal(t.to(ours.dtype).cpu(), ours.cpu()):
                 raise CheckpointError(f"qwen4exp: tensor {ck_name} does not match the config's PLE hashing")
             continue
         check(ck_name, t, expected.get(name))
         seen.add(name)
-        mod, leaf = name.rsplit(".", 1)
-        if mod.endswith((".mlp.experts",)) and leaf in ("gate_up_proj", "down_proj"):
-            list(modules[mod].load_weights([(leaf, t)]))
-        elif (mod.rsplit(".", 1)[-1] in _GDN_FUSED and ".linear_attn." in mod
-              and hasattr(modules[mod.rsplit(".", 1)[0]], "in_proj_qkvz")):  # vLLM's fused GDN projections
-            owner, leafmod = mod.rsplit(".", 1)
+        if pmod.endswith(".mlp.experts") and leaf in ("gate_up_proj", "down_proj"):
+            load_experts(pmod, [(leaf, t)])
+        elif (pmod.rsplit(".", 1)[-1] in _GDN_FUSED and ".linear_attn." in pmod
+              and hasattr(modules[pmod.rsplit(".", 1)[0]], "in_proj_qkvz")):  # vLLM's fused GDN projections
+            owner, leafmod = pmod.rsplit(".", 1)
             target, shard = _GDN_FUSED[leafmod]
-            pname = f"{owner}.{target}.weight"
+            fused = f"{owner}.{target}.weight"
             if shard is None:  # [q | k | v] rows -> shards 0, 1, 2
                 lin = modules[owner]
                 kd, vd = lin.key_dim, lin.value_dim
                 for i, part in enumerate(t.split([kd, kd, vd], 0)):
-                    load_param(pname, part, i)
+                    load_param(fused, part, i)
             else:
-                load_param(pname, t, shard)
+                load_param(fused, t, shard)
         else:
-            load_param(name, t)
+            load_param(pname, t)
 
     # completeness
     for base, per in shard_rows.items():
@@ -130,4 +169,4 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) ->
     if missing:
         raise CheckpointError("qwen4exp: checkpoint is missing tensor(s): " + ", ".join(missing[:10])
                               + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
-    return {n for n, _ in model.named_parameters()}
+    return loaded
