@@ -48,6 +48,7 @@ def test_dispatcher_picks_the_kernels_for_cuda():
     assert fn is cuda.hc_mix
     for op in ("hc_inject", "qsa_attention", "qsa_decode_paged", "ple_lookup", "rms_norm", "apply_rope"):
         assert _dispatch._KERNELS[(op, "cuda")] is getattr(cuda, op)
+    assert _dispatch._KERNELS[("qsa_write_paged", "cuda")] is cuda.write_paged
 
 
 # ------------------------------------------------------------------------------------------------------ HC mixer
@@ -416,3 +417,21 @@ def test_apply_rope_matches_reference(T, H, D, R, dtype):
         assert torch.equal(out, want)
     else:  # fp32: the compiler may contract x*cos + rot*sin into an FMA
         torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_write_paged_matches_reference(dtype):
+    """The paged K|V write (padding slots store nothing) equals the reference, main cache and index cache shapes."""
+    from qwen4exp.ops.qsa import reference as ref
+    cuda = cuda_ops()
+    g = gen(11)
+    for blocks, H, bs, d, N in [(40, 2, 16, 256, 32), (10, 1, 64, 128, 5)]:
+        kv = rnd((blocks, H, bs, 2 * d), g, 1.0, dtype)
+        kv2 = kv.clone()
+        slots = torch.randperm(blocks * bs, device="cuda")[:N]
+        slots[::3] = -1
+        k = rnd((N, H, 2 * d), g, 1.0, dtype)[..., :d]  # strided rows
+        v = rnd((N, H, d), g, 1.0, dtype)
+        cuda.write_paged(kv, slots, k, v)
+        ref.write_paged(kv2, slots, k, v)
+        assert torch.equal(kv, kv2)

@@ -18,9 +18,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (router logits [T, E], top-k weights [T, k] in x's dtype, top-k ids [T, k])."""
-        logits = F.linear(x, self.weight)
+        logits = self.logits(x)
         w, ids = self.select(logits)
         return logits, w, ids
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [T, E] -> (top-k weights [T, k] in the logits' dtype, top-k ids [T, k])."""
@@ -94,9 +97,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
-        logits, w, ids = self.gate(x)
-        if getattr(self.experts, "takes_router_logits", False):
-            routed = self.experts(x, logits)
+        if getattr(self.experts, "takes_router_logits", False):  # the fused experts select the top-k themselves
+            routed = self.experts(x, self.gate.logits(x))
         else:
+            _, w, ids = self.gate(x)
             routed = self.experts(x, w, ids)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared

@@ -122,6 +122,22 @@ def ple_lookup(table, rows, scale=None, out_dtype=None):
     return ple_lookup_op(table, rows, scale, dt)
 
 
+@torch.library.custom_op("qwen4exp::qsa_write_paged", mutates_args=("kv",))
+def write_paged_op(kv: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    qsa_tk.write_paged_triton(kv, slots, k, v)
+
+
+@write_paged_op.register_fake
+def _(kv, slots, k, v):
+    return None
+
+
+def write_paged(kv, slots, k, v):
+    if not qsa_tk.write_paged_supported(kv, slots, k, v):
+        return qsa_ref.write_paged(kv, slots, k, v)
+    write_paged_op(kv, slots, k, v)
+
+
 # ------------------------------------------------------------------------------------------------- norm, RoPE
 @torch.library.custom_op("qwen4exp::rms_norm", mutates_args=())
 def rms_norm_op(x: Tensor, weight: Tensor, group: int, eps: float) -> Tensor:
@@ -159,6 +175,7 @@ register_kernel("hc_mix", "cuda", hc_mix)
 register_kernel("hc_inject", "cuda", hc_inject)
 register_kernel("qsa_attention", "cuda", qsa_attention)
 register_kernel("qsa_decode_paged", "cuda", qsa_decode_paged)
+register_kernel("qsa_write_paged", "cuda", write_paged)
 register_kernel("ple_lookup", "cuda", ple_lookup)
 register_kernel("rms_norm", "cuda", rms_norm)
 register_kernel("apply_rope", "cuda", apply_rope)

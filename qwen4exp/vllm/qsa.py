@@ -22,7 +22,8 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 
 from ..layers.qsa import QSAAttention
-from ..ops.qsa import block_mean, paged_rows, qsa_attention, qsa_attention_gathered, qsa_decode_paged
+from ..ops.qsa import (block_mean, paged_rows, qsa_attention, qsa_attention_gathered, qsa_decode_paged,
+                       write_paged)
 from .layers import eager_segment, vllm_linear
 
 
@@ -63,21 +64,6 @@ def read_paged_kv(kv: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype | No
 def read_paged(kv: torch.Tensor, slots: torch.Tensor, part: str) -> torch.Tensor:
     """One half of ``read_paged_kv`` (part "k" or "v")."""
     return read_paged_kv(kv, slots)[0 if part == "k" else 1]
-
-
-def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store k, v [N, kv_heads, head] at ``slots`` (negative = padding: that row rewrites what slot 0 holds, so
-    nothing changes; slot 0 is in vLLM's null block, never a request's). No host sync (CUDA-graph safe)."""
-    bs, hd = kv.shape[2], kv.shape[3] // 2
-    keep = slots >= 0
-    s = slots.clamp(min=0)
-    blk, off = s // bs, s % bs
-    new = torch.cat([k, v], -1)
-    if kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # saturate: FP8 casts do not
-        fmax = torch.finfo(kv.dtype).max
-        new = new.clamp(-fmax, fmax)
-    new = new.to(kv.dtype)
-    kv[blk, :, off] = torch.where(keep.view(-1, 1, 1), new, kv[blk, :, off])
 
 
 def slots_of(block_row: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:

@@ -209,6 +209,22 @@ def paged_rows(cache: torch.Tensor, block_table: torch.Tensor, pos: torch.Tensor
     return cache[block_table.gather(1, col).long(), :, pos % bs]
 
 
+def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k, v [N, heads, d] as the rows of tokens at flat ``slots`` (block * block_size + offset) of a paged
+    K|V cache; negative slots (padding) store nothing: such a row rewrites what slot 0 holds (slot 0 is in vLLM's
+    null block, never a request's). FP8 caches saturate (FP8 casts do not). No host sync (CUDA-graph safe)."""
+    bs = kv.shape[2]
+    keep = slots >= 0
+    s = slots.clamp(min=0)
+    blk, off = s // bs, s % bs
+    new = torch.cat([k, v], -1)
+    if kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fmax = torch.finfo(kv.dtype).max
+        new = new.clamp(-fmax, fmax)
+    new = new.to(kv.dtype)
+    kv[blk, :, off] = torch.where(keep.view(-1, 1, 1), new, kv[blk, :, off])
+
+
 def qsa_decode_paged(
     q: torch.Tensor,  # [B, Hq, d]: one query per sequence, normed + rotated
     q_pos: torch.Tensor,  # [B]

@@ -427,3 +427,39 @@ def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_
         sel = _dense_ids(q_pos, r, m)
     return sparse_attention_slots(q, kv[..., :HD], kv[..., HD:], q_pos, sel, r, scale, keys=False,
                                   block_table=block_table)
+
+
+@triton.jit
+def _write_paged_kernel(KV, SLOTS, K, V, stride_kvb, stride_kvh, stride_kvl, stride_kt, stride_kh, stride_vt,
+                        stride_vh, HD: tl.constexpr, BS: tl.constexpr, HD_P: tl.constexpr, FMAX: tl.constexpr,
+                        SAT: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(SLOTS + i).to(tl.int64)
+    if slot < 0:  # padding: nothing to store
+        return
+    o = tl.arange(0, HD_P)
+    m = o < HD
+    row = KV + (slot // BS) * stride_kvb + h * stride_kvh + (slot % BS) * stride_kvl
+    k = tl.load(K + i * stride_kt + h * stride_kh + o, mask=m, other=0.0).to(tl.float32)
+    v = tl.load(V + i * stride_vt + h * stride_vh + o, mask=m, other=0.0).to(tl.float32)
+    if SAT:
+        k = tl.minimum(tl.maximum(k, -FMAX), FMAX)
+        v = tl.minimum(tl.maximum(v, -FMAX), FMAX)
+    tl.store(row + o, k.to(KV.dtype.element_ty), mask=m)
+    tl.store(row + HD + o, v.to(KV.dtype.element_ty), mask=m)
+
+
+def write_paged_supported(kv, slots, k, v) -> bool:
+    return (kv.is_cuda and kv.dim() == 4 and k.dim() == v.dim() == 3 and k.shape == v.shape
+            and kv.shape[-1] == 2 * k.shape[-1] and kv.shape[1] == k.shape[1] and kv.stride(-1) == 1
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and slots.dim() == 1 and slots.shape[0] == k.shape[0]
+            and kv.dtype in (torch.bfloat16, torch.float16, torch.float32) and k.dtype == v.dtype == kv.dtype)
+
+
+def write_paged_triton(kv, slots, k, v) -> None:
+    N, H, HD = k.shape
+    if N:
+        _write_paged_kernel[(N, H)](kv, slots, k, v, kv.stride(0), kv.stride(1), kv.stride(2), k.stride(0),
+                                    k.stride(1), v.stride(0), v.stride(1), HD=HD, BS=kv.shape[2],
+                                    HD_P=triton.next_power_of_2(HD), FMAX=0.0, SAT=False, num_warps=1)
