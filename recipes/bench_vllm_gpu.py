@@ -92,7 +92,10 @@ def copy_bandwidth() -> float:
         b.record()
         b.synchronize()
         ts.append(a.elapsed_time(b) / 1e3)
-    return 2 * x.numel() / statistics.median(ts)  # read + write
+    bw = 2 * x.numel() / statistics.median(ts)  # read + write
+    del x, y
+    torch.cuda.empty_cache()  # the engines started next want this memory free
+    return bw
 
 
 # ------------------------------------------------------------------------------------------------- one engine

@@ -40,6 +40,9 @@ def run_offline(spec: dict, workdir: str, timeout: float = 600) -> dict:
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("QWEN4EXP_CACHE_DIR", os.path.join(workdir, "cache"))
     env.setdefault("TMPDIR", workdir)
+    # GPUs: vLLM's FlashInfer top-k/top-p sampler is JIT-built on a fresh machine (~2 min per start-up); these runs
+    # sample greedily or read logprobs, which the torch sampler serves
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     p = subprocess.run([sys.executable, "-m", "qwen4exp.vllm.offline", sp, out], env=env, timeout=timeout,
                        capture_output=True, text=True)
     if p.returncode != 0:
