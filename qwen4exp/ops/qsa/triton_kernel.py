@@ -80,14 +80,11 @@ def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, Nb, r, scale, n_bt,
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < Nb
     n_complete = (tl.load(QPOS + t).to(tl.int64) + 1) // r
-    if pid * BLOCK_N >= n_complete:  # nothing this query can see: keys only
-        tl.store(KEYS + t * stride_keys_t + offs_n, tl.full([BLOCK_N], _KEY_MIN, tl.int64), mask=nmask)
-        return
+    vis = nmask & (offs_n < n_complete)  # blocks past a query's end load nothing (its key is INT64_MIN)
     offs_h = tl.arange(0, HI_P)
     offs_d = tl.arange(0, DI)
     q = tl.load(IQ + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=(offs_h < HI)[:, None],
                 other=0.0)
-    vis = nmask & (offs_n < n_complete)
     tok = offs_n.to(tl.int64) * r + r - 1
     page = tl.minimum(tok // IBS, n_bt - 1)
     phys = tl.load(IBT + t * stride_bt + page, mask=vis, other=0).to(tl.int64)
@@ -436,10 +433,9 @@ def _write_paged_kernel(KV, SLOTS, K, V, stride_kvb, stride_kvh, stride_kvl, str
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     slot = tl.load(SLOTS + i).to(tl.int64)
-    if slot < 0:  # padding: nothing to store
-        return
     o = tl.arange(0, HD_P)
-    m = o < HD
+    m = (o < HD) & (slot >= 0)  # padding (slot < 0): nothing stored
+    slot = tl.maximum(slot, 0)
     row = KV + (slot // BS) * stride_kvb + h * stride_kvh + (slot % BS) * stride_kvl
     k = tl.load(K + i * stride_kt + h * stride_kh + o, mask=m, other=0.0).to(tl.float32)
     v = tl.load(V + i * stride_vt + h * stride_vh + o, mask=m, other=0.0).to(tl.float32)
