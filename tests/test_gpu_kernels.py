@@ -49,6 +49,7 @@ def test_dispatcher_picks_the_kernels_for_cuda():
     for op in ("hc_inject", "qsa_attention", "qsa_decode_paged", "ple_lookup", "rms_norm", "apply_rope"):
         assert _dispatch._KERNELS[(op, "cuda")] is getattr(cuda, op)
     assert _dispatch._KERNELS[("qsa_write_paged", "cuda")] is cuda.write_paged
+    assert _dispatch._KERNELS[("qsa_index_update_decode", "cuda")] is cuda.index_update_decode
 
 
 # ------------------------------------------------------------------------------------------------------ HC mixer
@@ -435,3 +436,29 @@ def test_write_paged_matches_reference(dtype):
         cuda.write_paged(kv, slots, k, v)
         ref.write_paged(kv2, slots, k, v)
         assert torch.equal(kv, kv2)
+
+
+def test_index_update_decode_matches_reference():
+    """Decode-time index-cache row (raw key + the completed block's normed, rotated key, or zeros), real widths
+    (d_i 128, RoPE on 64 dims, r 4), shuffled block table, a padding row: equal to the reference (bf16 rounding
+    points reproduced; the fp32 mean/norm sums may differ in order, so allow a rare one-unit difference)."""
+    from qwen4exp.ops.qsa import reference as ref
+    cuda = cuda_ops()
+    g = gen(21)
+    B, di, RD, ibs, nb = 33, 128, 64, 64, 300
+    ikv = rnd((nb, 1, ibs, 2 * di), g, 2.0)
+    bt = (torch.randperm(nb - 1, device="cuda")[: B * 8] + 1).view(B, 8).int()
+    pos = torch.randint(0, 8 * ibs, (B,), generator=g, device="cuda")
+    pos[:8] = torch.tensor([0, 1, 2, 3, 4, 7, 11, 511], device="cuda")
+    slots = bt.gather(1, (pos // ibs).unsqueeze(1)).squeeze(1).long() * ibs + pos % ibs
+    slots[-1] = -1
+    valid = slots >= 0
+    raw = rnd((B, di + 16), g, 2.0)[:, :di]
+    w = rnd((di,), g, 0.2)
+    ang = torch.randn(B, RD // 2, generator=g, device="cuda") * 30
+    cos, sin = torch.cat([ang, ang], -1).cos().to(BF), torch.cat([ang, ang], -1).sin().to(BF)
+    a, b = ikv.clone(), ikv.clone()
+    poison()
+    cuda.index_update_decode(a, slots, bt, pos, valid, raw, w, 1e-6, cos, sin, 4)
+    ref.index_update_decode(b, slots, bt, pos, valid, raw, w, 1e-6, cos, sin, 4)
+    bf16_close(a, b, min_equal=0.999)

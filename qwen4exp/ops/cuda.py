@@ -138,6 +138,24 @@ def write_paged(kv, slots, k, v):
     write_paged_op(kv, slots, k, v)
 
 
+@torch.library.custom_op("qwen4exp::qsa_index_update_decode", mutates_args=("index_kv",))
+def index_update_op(index_kv: Tensor, slots: Tensor, block_table: Tensor, pos: Tensor, valid: Tensor, raw: Tensor,
+                    norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor, r: int) -> None:
+    qsa_tk.index_update_triton(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos, sin, r)
+
+
+@index_update_op.register_fake
+def _(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos, sin, r):
+    return None
+
+
+def index_update_decode(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos, sin, r):
+    if not qsa_tk.index_update_supported(index_kv, slots, block_table, pos, valid, raw, norm_weight, cos, sin, r):
+        return qsa_ref.index_update_decode(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos,
+                                           sin, r)
+    index_update_op(index_kv, slots, block_table, pos, valid, raw, norm_weight, float(eps), cos, sin, int(r))
+
+
 # ------------------------------------------------------------------------------------------------- norm, RoPE
 @torch.library.custom_op("qwen4exp::rms_norm", mutates_args=())
 def rms_norm_op(x: Tensor, weight: Tensor, group: int, eps: float) -> Tensor:
@@ -176,6 +194,7 @@ register_kernel("hc_inject", "cuda", hc_inject)
 register_kernel("qsa_attention", "cuda", qsa_attention)
 register_kernel("qsa_decode_paged", "cuda", qsa_decode_paged)
 register_kernel("qsa_write_paged", "cuda", write_paged)
+register_kernel("qsa_index_update_decode", "cuda", index_update_decode)
 register_kernel("ple_lookup", "cuda", ple_lookup)
 register_kernel("rms_norm", "cuda", rms_norm)
 register_kernel("apply_rope", "cuda", apply_rope)

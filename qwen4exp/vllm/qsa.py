@@ -22,7 +22,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 
 from ..layers.qsa import QSAAttention
-from ..ops.qsa import (block_mean, paged_rows, qsa_attention, qsa_attention_gathered, qsa_decode_paged,
+from ..ops.qsa import (block_mean, index_update_decode, qsa_attention, qsa_attention_gathered, qsa_decode_paged,
                        write_paged)
 from .layers import eager_segment, vllm_linear
 
@@ -192,17 +192,11 @@ class QSAMixer(QSAAttention):
         kv, ikv = _kv_cache(self.attn), _kv_cache(self.index_cache)
         ibt = mi.block_table[:B]
         write_paged(kv, m.slot_mapping[:B].long(), k[:B], v[:B])
-        # block key of the block ending at this token: fp32 mean of its r raw keys (r-1 from the index cache),
-        # rotated at the block's first position; zero rows for tokens that complete no block
-        raw = index_k_raw[:B]
-        back = pos.unsqueeze(1) - (r - 1) + torch.arange(r - 1, device=q.device)
-        prev = paged_rows(ikv, ibt, back.clamp(min=0))[:, :, 0, : raw.shape[-1]].to(raw.dtype)
-        mean = block_mean(torch.cat([prev, raw.unsqueeze(1)], 1).reshape(B * r, -1), r)
-        cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), raw.dtype)
-        keys = self.block_keys(mean, cb, sb).to(raw.dtype)
-        completes = ((pos + 1) % r == 0) & (seq > 0)
-        bk = torch.where(completes.unsqueeze(1), keys, torch.zeros_like(keys))
-        write_paged(ikv, mi.slot_mapping[:B].long(), raw.unsqueeze(1), bk.unsqueeze(1))
+        # the index cache row: raw key, and the key of the block this token completes (zeros if none)
+        cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), index_k_raw.dtype)
+        kn = self.indexer.k_layernorm
+        index_update_decode(ikv, mi.slot_mapping[:B].long(), ibt, pos, seq > 0, index_k_raw[:B], kn.weight, kn.eps,
+                            cb, sb, r)
         # n_blocks: every block the table can hold while capturing (replays serve any length), else the step's max
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             n_blocks = ibt.shape[1] * ikv.shape[2] // r

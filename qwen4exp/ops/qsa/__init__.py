@@ -9,6 +9,11 @@ def qsa_attention(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_s
     return fn(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_scale)
 
 
+def index_update_decode(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos, sin, r):
+    fn = pick("qsa_index_update_decode", index_kv.device, reference.index_update_decode)
+    return fn(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos, sin, r)
+
+
 def write_paged(kv, slots, k, v):
     return pick("qsa_write_paged", kv.device, reference.write_paged)(kv, slots, k, v)
 
@@ -20,6 +25,6 @@ def qsa_decode_paged(q, q_pos, index_q, kv, block_table, index_kv, index_block_t
               index_scale)
 
 
-__all__ = ["qsa_attention", "qsa_decode_paged", "paged_rows", "write_paged", "qsa_attention_gathered", "qsa_decode_batched", "block_mean", "indexer_scores",
+__all__ = ["qsa_attention", "qsa_decode_paged", "paged_rows", "write_paged", "index_update_decode", "qsa_attention_gathered", "qsa_decode_batched", "block_mean", "indexer_scores",
            "num_complete_blocks", "select_blocks", "selected_token_indices", "selection_mask", "sparse_attention",
            "reference"]

@@ -225,6 +225,36 @@ def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
     kv[blk, :, off] = torch.where(keep.view(-1, 1, 1), new, kv[blk, :, off])
 
 
+def index_update_decode(
+    index_kv: torch.Tensor,  # [num_blocks, 1, block_size, 2 * d_i] paged raw key | block key
+    slots: torch.Tensor,  # [B] flat slots of this step's tokens (negative: padding, nothing stored)
+    block_table: torch.Tensor,  # [B, nbt]
+    pos: torch.Tensor,  # [B] the tokens' positions
+    valid: torch.Tensor,  # [B] bool: a real token (padding rows compute no block key)
+    raw: torch.Tensor,  # [B, d_i] the tokens' raw indexer keys
+    norm_weight: torch.Tensor,  # [d_i] the indexer's key norm (zero-centred)
+    eps: float,
+    cos: torch.Tensor,  # [B, R] RoPE at each token's block start (pos - r + 1)
+    sin: torch.Tensor,
+    r: int,
+) -> None:
+    """The index cache's row for one new token per sequence (decode): its raw key, and when it completes a block
+    ((pos + 1) % r == 0) that block's key = RoPE(norm(fp32 mean of the block's r raw keys)) (the other r - 1 read
+    back from the cache), else zeros. What ``QSAAttention.block_keys`` computes, with fixed shapes and no host
+    sync."""
+    from ..norm import grouped_rms_norm
+    from ..rope import apply_rope
+
+    B, di = raw.shape
+    back = pos.unsqueeze(1) - (r - 1) + torch.arange(r - 1, device=pos.device)
+    prev = paged_rows(index_kv, block_table, back.clamp(min=0))[:, :, 0, :di].to(raw.dtype)
+    mean = block_mean(torch.cat([prev, raw.unsqueeze(1)], 1).reshape(B * r, di), r)
+    keys = apply_rope(grouped_rms_norm(mean, norm_weight, di, eps).unsqueeze(1), cos, sin).squeeze(1)
+    completes = ((pos + 1) % r == 0) & valid
+    bk = torch.where(completes.unsqueeze(1), keys.to(raw.dtype), torch.zeros_like(raw))
+    write_paged(index_kv, slots, raw.unsqueeze(1), bk.unsqueeze(1))
+
+
 def qsa_decode_paged(
     q: torch.Tensor,  # [B, Hq, d]: one query per sequence, normed + rotated
     q_pos: torch.Tensor,  # [B]
