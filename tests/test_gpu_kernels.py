@@ -340,14 +340,29 @@ def paged_decode_case(lens, bs, ibs, seed, Hq=24, Hkv=2, d=256, hi=4, di=128):
     return q, pos, iq, kv, bt, ikv, ibt
 
 
-@pytest.mark.parametrize("lens,bs,ibs", [([1, 7, 2051, 2052, 2056, 9001, 50_003], 16, 64),
-                                         ([50_000], 784, 3136), ([3, 4099, 20_000, 5], 64, 256)])
-def test_qsa_decode_paged_matches_reference(lens, bs, ibs):
+def page_padded(t, pad=40):
+    """The same cache with every block inside a larger page, as vLLM lays out a hybrid model's caches (each block
+    padded to the common page size): not contiguous, block stride > heads * block_size * row."""
+    base = torch.zeros(t.shape[0], t[0].numel() + pad, dtype=t.dtype, device=t.device)
+    v = base[:, : t[0].numel()].view(t.shape)
+    v.copy_(t)
+    assert not v.is_contiguous()
+    return v
+
+
+@pytest.mark.parametrize("lens,bs,ibs,padded", [([1, 7, 2051, 2052, 2056, 9001, 50_003], 16, 64, False),
+                                                ([50_000], 784, 3136, True), ([3, 4099, 20_000, 5], 64, 256, True)])
+def test_qsa_decode_paged_matches_reference(lens, bs, ibs, padded):
     """The paged decode kernels (score through the index cache's block table, radix top-k, split attention over
-    paged K/V) against the torch reference on the same shuffled, garbage-filled paged caches, real widths."""
+    paged K/V) against the torch reference on the same shuffled, garbage-filled paged caches, real widths; with
+    page-padded caches too (the layout vLLM hands over: the Triton path must take it, not fall back)."""
     from qwen4exp.ops.qsa import reference as ref
+    from qwen4exp.ops.qsa import triton_kernel as tk
     cuda = cuda_ops()
     q, pos, iq, kv, bt, ikv, ibt = paged_decode_case(lens, bs, ibs, seed=len(lens) + bs)
+    if padded:
+        kv, ikv = page_padded(kv), page_padded(ikv)
+    assert tk.paged_supported(q, pos, iq, kv, bt, ikv, ibt, R_QSA, BUDGET)
     scale, iscale = 256 ** -0.5, 128 ** -0.5
     n_blocks = max(lens) // R_QSA + 9
     poison()
@@ -457,8 +472,10 @@ def test_index_update_decode_matches_reference():
     w = rnd((di,), g, 0.2)
     ang = torch.randn(B, RD // 2, generator=g, device="cuda") * 30
     cos, sin = torch.cat([ang, ang], -1).cos().to(BF), torch.cat([ang, ang], -1).sin().to(BF)
-    a, b = ikv.clone(), ikv.clone()
+    a, b = page_padded(ikv), ikv.clone()  # the Triton path on vLLM's page-padded layout
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    assert tk.index_update_supported(a, slots, bt, pos, valid, raw, w, cos, sin, 4)
     poison()
     cuda.index_update_decode(a, slots, bt, pos, valid, raw, w, 1e-6, cos, sin, 4)
     ref.index_update_decode(b, slots, bt, pos, valid, raw, w, 1e-6, cos, sin, 4)
-    bf16_close(a, b, min_equal=0.999)
+    bf16_close(a.contiguous(), b, min_equal=0.999)

@@ -405,7 +405,9 @@ def paged_supported(q, q_pos, index_q, kv, block_table, index_kv, index_block_ta
         return False
     if di not in (32, 64, 128, 256) or index_q.shape[-1] != di or index_q.shape[1] > 16 or index_kv.shape[1] != 1:
         return False
-    return (kv.is_contiguous() and index_kv.is_contiguous() and q.stride(-1) == 1 and index_q.stride(-1) == 1
+    # any block/head/row strides (vLLM pads each block of a hybrid model's caches to the common page size, so the
+    # caches are not contiguous); elements of a row contiguous
+    return (kv.stride(-1) == 1 and index_kv.stride(-1) == 1 and q.stride(-1) == 1 and index_q.stride(-1) == 1
             and block_table.dim() == index_block_table.dim() == 2)
 
 
@@ -543,7 +545,7 @@ def index_update_supported(index_kv, slots, block_table, pos, valid, raw, norm_w
     RD = cos.shape[-1] if cos.dim() == 2 else 0
     return (index_kv.dim() == 4 and index_kv.shape[1] == 1 and index_kv.shape[-1] == 2 * di and raw.dim() == 2
             and 0 < RD <= di and RD % 2 == 0 and cos.shape == sin.shape == (B, RD) and cos.stride() == sin.stride()
-            and cos.stride(-1) == 1 and raw.stride(-1) == 1 and index_kv.is_contiguous() and 1 <= r <= 64
+            and cos.stride(-1) == 1 and raw.stride(-1) == 1 and index_kv.stride(-1) == 1 and 1 <= r <= 64
             and norm_weight.numel() == di and norm_weight.is_contiguous() and block_table.dim() == 2
             and slots.shape == pos.shape == valid.shape == (B,))
 
