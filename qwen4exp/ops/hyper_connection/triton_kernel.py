@@ -29,6 +29,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..triton_utils import round_bf16 as _rbf
+
 if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the CPU interpreter (debugging only): no libdevice, no bf16 dot
     @triton.jit
     def _exp(x):
@@ -49,15 +51,6 @@ else:  # CUDA's expf / rsqrtf, which PyTorch's kernels call: the same bf16 round
     @triton.jit
     def _dot(a, b):
         return tl.dot(a, b)
-
-
-@triton.jit
-def _rbf(x):
-    """fp32 -> the nearest bf16 (ties to even), kept in fp32.  Integer arithmetic, so the compiler cannot fold an
-    fp32 -> bf16 -> fp32 round trip away (it did: ``x.to(bf16).to(fp32)`` came out as plain x)."""
-    b = x.to(tl.int32, bitcast=True)
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return b.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_utils import round_bf16 as _rbf
+
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     @triton.jit
     def _rsqrt(x):
@@ -21,14 +23,6 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 else:
     from triton.language.extra import libdevice
     _rsqrt = libdevice.rsqrt
-
-
-@triton.jit
-def _rbf(x):
-    """fp32 -> nearest bf16 (ties to even) in fp32 (integer arithmetic: explicit, whatever the cast's mode)."""
-    b = x.to(tl.int32, bitcast=True)
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return b.to(tl.float32, bitcast=True)
 
 
 @triton.jit

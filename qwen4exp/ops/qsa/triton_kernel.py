@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_utils import round_bf16 as _rbf
+
 INT64_MIN = -(1 << 63)
 _KEY_MIN = tl.constexpr(INT64_MIN)
 
@@ -469,14 +471,6 @@ def write_paged_triton(kv, slots, k, v) -> None:
         _write_paged_kernel[(N, H)](kv, slots, k, v, kv.stride(0), kv.stride(1), kv.stride(2), k.stride(0),
                                     k.stride(1), v.stride(0), v.stride(1), HD=HD, BS=kv.shape[2],
                                     HD_P=triton.next_power_of_2(HD), FMAX=0.0, SAT=False, num_warps=1)
-
-
-@triton.jit
-def _rbf(x):
-    """fp32 -> nearest bf16 (ties to even), kept in fp32 (integer arithmetic: the compiler cannot fold it away)."""
-    b = x.to(tl.int32, bitcast=True)
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return b.to(tl.float32, bitcast=True)
 
 
 @triton.jit

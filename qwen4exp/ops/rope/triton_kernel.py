@@ -9,15 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_utils import round_bf16
+
 
 @triton.jit
 def _round(x, ROUND: tl.constexpr):
-    """fp32 -> nearest bf16 (ties to even), kept in fp32, where every op of the reference rounds (integer
-    arithmetic: the compiler folds a plain ``x.to(bf16).to(fp32)`` round trip away)."""
-    if ROUND:
-        b = x.to(tl.int32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-        x = b.to(tl.float32, bitcast=True)
+    if ROUND:  # to bf16 where every op of the reference rounds
+        x = round_bf16(x)
     return x
 
 

@@ -1,0 +1,16 @@
+"""Triton helpers shared by the kernels (imported only on the CUDA path, or under ``TRITON_INTERPRET=1``)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> the nearest bf16 (ties to even), kept in fp32: the rounding point of a bf16 op in the torch references.
+    Integer arithmetic, so the compiler cannot fold an fp32 -> bf16 -> fp32 round trip away (it did: a plain
+    ``x.to(bf16).to(fp32)`` came out as x) and the CPU interpreter (which truncates casts) rounds the same way."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
