@@ -1,8 +1,9 @@
 """Time the Triton kernels (``qwen4exp.ops.cuda``) against the torch references and torch.compile of them.
 
-    python recipes/bench_ops.py --csv bench_out/bench_ops.csv [--no-compile] [--only hc_mix,qsa]
+    python recipes/bench_ops.py --csv bench_out/bench_ops.csv [--no-compile] [--only hc_mix,qsa_decode_paged]
 
-For each op at the real widths (batch 1 and 32; QSA: context 50,000): the median time per call, the bytes it must
+For each op at the real widths (batch 1 and 32; QSA: context 50,000; the paged decode op reads shuffled paged caches
+as the vLLM plugin does; RMSNorm / RoPE at the QSA projections' sizes): the median time per call, the bytes it must
 move (each input read once, each output written once) and FLOPs, the achieved fraction of the HBM bandwidth
 measured in the same run (a device-to-device copy, bytes read + written), and the speed-up over the reference and
 over torch.compile of the reference.
@@ -27,8 +28,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from qwen4exp.ops.hyper_connection import reference as hc_ref  # noqa: E402
+from qwen4exp.ops.norm import reference as norm_ref  # noqa: E402
 from qwen4exp.ops.ple import reference as ple_ref  # noqa: E402
 from qwen4exp.ops.qsa import reference as qsa_ref  # noqa: E402
+from qwen4exp.ops.rope import reference as rope_ref  # noqa: E402
 
 BF = torch.bfloat16
 L2_BYTES = 60 << 20
@@ -125,6 +128,43 @@ def qsa_case(Tq, L=50_000, Hq=24, Hkv=2, d=256, hi=4, di=128, r=4, budget=2048):
                      torch.randn(Tq, hi, di, device="cuda").to(BF), torch.randn(Nb, di, device="cuda").to(BF),
                      r, budget, d ** -0.5, di ** -0.5))
     return sets, by, fl
+
+
+def paged_qsa_case(B, L=50_000, Hq=24, Hkv=2, d=256, hi=4, di=128, r=4, budget=2048, bs=16, ibs=64):
+    """B decode queries, each at the end of its own L-token sequence, caches paged (shuffled blocks)."""
+    Nb = L // r
+    sel = budget + r - 1
+    by = B * (Nb * di * 2 + sel * Hkv * d * 2 * 2 + Hq * d * 2 * 2 + hi * di * 2)  # block keys + selected K/V + q/out
+    fl = B * (2 * Nb * hi * di + 2 * 2 * Hq * sel * d)
+    nbt, nbti = -(-L // bs), -(-L // ibs)
+    sets = []
+    for i in range(n_sets(by, lo=2, hi=4)):
+        kv = torch.randn(B * nbt + 1, Hkv, bs, 2 * d, device="cuda").to(BF)
+        ikv = torch.randn(B * nbti + 1, 1, ibs, 2 * di, device="cuda").to(BF)
+        bt = (torch.randperm(B * nbt, device="cuda") + 1).view(B, nbt).int()
+        ibt = (torch.randperm(B * nbti, device="cuda") + 1).view(B, nbti).int()
+        sets.append((torch.randn(B, Hq, d, device="cuda").to(BF), torch.full((B,), L - 1, device="cuda"),
+                     torch.randn(B, hi, di, device="cuda").to(BF), kv, bt, ikv, ibt, Nb + 8, r, budget, d ** -0.5,
+                     di ** -0.5))
+    return sets, by, fl
+
+
+def rms_norm_case(shape, group):
+    n = math.prod(shape)
+    by = n * 2 * 2 + shape[-1] * 2
+    sets = [(torch.randn(*shape, device="cuda").to(BF), (torch.randn(shape[-1], device="cuda") * 0.1).to(BF), group,
+             1e-6) for _ in range(n_sets(by, hi=256))]
+    return sets, by, 4 * n
+
+
+def rope_case(T, H=24, d=256, R=64):
+    by = T * H * d * 2 * 2 + T * R * 2 * 2
+    sets = []
+    for _ in range(n_sets(by, hi=256)):
+        ang = torch.randn(T, R // 2, device="cuda") * 100
+        sets.append((torch.randn(T, H, d, device="cuda").to(BF), torch.cat([ang, ang], -1).cos().to(BF),
+                     torch.cat([ang, ang], -1).sin().to(BF)))
+    return sets, by, 6 * T * H * R
 
 
 _TABLES = {}
@@ -264,6 +304,15 @@ def main():
     for Tq in (1, 32):
         cases.append(("qsa_attention", f"Tq={Tq},L=50000", lambda Tq=Tq: qsa_case(Tq), cuda.qsa_attention,
                       qsa_ref.qsa_attention))
+    for B in (1, 32):
+        cases.append(("qsa_decode_paged", f"B={B},L=50000,paged", lambda B=B: paged_qsa_case(B),
+                      cuda.qsa_decode_paged, qsa_ref.qsa_decode_paged))
+    for shape, group in (((1, 24, 256), 256), ((32, 24, 256), 256), ((32, 10240), 2560)):
+        cases.append(("rms_norm", "x".join(map(str, shape)) + f"/{group}", lambda a=shape, g=group: rms_norm_case(a, g),
+                      cuda.rms_norm, norm_ref.grouped_rms_norm))
+    for T in (1, 32):
+        cases.append(("apply_rope", f"T={T},24x256,R=64", lambda T=T: rope_case(T), cuda.apply_rope,
+                      rope_ref.apply_rope))
     for T in (1, 32):
         cases.append(("ple_lookup", f"T={T},fp8,pinned-host", lambda T=T: ple_case(T, "pinned"), cuda.ple_lookup,
                       ple_ref_host))
@@ -305,12 +354,12 @@ def main():
         w.writerows(rows)
     print(f"\n{dev}, HBM copy bandwidth {bw / 1e12:.2f} TB/s; times in us per call (median; g = CUDA-graph replay, "
           f"e = eager)")
-    hdr = (f"| {'op':<13} | {'case':<22} | {'kernel us':>10} | {'ref us':>10} | {'compile us':>10} | {'bytes':>10} | "
+    hdr = (f"| {'op':<16} | {'case':<22} | {'kernel us':>10} | {'ref us':>10} | {'compile us':>10} | {'bytes':>10} | "
            f"{'GFLOP':>7} | {'GB/s':>7} | {'% HBM':>6} | {'x ref':>6} | {'x compile':>9} |")
     print(hdr)
     print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
     for r in rows:
-        print(f"| {r['op']:<13} | {r['case']:<22} | {r['kernel_us']:>8.2f} {r['kernel_mode'][0]} | "
+        print(f"| {r['op']:<16} | {r['case']:<22} | {r['kernel_us']:>8.2f} {r['kernel_mode'][0]} | "
               f"{r['ref_us']:>8.2f} {r['ref_mode'][0]} | {r['compile_us']:>8.2f} {r['compile_mode'][0]} | "
               f"{r['bytes']:>10.3g} | {r['flops'] / 1e9:>7.3f} | {r['gbps']:>7.1f} | {100 * r['frac_hbm']:>5.1f}% | "
               f"{r['speedup_ref']:>6.2f} | {r['speedup_compile']:>9.2f} |")
