@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.sequence import IntermediateTensors
@@ -29,62 +28,11 @@ from vllm.sequence import IntermediateTensors
 from ..configuration import INDEXED
 from ..layers.hyper_connection import HyperConnection
 from ..layers.mtp import MTPInput
-from ..layers.qsa import QSAAttention
 from ..layers.rope import RotaryEmbedding
 from .layers import vllm_linear
 from .model import decoder_layer
 from .qsa import QSAMixer
 from .weights import MTP_DRAFT, load_qwen4exp_weights
-
-
-class _CacheView:
-    """Part of the draft's single QSA cache layer (see ``DraftQSAMixer``): KV heads [h0, h1), each head's
-    [K half | V half] narrowed to ``width`` per half. Same layer name, so it reads that layer's attention metadata."""
-
-    def __init__(self, attn: Attention, h0: int, h1: int, width: int):
-        self._attn, self._h, self._width = [attn], (h0, h1), width
-
-    @property
-    def layer_name(self) -> str:
-        return self._attn[0].layer_name
-
-    def _view(self, kv):
-        if not isinstance(kv, torch.Tensor) or kv.dim() != 4:
-            return kv
-        hd = kv.shape[3] // 2
-        v = kv[:, self._h[0]:self._h[1]]
-        if self._width == hd:
-            return v
-        # [K | V] at the narrower width, adjacent: K half = [:w], V half = [w:2w]
-        return v[..., : 2 * self._width]
-
-    @property
-    def kv_cache(self):
-        kv = self._attn[0].kv_cache
-        if isinstance(kv, (list, tuple)):
-            return type(kv)(self._view(k) for k in kv)
-        return self._view(kv)
-
-
-class DraftQSAMixer(QSAMixer):
-    """QSA of the draft layer with ONE vLLM attention layer: vLLM's proposer builds one attention metadata for all
-    draft layers and asserts that they share a KV-cache group, while the target's QSA declares two cache layers
-    (main K/V and the index cache, different shapes: two groups). The draft's single layer has n_kv + 1 KV heads of
-    the main head width; the extra head holds the index cache rows (raw key | block key, each indexer-wide).
-    No vLLM attention kernel reads this cache (our ``QSAMixer`` reads and writes it), so the layout is ours."""
-
-    def __init__(self, config, vllm_config, prefix: str, rotary):
-        QSAAttention.__init__(self, config, vllm_linear, prefix)
-        self.eager_name = prefix
-        self.rotary = [rotary]
-        d_i = self.indexer.head_dim
-        if d_i > self.head_dim:
-            raise ValueError("qwen4exp MTP: indexer head wider than the attention head is not supported")
-        nkv = self.n_kv + 1
-        self.cache_layer = Attention(nkv, self.head_dim, self.scale, num_kv_heads=nkv,
-                                     cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
-        self.attn = _CacheView(self.cache_layer, 0, self.n_kv, self.head_dim)
-        self.index_cache = _CacheView(self.cache_layer, self.n_kv, nkv, d_i)
 
 
 class Qwen4ExpMTPModel(MTPInput):
@@ -101,7 +49,7 @@ class Qwen4ExpMTPModel(MTPInput):
         layers = []
         for i in range(n):
             lp = f"{prefix}.layers.{i}"
-            mixer = DraftQSAMixer(config, vllm_config, f"{lp}.self_attn", self.rotary_emb)
+            mixer = QSAMixer(config, vllm_config, f"{lp}.self_attn", self.rotary_emb)  # one cache layer: one group
             layers.append(decoder_layer(config, i, lp, mixer, INDEXED, with_ple=False))
         self.layers = nn.ModuleList(layers)
         self.hyper_connection_mixer = HyperConnection(config, inject=False, linear=vllm_linear,

@@ -1,17 +1,18 @@
 """QSA in vLLM's terms.
 
-Caches (all declared to vLLM as attention layers, so they are paged, prefix-cached and freed with the request):
-* ``{prefix}.attn``: the main K/V (post-norm, post-RoPE), one row per token.
-* ``{prefix}.index_cache``: one row per token holding, in its K half, the indexer's raw key of that token (this is
-  where the open block's raw keys live between steps), and in its V half the block key of the block that the token
-  completes ((pos + 1) % r == 0; zeros otherwise). A block key is computed once, when its last token is processed,
-  and read back for every later query; nothing is recomputed per step.
+Caches: ONE vLLM attention layer ``{prefix}.attn`` per QSA layer (paged, prefix-cached and freed with the request
+like any attention cache), with n_kv + 1 KV heads of the attention head width:
+* heads [0, n_kv): the main K/V (post-norm, post-RoPE), one row per token;
+* head n_kv: the index rows. Per token, in its first d_i elements the indexer's raw key of that token (where the
+  open block's raw keys live between steps), in the next d_i the block key of the block that the token completes
+  ((pos + 1) % r == 0; zeros otherwise). A block key is computed once, when its last token is processed, and read
+  back for every later query; nothing is recomputed per step.
+``_CacheView`` hands each part to the code below as its own [blocks, heads, block_size, 2 * width] view.
 
-Selection + attention run through ``qwen4exp.ops.qsa.qsa_attention`` over K/V gathered from the paged cache.
-No vLLM attention kernel ever reads these two caches, so the plugin owns their layout: each block
-[kv_heads, block_size, 2*head] holds token rows [K | V], written at vLLM's slot mapping (``write_paged``) and read
-back by slot (``read_paged``). That is independent of the CPU attention ISA (vec / AMX / NEON packs K differently)
-and of the dtype (fp32 works).
+Selection + attention run through ``qwen4exp.ops.qsa`` over the paged views. No vLLM attention kernel ever reads
+this cache, so the plugin owns its layout: each token row is [K | V], written at vLLM's slot mapping
+(``write_paged``) and read back by slot. That is independent of the CPU attention ISA (vec / AMX / NEON packs K
+differently) and of the dtype (fp32, bf16, FP8 work).
 """
 
 from __future__ import annotations
@@ -70,26 +71,61 @@ def slots_of(block_row: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tenso
     return block_row[pos // bs].long() * bs + pos % bs
 
 
+class _CacheView:
+    """Part of a QSA layer's single vLLM cache layer: KV heads [h0, h1), each head's [K half | V half] narrowed to
+    ``width`` per half. Same layer name (so the same attention metadata); FP8 dtype and scales of the layer."""
+
+    def __init__(self, attn: Attention, h0: int, h1: int, width: int):
+        self._attn, self._h, self._width = [attn], (h0, h1), width
+
+    def __getattr__(self, name):  # layer_name, kv_cache_dtype, _k_scale_float, ...
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.__dict__["_attn"][0], name)
+
+    def _view(self, kv):
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 4:
+            return kv
+        v = kv[:, self._h[0]:self._h[1]]
+        return v if self._width == kv.shape[3] // 2 else v[..., : 2 * self._width]  # [K | V] at the narrower width
+
+    @property
+    def kv_cache(self):
+        kv = self._attn[0].kv_cache
+        if isinstance(kv, (list, tuple)):
+            return type(kv)(self._view(k) for k in kv)
+        return self._view(kv)
+
+
 class QSAMixer(QSAAttention):
-    """Our QSA math (``QSAAttention``: same parameter names as the checkpoint) plus its two paged caches."""
+    """Our QSA math (``QSAAttention``: same parameter names as the checkpoint) plus its caches, held in ONE vLLM
+    attention layer of n_kv + 1 KV heads of the attention head width: heads [0, n_kv) are the main K/V, the extra
+    head holds the index cache rows (raw key | block key, each indexer-wide; the rest of the row unused). One layer,
+    so one KV-cache group with the main K/V's block size: prefix-cache hits land on its block boundaries (a separate,
+    narrower index cache got 4x longer blocks, and hits had to end on those), and vLLM's MTP proposer, which wants
+    every draft layer in one group, takes the same class. Costs the unused half of the index head's rows (~20% more
+    QSA cache than two layers at the real widths)."""
 
     def __init__(self, config, vllm_config, prefix: str, rotary):
         super().__init__(config, vllm_linear, prefix)
         self.eager_name = prefix
-        cc = vllm_config.cache_config
         self.rotary = [rotary]  # shared module, kept out of this module's parameters
-        self.attn = Attention(self.n_heads, self.head_dim, self.scale, num_kv_heads=self.n_kv, cache_config=cc,
-                              prefix=f"{prefix}.attn")
         d_i = self.indexer.head_dim
-        self.index_cache = Attention(1, d_i, d_i ** -0.5, num_kv_heads=1, cache_config=cc,
-                                     prefix=f"{prefix}.index_cache")
+        if d_i > self.head_dim:
+            raise ValueError(f"qwen4exp QSA {prefix}: indexer head ({d_i}) wider than the attention head "
+                             f"({self.head_dim}) is not supported (its rows live in an attention-head-wide cache)")
+        nkv = self.n_kv + 1
+        self.cache_layer = Attention(nkv, self.head_dim, self.scale, num_kv_heads=nkv,
+                                     cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
+        self.attn = _CacheView(self.cache_layer, 0, self.n_kv, self.head_dim)
+        self.index_cache = _CacheView(self.cache_layer, self.n_kv, nkv, d_i)
 
     _scales_checked = False
 
     def check_kv_scales(self) -> None:
         """FP8 caches store K/V as they are (scale 1); a checkpoint with calibrated K/V scales is refused, naming
         the layer, rather than read wrongly."""
-        for a in (self.attn, self.index_cache):
+        for a in (self.cache_layer,):
             ks, vs = getattr(a, "_k_scale_float", 1.0), getattr(a, "_v_scale_float", 1.0)
             if (ks, vs) != (1.0, 1.0) and a.kv_cache_dtype in _FP8:
                 raise NotImplementedError(f"qwen4exp QSA {a.layer_name}: FP8 KV cache with calibrated scales "
@@ -108,7 +144,7 @@ class QSAMixer(QSAAttention):
         md = get_forward_context().attn_metadata
         if md is None or self.attn.layer_name not in md:  # profiling / warm-up run: no caches bound
             return
-        m, mi = md[self.attn.layer_name], md[self.index_cache.layer_name]
+        m = mi = md[self.attn.layer_name]  # main K/V and index rows: one cache layer, one metadata
         if not self._scales_checked:
             self.check_kv_scales()
         if int(m.max_query_len) <= 1:  # pure decode: the graph-capturable path
