@@ -213,7 +213,8 @@ def tune_and_breakdown():
             best = None
             for val in values:
                 setattr(mod, knob, val)
-                stage = f"sweep {knob}={val} (" + ", ".join(f"{k}={getattr(mod, k)}" for k, _ in grid if k != knob) + ")"
+                others = ", ".join(f"{k}={getattr(mod, k)}" for k, _ in grid if k != knob)
+                stage = f"sweep {knob}={val} ({others})"
                 t = timed(op, "T=1" if op == "hc_mix" else "Tq=1", stage, fn, sets, check)
                 if best is None or t < best[0]:
                     best = (t, val)

@@ -127,7 +127,8 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None):
                 torch.cuda.synchronize()
             prof.__exit__(None, None, None)
             with open(profile_to, "w") as f:
-                f.write(prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=40))
+                key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+                f.write(prof.key_averages().table(sort_by=key, row_limit=40))
                 f.write("\n\n")
                 f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
             continue
@@ -232,8 +233,8 @@ def _finish(proc_lf, timeout: float) -> str | None:
 
 
 FIELDS = ["impl", "eager", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "consistency", "bs1_ctx",
-          "bs1_prefill_s", "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s", "bs32_step_ms", "bs32_decode_tok_s",
-          "bs32_e2e_out_tok_s", "roofline_ms", "error"]
+          "bs1_prefill_s", "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s", "bs32_step_ms",
+          "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "error"]
 
 
 def main() -> None:
@@ -306,12 +307,12 @@ def main() -> None:
     parallel = len(gpus) >= len(impls) > 1
     procs, errs = {}, {}
     t_start = time.monotonic()
-    for impl, res_path, log, cmd, env in runs:
+    for impl, _res, log, cmd, env in runs:
         lf = open(log, "w")
         procs[impl] = (subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT), lf)
         if not parallel:
             errs[impl] = _finish(procs[impl], args.timeout)
-    for impl, res_path, log, cmd, env in runs:
+    for impl, res_path, log, _cmd, _env in runs:
         row = dict(impl=impl)
         if impl not in errs:
             errs[impl] = _finish(procs[impl], max(1.0, args.timeout - (time.monotonic() - t_start)))

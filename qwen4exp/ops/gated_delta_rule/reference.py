@@ -16,7 +16,6 @@ and then  o_i = exp(G_i) S0^T q_i + sum_{j<=i} exp(G_i - G_j) (q_i.k_j) delta_j,
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..varlen import pad_packed, seq_lens
 

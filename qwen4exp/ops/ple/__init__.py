@@ -13,5 +13,5 @@ def ple_lookup(table, rows, scale=None, out_dtype=None):
     return pick("ple_lookup", rows.device, reference.ple_lookup)(table, rows, scale, out_dtype)
 
 
-__all__ = ["ngram_context", "ngram_context_decode", "ngram_ids", "ple_lookup", "hash_multipliers", "head_table_sizes", "splitmix64",
-           "table_rows", "reference"]
+__all__ = ["ngram_context", "ngram_context_decode", "ngram_ids", "ple_lookup", "hash_multipliers",
+           "head_table_sizes", "splitmix64", "table_rows", "reference"]
