@@ -11,8 +11,8 @@ like any attention cache), with n_kv + 1 KV heads of the attention head width:
 
 Selection + attention run through ``qwen4exp.ops.qsa`` over the paged views. No vLLM attention kernel ever reads
 this cache, so the plugin owns its layout: each token row is [K | V], written at vLLM's slot mapping
-(``write_paged``) and read back by slot. That is independent of the CPU attention ISA (vec / AMX / NEON packs K
-differently) and of the dtype (fp32, bf16, FP8 work).
+(``write_paged``) and read back through the block table (``paged_rows``). That is independent of the CPU
+attention ISA (vec / AMX / NEON packs K differently) and of the dtype (fp32, bf16, FP8 work).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 
 from ..layers.qsa import QSAAttention
-from ..ops.qsa import (block_mean, index_update_decode, qsa_attention, qsa_attention_gathered, qsa_decode_paged,
-                       write_paged)
+from ..ops.qsa import (block_mean, index_update_decode, paged_rows, qsa_attention, qsa_attention_gathered,
+                       qsa_decode_paged, write_paged)
 from .layers import eager_segment, vllm_linear
 
 
@@ -51,24 +51,11 @@ def _kv_cache(attn: Attention) -> torch.Tensor:
     return kv
 
 
-def read_paged_kv(kv: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V rows of one of our paged caches at ``slots`` (any shape [...]) -> two [..., kv_heads, head] views of
-    one gather (in ``dtype`` if given: FP8 caches widen to the activations' dtype)."""
-    bs, hd = kv.shape[2], kv.shape[3] // 2
-    rows = kv[slots // bs, :, slots % bs]  # [..., kv_heads, 2 * head]
-    if dtype is not None and rows.dtype != dtype:
-        rows = rows.to(dtype)
-    return rows[..., :hd], rows[..., hd:]
-
-
-def read_paged(kv: torch.Tensor, slots: torch.Tensor, part: str) -> torch.Tensor:
-    """One half of ``read_paged_kv`` (part "k" or "v")."""
-    return read_paged_kv(kv, slots)[0 if part == "k" else 1]
-
-
-def slots_of(block_row: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
-    return block_row[pos // bs].long() * bs + pos % bs
+def _rows(cache: torch.Tensor, block_row: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype | None = None):
+    """``paged_rows`` of one request (its block-table row, positions [N]) -> [N, heads, 2 * width], widened to
+    ``dtype`` if given (FP8 caches)."""
+    rows = paged_rows(cache, block_row.unsqueeze(0), pos.unsqueeze(0))[0]
+    return rows if dtype is None or rows.dtype == dtype else rows.to(dtype)
 
 
 class _CacheView:
@@ -125,11 +112,11 @@ class QSAMixer(QSAAttention):
     def check_kv_scales(self) -> None:
         """FP8 caches store K/V as they are (scale 1); a checkpoint with calibrated K/V scales is refused, naming
         the layer, rather than read wrongly."""
-        for a in (self.cache_layer,):
-            ks, vs = getattr(a, "_k_scale_float", 1.0), getattr(a, "_v_scale_float", 1.0)
-            if (ks, vs) != (1.0, 1.0) and a.kv_cache_dtype in _FP8:
-                raise NotImplementedError(f"qwen4exp QSA {a.layer_name}: FP8 KV cache with calibrated scales "
-                                          f"(k {ks}, v {vs}) is not supported yet; serve with --kv-cache-dtype auto")
+        a = self.cache_layer
+        ks, vs = getattr(a, "_k_scale_float", 1.0), getattr(a, "_v_scale_float", 1.0)
+        if (ks, vs) != (1.0, 1.0) and a.kv_cache_dtype in _FP8:
+            raise NotImplementedError(f"qwen4exp QSA {a.layer_name}: FP8 KV cache with calibrated scales "
+                                      f"(k {ks}, v {vs}) is not supported yet; serve with --kv-cache-dtype auto")
         self._scales_checked = True
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -144,11 +131,11 @@ class QSAMixer(QSAAttention):
         md = get_forward_context().attn_metadata
         if md is None or self.attn.layer_name not in md:  # profiling / warm-up run: no caches bound
             return
-        m = mi = md[self.attn.layer_name]  # main K/V and index rows: one cache layer, one metadata
+        m = md[self.attn.layer_name]  # main K/V and index rows: one cache layer, one metadata and block table
         if not self._scales_checked:
             self.check_kv_scales()
         if int(m.max_query_len) <= 1:  # pure decode: the graph-capturable path
-            self._decode_step(out, q, k, v, index_q, index_k_raw, m, mi)
+            self._decode_step(out, q, k, v, index_q, index_k_raw, m)
             return
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("qwen4exp QSA: only pure decode batches can be captured in a FULL CUDA graph (got "
@@ -163,7 +150,7 @@ class QSAMixer(QSAAttention):
         write_paged(kv, m.slot_mapping[:n].long(), k[:n], v[:n])
         # 2. block keys of the blocks completed by this step's tokens (open-block raw keys from the index cache)
         ikv = _kv_cache(self.index_cache)
-        ibs = ikv.shape[2]
+        d_i = ikv.shape[3] // 2
         raw = index_k_raw[:n]
         bk_rows = torch.zeros_like(raw)
         qsl = m.query_start_loc.tolist()
@@ -178,7 +165,7 @@ class QSAMixer(QSAAttention):
             chunk = raw[s:e]
             if base < start:
                 prev_pos = torch.arange(base, start, device=device)
-                prev = read_paged(ikv, slots_of(mi.block_table[b], prev_pos, ibs), "k")[:, 0]
+                prev = _rows(ikv, m.block_table[b], prev_pos)[:, 0, :d_i]
                 chunk = torch.cat([prev.to(chunk.dtype), chunk], 0)
             nfull = chunk.shape[0] // r
             if nfull:
@@ -187,13 +174,13 @@ class QSAMixer(QSAAttention):
                 keys = self.block_keys(block_mean(chunk[: nfull * r], r), cb, sb)
                 last_idx = s + (first + r - 1 - start)
                 bk_rows[last_idx] = keys.to(bk_rows.dtype)
-        write_paged(ikv, mi.slot_mapping[:n].long(), raw.unsqueeze(1), bk_rows.unsqueeze(1))
+        write_paged(ikv, m.slot_mapping[:n].long(), raw.unsqueeze(1), bk_rows.unsqueeze(1))
         # 3. selection + attention per request over K/V gathered from the paged cache
-        bs = kv.shape[2]
+        hd = kv.shape[3] // 2
         m_sel = self.budget // r
         decodes = [b for b in range(nreq) if qsl[b + 1] - qsl[b] == 1]
         if decodes:  # all single-query requests at once, whatever their lengths
-            self._decode_batch(out, q, index_q, pos1, decodes, qsl, seq_lens, m, mi, kv, ikv)
+            self._decode_batch(out, q, index_q, pos1, decodes, qsl, seq_lens, m, kv, ikv)
         done = set(decodes)
         for b in range(nreq):
             s, e = qsl[b], qsl[b + 1]
@@ -204,20 +191,22 @@ class QSAMixer(QSAAttention):
             bkeys = None
             if nblk > m_sel:  # past the dense regime: the indexer selects blocks
                 ends = r * torch.arange(nblk, device=device) + r - 1
-                bkeys = read_paged(ikv, slots_of(mi.block_table[b], ends, ibs), "v")[:, 0]
+                bkeys = _rows(ikv, m.block_table[b], ends)[:, 0, d_i:]
             if bkeys is not None and e - s <= GATHER_SELECTED_MAX_QUERIES:  # decode / MTP verification
 
                 def fetch(tok, row=m.block_table[b]):
-                    return read_paged_kv(kv, slots_of(row, tok, bs), q.dtype)
+                    rows = _rows(kv, row, tok, q.dtype)
+                    return rows[..., :hd], rows[..., hd:]
 
                 out[s:e] = qsa_attention_gathered(q[s:e], pos1[s:e], index_q[s:e], bkeys, fetch, r, self.budget,
                                                   self.scale, self.index_scale).to(out.dtype)
                 continue
-            K, V = read_paged_kv(kv, slots_of(m.block_table[b], torch.arange(L, device=device), bs), q.dtype)
+            rows = _rows(kv, m.block_table[b], torch.arange(L, device=device), q.dtype)
+            K, V = rows[..., :hd], rows[..., hd:]
             out[s:e] = qsa_attention(q[s:e], K, V, pos1[s:e], index_q[s:e], bkeys, r, self.budget,
                                      self.scale, self.index_scale).to(out.dtype)
 
-    def _decode_step(self, out, q, k, v, index_q, index_k_raw, m, mi) -> None:
+    def _decode_step(self, out, q, k, v, index_q, index_k_raw, m) -> None:
         """A pure decode batch (one query per request): cache writes, the block key of any block this token
         completes, selection + attention, all with fixed shapes and no host sync, so a FULL CUDA graph can capture
         it. Row b is request b; requests that pad a captured batch have seq_len 0, slot -1 and a null block
@@ -226,31 +215,29 @@ class QSAMixer(QSAAttention):
         seq = m.seq_lens[:B].long()
         pos = (seq - 1).clamp(min=0)
         kv, ikv = _kv_cache(self.attn), _kv_cache(self.index_cache)
-        ibt = mi.block_table[:B]
-        write_paged(kv, m.slot_mapping[:B].long(), k[:B], v[:B])
+        bt, slots = m.block_table[:B], m.slot_mapping[:B].long()
+        write_paged(kv, slots, k[:B], v[:B])
         # the index cache row: raw key, and the key of the block this token completes (zeros if none)
         cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), index_k_raw.dtype)
         kn = self.indexer.k_layernorm
-        index_update_decode(ikv, mi.slot_mapping[:B].long(), ibt, pos, seq > 0, index_k_raw[:B], kn.weight, kn.eps,
-                            cb, sb, r)
+        index_update_decode(ikv, slots, bt, pos, seq > 0, index_k_raw[:B], kn.weight, kn.eps, cb, sb, r)
         # n_blocks: every block the table can hold while capturing (replays serve any length), else the step's max
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            n_blocks = ibt.shape[1] * ikv.shape[2] // r
+            n_blocks = bt.shape[1] * kv.shape[2] // r
         else:
             n_blocks = max(1, int(m.max_seq_len) // r)
-        out[:B] = self._attend_decodes(q[:B], index_q[:B], pos, m.block_table[:B], ibt, kv, ikv, n_blocks)
+        out[:B] = self._attend_decodes(q[:B], index_q[:B], pos, bt, kv, ikv, n_blocks)
 
-    def _decode_batch(self, out, q, index_q, pos1, reqs, qsl, seq_lens, m, mi, kv, ikv) -> None:
+    def _decode_batch(self, out, q, index_q, pos1, reqs, qsl, seq_lens, m, kv, ikv) -> None:
         """The single-query requests of a mixed step in one batched call (no per-request loop)."""
         device = q.device
         rows = torch.tensor([qsl[b] for b in reqs], device=device)
         idx = torch.tensor(reqs, device=device)
         n_blocks = max(1, max(seq_lens[b] for b in reqs) // self.r)
-        out[rows] = self._attend_decodes(q[rows], index_q[rows], pos1[rows], m.block_table[idx],
-                                         mi.block_table[idx], kv, ikv, n_blocks)
+        out[rows] = self._attend_decodes(q[rows], index_q[rows], pos1[rows], m.block_table[idx], kv, ikv, n_blocks)
 
-    def _attend_decodes(self, q, index_q, pos, bt, ibt, kv, ikv, n_blocks: int) -> torch.Tensor:
-        """Selection + attention of single queries, caches read through the block tables (``qsa_decode_paged``:
-        one Triton pass on GPUs)."""
-        return qsa_decode_paged(q, pos, index_q, kv, bt, ikv, ibt, n_blocks, self.r, self.budget, self.scale,
+    def _attend_decodes(self, q, index_q, pos, bt, kv, ikv, n_blocks: int) -> torch.Tensor:
+        """Selection + attention of single queries, main K/V and index rows read through the layer's one block
+        table (``qsa_decode_paged``: one Triton pass on GPUs)."""
+        return qsa_decode_paged(q, pos, index_q, kv, bt, ikv, bt, n_blocks, self.r, self.budget, self.scale,
                                 self.index_scale)
