@@ -149,6 +149,26 @@ def paged_qsa_case(B, L=50_000, Hq=24, Hkv=2, d=256, hi=4, di=128, r=4, budget=2
     return sets, by, fl
 
 
+def prefill_qsa_case(Tq, L=50_000, Hq=24, Hkv=2, d=256, hi=4, di=128, r=4, budget=2048, bs=784):
+    """A prefill chunk: the last Tq queries of one L-token sequence, K/V and index rows in ONE paged cache layout
+    (one block table, vLLM's), shuffled blocks. Bytes: block keys + every token's K/V once (the union of the
+    selections), queries and output; FLOPs: scores of every visible block + attention over budget + r - 1 tokens."""
+    Nb = L // r
+    sel = budget + r - 1
+    by = Nb * di * 2 + L * Hkv * d * 2 * 2 + Tq * (Hq * d * 2 * 2 + hi * di * 2)
+    fl = 2 * Tq * Nb * hi * di + 2 * 2 * Tq * Hq * sel * d
+    nbt = -(-L // bs)
+    sets = []
+    for i in range(2):
+        kv = torch.randn(nbt + 1, Hkv, bs, 2 * d, device="cuda").to(BF)
+        ikv = torch.randn(nbt + 1, 1, bs, 2 * di, device="cuda").to(BF)
+        row = (torch.randperm(nbt, device="cuda") + 1).int()
+        sets.append((torch.randn(Tq, Hq, d, device="cuda").to(BF), torch.arange(L - Tq, L, device="cuda"),
+                     torch.randn(Tq, hi, di, device="cuda").to(BF), kv, row, ikv, L, r, budget, d ** -0.5,
+                     di ** -0.5))
+    return sets, by, fl
+
+
 def rms_norm_case(shape, group):
     n = math.prod(shape)
     by = n * 2 * 2 + shape[-1] * 2
@@ -308,6 +328,9 @@ def main():
     for B in (1, 32):
         cases.append(("qsa_decode_paged", f"B={B},L=50000,paged", lambda B=B: paged_qsa_case(B),
                       cuda.qsa_decode_paged, qsa_ref.qsa_decode_paged))
+    for Tq in (4, 4096):
+        cases.append(("qsa_prefill_paged", f"Tq={Tq},L=50000,paged", lambda Tq=Tq: prefill_qsa_case(Tq),
+                      cuda.qsa_prefill_paged, qsa_ref.qsa_prefill_paged))
     for shape, group in (((1, 24, 256), 256), ((32, 24, 256), 256), ((32, 10240), 2560)):
         cases.append(("rms_norm", "x".join(map(str, shape)) + f"/{group}", lambda a=shape, g=group: rms_norm_case(a, g),
                       cuda.rms_norm, norm_ref.grouped_rms_norm))
@@ -326,10 +349,11 @@ def main():
         print(f"-- {op} {case}", flush=True)
         sets, by, fl = make()
         tk, mk = time_calls(kern, sets)
-        ref_graph = op != "qsa_attention" and "pinned" not in case  # the QSA reference syncs with the host
+        host_sync = op in ("qsa_attention", "qsa_prefill_paged")  # these QSA references sync with the host
+        ref_graph = not host_sync and "pinned" not in case
         tr, mr = time_calls(ref, sets, graph=ref_graph)
         tc, mc = float("nan"), "-"
-        if not args.no_compile and "pinned" not in case and "no-L2" not in case:
+        if not args.no_compile and "pinned" not in case and "no-L2" not in case and op != "qsa_prefill_paged":
             try:
                 comp = torch.compile(ref, dynamic=False)
                 tc, mc = time_calls(comp, sets, graph=ref_graph)

@@ -17,6 +17,10 @@
 #                                                   # and ours (FN-12L, dummy weights); GPUS default 0,1 = one server
 #                                                   # per GPU at once (upstream on 0, ours on 1), one id = one after
 #                                                   # the other; table: $OUT/agentic/agentic.csv
+#   bash recipes/gpu_device.sh mtp                  # tests/test_vllm_mtp.py on the GPU (CUDA graphs): greedy tokens
+#                                                   # with MTP 3 == without == HF; vLLM's acceptance length
+#   bash recipes/gpu_device.sh extras               # 2 GPUs, one call: `check` of ours on GPU 0 beside upstream's
+#                                                   # on GPU 1, then recipes/bench_ops.py on GPU 1
 #   bash recipes/gpu_device.sh tp2 [models]         # recipes/vllm_tp_check.py: tensor_parallel_size 2 vs 1, greedy
 #                                                   # tokens + teacher-forced top-1 + what is sharded (default fn4;
 #                                                   # 2 GPUs: kind nvidia-h200-x2); NVLink multicast kept off
@@ -71,6 +75,24 @@ case "${1:-}" in
     timeout 585 python recipes/agentic_gpu.py --out "$OUT/agentic" --gpus "${2:-0,1}" --timeout 570 "${@:3}" \
       > "$OUT/agentic.log" 2>&1
     echo "rc=$?"; tail -25 "$OUT/agentic.log" ;;
+  mtp)
+    register
+    timeout 560 python -m pytest -q -rs -s -p no:cacheprovider tests/test_vllm_mtp.py > "$OUT/mtp.log" 2>&1
+    echo "rc=$?"; grep -E "acceptance|passed|failed" "$OUT/mtp.log" | tail -5 ;;
+  extras)  # big work files (the fn4 checkpoint) stay in /tmp; results and logs under OUT
+    register
+    for impl in ours upstream; do
+      ( export CUDA_VISIBLE_DEVICES=$([ $impl = ours ] && echo 0 || echo 1)
+        QWEN4EXP_CHECK_TIMEOUT=${QWEN4EXP_CHECK_TIMEOUT:-200} timeout 400 python recipes/vllm_gpu_check.py \
+          --out /tmp/check-$impl --models tiny,coder,fn4 --impls $impl > "$OUT/check-$impl.log" 2>&1
+        echo "rc=$?" >> "$OUT/check-$impl.log"; cp /tmp/check-$impl/results.csv "$OUT/check-$impl.csv"
+        if [ $impl = upstream ]; then
+          timeout 150 python recipes/bench_ops.py --csv "$OUT/bench_ops.csv" --no-compile > "$OUT/bench_ops.log" 2>&1
+          echo "rc=$?" >> "$OUT/bench_ops.log"
+        fi ) &
+    done
+    wait
+    for f in check-ours check-upstream bench_ops; do echo "== $f"; tail -12 "$OUT/$f.log"; done ;;
   tp2)
     register
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0 \

@@ -46,7 +46,8 @@ def test_dispatcher_picks_the_kernels_for_cuda():
     fn = _dispatch.pick("hc_mix", torch.device("cuda"), hc_ref.hc_mix)
     cuda = cuda_ops()
     assert fn is cuda.hc_mix
-    for op in ("hc_inject", "qsa_attention", "qsa_decode_paged", "ple_lookup", "rms_norm", "apply_rope"):
+    for op in ("hc_inject", "qsa_attention", "qsa_decode_paged", "qsa_prefill_paged", "ple_lookup", "rms_norm",
+               "apply_rope"):
         assert _dispatch._KERNELS[(op, "cuda")] is getattr(cuda, op)
     assert _dispatch._KERNELS[("qsa_write_paged", "cuda")] is cuda.write_paged
     assert _dispatch._KERNELS[("qsa_index_update_decode", "cuda")] is cuda.index_update_decode
@@ -394,6 +395,44 @@ def test_qsa_decode_paged_in_cuda_graph():
     ibt.copy_(ibt.roll(1, 0))
     g.replay()
     torch.testing.assert_close(out, run(), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------ QSA paged prefill
+@pytest.mark.parametrize("L,n_q,bs,keys_mib", [(50_003, 700, 16, 256), (50_000, 4, 784, 256), (2_600, 2_600, 64, 1),
+                                               (9_001, 3_000, 16, 40)])
+def test_qsa_prefill_paged_matches_reference(monkeypatch, L, n_q, bs, keys_mib):
+    """The paged prefill kernels (tiled scores of a query chunk against the sequence's paged block keys, top-k,
+    looping or split attention over paged K/V) against the torch reference, the last n_q queries of one sequence
+    at the real widths, on a page-padded cache with one block table for K/V and index rows (vLLM's layout): a
+    prefill chunk far past the budget, an MTP verification (4 queries: split kernel), a whole prompt crossing the
+    dense regime's end, and query chunks forced small (``PREFILL_KEYS_BYTES``)."""
+    from test_ops import paged_qsa_case
+
+    from qwen4exp.ops.qsa import reference as ref
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    cuda = cuda_ops()
+    monkeypatch.setattr(tk, "PREFILL_KEYS_BYTES", keys_mib << 20)
+    g = torch.Generator().manual_seed(L + n_q)
+    Hq, Hkv, d, hi, di = 24, 2, 256, 4, 128
+    seq = [torch.randn(s, generator=g).to(BF) for s in ((n_q, Hq, d), (L, Hkv, d), (L, Hkv, d), (n_q, hi, di),
+                                                         (L // R_QSA + 1, di))]  # queries: only the last n_q
+    kv, bt, ikv, _ = paged_qsa_case([seq], [L], R_QSA, bs, bs, seed=L, shared_table=True)
+    kv, ikv = page_padded(kv.cuda()), page_padded(ikv.cuda())
+    row = bt[0].cuda()
+    q, iq = seq[0].cuda(), seq[3].cuda()
+    pos = torch.arange(L - n_q, L, device="cuda")
+    assert tk.prefill_paged_supported(q, pos, iq, kv, row, ikv, R_QSA, BUDGET)
+    scale, iscale = 256 ** -0.5, 128 ** -0.5
+    poison()
+    tk.LAUNCHED.clear()
+    out = cuda.qsa_prefill_paged(q, pos, iq, kv, row, ikv, L, R_QSA, BUDGET, scale, iscale)
+    assert ("qsa_attn_loop" in tk.LAUNCHED) == (n_q >= tk.LOOP_MIN_QUERIES)
+    assert ("qsa_score_prefill" in tk.LAUNCHED) == (L // R_QSA > BUDGET // R_QSA)
+    want = ref.qsa_prefill_paged(q, pos, iq, kv, row, ikv, L, R_QSA, BUDGET, scale, iscale)
+    assert out.shape == want.shape and out.dtype == want.dtype
+    assert not torch.isnan(out).any()
+    err = (out.float() - want.float()).norm(dim=(1, 2)) / want.float().norm(dim=(1, 2))
+    assert err.max() < 1e-2, (err.argmax().item(), err.max().item())
 
 
 # ---------------------------------------------------------------------------------------------- norm, RoPE

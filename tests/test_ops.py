@@ -544,11 +544,12 @@ def test_qsa_decode_batched_equals_per_sequence(r, budget):
         torch.testing.assert_close(got[b], want[0], **F32)
 
 
-def paged_qsa_case(seqs, lens, r, bs, ibs, seed=0):
+def paged_qsa_case(seqs, lens, r, bs, ibs, seed=0, shared_table=False):
     """Page per-sequence (k, v, block keys) into the runtime layout (``qsa_ref.paged_rows``): [blocks, Hkv, bs,
     2d] K|V and a one-head index cache whose row j*r + r - 1 holds block j's key in its V half; physical blocks
     shuffled, every unused row garbage (1e3-scale noise; NaN in the index cache's K half, never read here).
-    -> (kv, block_table, index_kv, index_block_table), block tables padded to the longest sequence (+1 column)."""
+    -> (kv, block_table, index_kv, index_block_table), block tables padded to the longest sequence (+1 column).
+    ``shared_table``: both caches paged by one table (vLLM's one cache layer; needs ibs == bs)."""
     gen = torch.Generator().manual_seed(seed)
     hkv, d, di = seqs[0][1].shape[1], seqs[0][1].shape[2], seqs[0][4].shape[1]
     dt = seqs[0][1].dtype
@@ -558,6 +559,9 @@ def paged_qsa_case(seqs, lens, r, bs, ibs, seed=0):
     ikv = (torch.randn(B * nbti + 1, 1, ibs, 2 * di, generator=gen) * 1e3).to(dt)
     ikv[..., :di] = float("nan")
     perm, iperm = torch.randperm(B * nbt, generator=gen) + 1, torch.randperm(B * nbti, generator=gen) + 1
+    if shared_table:
+        assert ibs == bs
+        iperm = perm
     bt, ibt = perm.view(B, nbt).int(), iperm.view(B, nbti).int()
     for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
         p = torch.arange(L)
@@ -582,6 +586,24 @@ def test_qsa_decode_paged_equals_per_sequence(r, budget, bs, ibs):
         for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
             want = qsa_ref.qsa_attention(q[-1:], k, v, pos[b:b + 1], iq[-1:], bk, r, budget, 0.3, 0.4)
             torch.testing.assert_close(got[b], want[0], **F32)
+
+
+@pytest.mark.parametrize("r,budget,bs", [(4, 16, 16), (2, 6, 4)])
+@pytest.mark.parametrize("n_q", [1, 5, 40])
+def test_qsa_prefill_paged_equals_contiguous(r, budget, bs, n_q):
+    """The paged prefill op (the last n_q queries of each sequence; K/V and block keys read back through a shuffled
+    block-table row, garbage elsewhere) = qsa_attention on the contiguous K/V: few queries past the budget take the
+    gathered path, more queries the whole context; sequences below, at and far past the budget."""
+    lens = [7, budget + r - 1, budget + r, 3 * budget + 1, 90]
+    seqs = [qsa_inputs(L, seed=300 + i) for i, L in enumerate(lens)]
+    kv, bt, ikv, ibt = paged_qsa_case(seqs, lens, r, bs, bs, shared_table=True)  # vLLM's one cache layer
+    assert torch.equal(bt, ibt)
+    for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
+        n = min(n_q, L)
+        pos = torch.arange(L - n, L)
+        got = qsa_ref.qsa_prefill_paged(q[-n:], pos, iq[-n:], kv, bt[b], ikv, L, r, budget, 0.3, 0.4)
+        want = qsa_ref.qsa_attention(q[-n:], k, v, pos, iq[-n:], bk, r, budget, 0.3, 0.4)
+        torch.testing.assert_close(got, want, **F32)
 
 
 def test_paged_rows_reads_each_sequence_block_table():

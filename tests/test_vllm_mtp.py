@@ -61,7 +61,9 @@ def runs(setup, tmp_path_factory):
     return out
 
 
-ENGINE = dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8,
+# CPU: eager; on a GPU (``bash recipes/gpu_device.sh mtp``) vLLM's default CUDA graphs (PIECEWISE with a draft)
+ENGINE = dict(dtype="bfloat16", enforce_eager=not torch.cuda.is_available(), skip_tokenizer_init=True,
+              max_model_len=512, max_num_seqs=8,
               enable_chunked_prefill=True, max_num_batched_tokens=48, disable_log_stats=False)
 MTP = dict(speculative_config={"method": "mtp", "num_speculative_tokens": K})
 

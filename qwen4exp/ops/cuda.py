@@ -103,6 +103,26 @@ def qsa_decode_paged(q, q_pos, index_q, kv, block_table, index_kv, index_block_t
                                budget, float(scale), float(index_scale))
 
 
+@torch.library.custom_op("qwen4exp::qsa_prefill_paged", mutates_args=())
+def qsa_prefill_paged_op(q: Tensor, q_pos: Tensor, index_q: Tensor, kv: Tensor, block_row: Tensor, index_kv: Tensor,
+                         seq_len: int, r: int, budget: int, scale: float, index_scale: float) -> Tensor:
+    return qsa_tk.qsa_prefill_paged_triton(q, q_pos, index_q, kv, block_row, index_kv, seq_len, r, budget, scale,
+                                           index_scale)
+
+
+@qsa_prefill_paged_op.register_fake
+def _(q, q_pos, index_q, kv, block_row, index_kv, seq_len, r, budget, scale, index_scale):
+    return torch.empty_like(q)
+
+
+def qsa_prefill_paged(q, q_pos, index_q, kv, block_row, index_kv, seq_len, r, budget, scale, index_scale):
+    if not qsa_tk.prefill_paged_supported(q, q_pos, index_q, kv, block_row, index_kv, r, budget):
+        return qsa_ref.qsa_prefill_paged(q, q_pos, index_q, kv, block_row, index_kv, seq_len, r, budget, scale,
+                                         index_scale)
+    return qsa_prefill_paged_op(q, q_pos, index_q, kv, block_row, index_kv, int(seq_len), r, budget, float(scale),
+                                float(index_scale))
+
+
 # ------------------------------------------------------------------------------------------------------------ PLE
 @torch.library.custom_op("qwen4exp::ple_lookup", mutates_args=())
 def ple_lookup_op(table: Tensor, rows: Tensor, scale: Optional[Tensor], out_dtype: torch.dtype) -> Tensor:
@@ -193,6 +213,7 @@ register_kernel("hc_mix", "cuda", hc_mix)
 register_kernel("hc_inject", "cuda", hc_inject)
 register_kernel("qsa_attention", "cuda", qsa_attention)
 register_kernel("qsa_decode_paged", "cuda", qsa_decode_paged)
+register_kernel("qsa_prefill_paged", "cuda", qsa_prefill_paged)
 register_kernel("qsa_write_paged", "cuda", write_paged)
 register_kernel("qsa_index_update_decode", "cuda", index_update_decode)
 register_kernel("ple_lookup", "cuda", ple_lookup)

@@ -23,14 +23,8 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 
 from ..layers.qsa import QSAAttention
-from ..ops.qsa import (block_mean, index_update_decode, paged_rows, qsa_attention, qsa_attention_gathered,
-                       qsa_decode_paged, write_paged)
+from ..ops.qsa import block_mean, index_update_decode, paged_rows, qsa_decode_paged, qsa_prefill_paged, write_paged
 from .layers import eager_segment, vllm_linear
-
-
-# Up to this many queries of one request (decode, MTP verification) past the budget read only the selected tokens'
-# K/V rows (<= queries * (budget + r - 1)) instead of the whole context.
-GATHER_SELECTED_MAX_QUERIES = 8
 
 
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -175,9 +169,8 @@ class QSAMixer(QSAAttention):
                 last_idx = s + (first + r - 1 - start)
                 bk_rows[last_idx] = keys.to(bk_rows.dtype)
         write_paged(ikv, m.slot_mapping[:n].long(), raw.unsqueeze(1), bk_rows.unsqueeze(1))
-        # 3. selection + attention per request over K/V gathered from the paged cache
-        hd = kv.shape[3] // 2
-        m_sel = self.budget // r
+        # 3. selection + attention: the single-query requests in one batched call, each other request (prefill
+        #    chunk, MTP verification) through the paged prefill op (one Triton pass per query chunk on GPUs)
         decodes = [b for b in range(nreq) if qsl[b + 1] - qsl[b] == 1]
         if decodes:  # all single-query requests at once, whatever their lengths
             self._decode_batch(out, q, index_q, pos1, decodes, qsl, seq_lens, m, kv, ikv)
@@ -186,25 +179,8 @@ class QSAMixer(QSAAttention):
             s, e = qsl[b], qsl[b + 1]
             if e <= s or b in done:
                 continue
-            L = seq_lens[b]
-            nblk = L // r
-            bkeys = None
-            if nblk > m_sel:  # past the dense regime: the indexer selects blocks
-                ends = r * torch.arange(nblk, device=device) + r - 1
-                bkeys = _rows(ikv, m.block_table[b], ends)[:, 0, d_i:]
-            if bkeys is not None and e - s <= GATHER_SELECTED_MAX_QUERIES:  # decode / MTP verification
-
-                def fetch(tok, row=m.block_table[b]):
-                    rows = _rows(kv, row, tok, q.dtype)
-                    return rows[..., :hd], rows[..., hd:]
-
-                out[s:e] = qsa_attention_gathered(q[s:e], pos1[s:e], index_q[s:e], bkeys, fetch, r, self.budget,
-                                                  self.scale, self.index_scale).to(out.dtype)
-                continue
-            rows = _rows(kv, m.block_table[b], torch.arange(L, device=device), q.dtype)
-            K, V = rows[..., :hd], rows[..., hd:]
-            out[s:e] = qsa_attention(q[s:e], K, V, pos1[s:e], index_q[s:e], bkeys, r, self.budget,
-                                     self.scale, self.index_scale).to(out.dtype)
+            out[s:e] = qsa_prefill_paged(q[s:e], pos1[s:e], index_q[s:e], kv, m.block_table[b], ikv, seq_lens[b],
+                                         r, self.budget, self.scale, self.index_scale).to(out.dtype)
 
     def _decode_step(self, out, q, k, v, index_q, index_k_raw, m) -> None:
         """A pure decode batch (one query per request): cache writes, the block key of any block this token

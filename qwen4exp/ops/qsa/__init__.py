@@ -25,6 +25,11 @@ def qsa_decode_paged(q, q_pos, index_q, kv, block_table, index_kv, index_block_t
               index_scale)
 
 
-__all__ = ["qsa_attention", "qsa_decode_paged", "paged_rows", "write_paged", "index_update_decode",
+def qsa_prefill_paged(q, q_pos, index_q, kv, block_row, index_kv, seq_len, r, budget, scale, index_scale):
+    fn = pick("qsa_prefill_paged", q.device, reference.qsa_prefill_paged)
+    return fn(q, q_pos, index_q, kv, block_row, index_kv, seq_len, r, budget, scale, index_scale)
+
+
+__all__ = ["qsa_attention", "qsa_decode_paged", "qsa_prefill_paged", "paged_rows", "write_paged", "index_update_decode",
            "qsa_attention_gathered", "qsa_decode_batched", "block_mean", "indexer_scores", "num_complete_blocks",
            "select_blocks", "selected_token_indices", "selection_mask", "sparse_attention", "reference"]

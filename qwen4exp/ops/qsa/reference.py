@@ -282,3 +282,46 @@ def qsa_decode_paged(
 
     return qsa_decode_batched(q, q_pos, index_q, read_block_keys, fetch_kv, n_blocks, r, budget, scale,
                               index_scale).to(q.dtype)
+
+
+# Up to this many queries of one sequence past the budget (decode, MTP verification) read only the selected
+# tokens' K/V rows (<= queries * (budget + r - 1)) instead of the whole context.
+GATHER_SELECTED_MAX_QUERIES = 8
+
+
+def qsa_prefill_paged(
+    q: torch.Tensor,  # [Tq, Hq, d]: queries of ONE sequence (a prefill chunk, MTP verification, ...)
+    q_pos: torch.Tensor,  # [Tq] their positions (< seq_len)
+    index_q: torch.Tensor,  # [Tq, h, d_i]
+    kv: torch.Tensor,  # [num_blocks, Hkv, block_size, 2 * d] paged K | V, every token < seq_len written
+    block_row: torch.Tensor,  # [nbt] the sequence's block-table row (main and index rows share it)
+    index_kv: torch.Tensor,  # [num_blocks, 1, block_size, 2 * d_i] paged raw key | block key, same table
+    seq_len: int,  # tokens of the sequence in the caches, this step's included
+    r: int,
+    budget: int,
+    scale: float,
+    index_scale: float,
+) -> torch.Tensor:
+    """``qsa_attention`` for queries of one sequence whose K/V, raw index keys and block keys are already in the
+    paged caches: the block keys of the ``seq_len // r`` complete blocks are read back (only past the dense regime),
+    then up to ``GATHER_SELECTED_MAX_QUERIES`` queries read just their selected tokens' rows, more queries the
+    whole context. FP8 caches widen to q's dtype. -> [Tq, Hq, d] in q's dtype."""
+    hd, di = kv.shape[-1] // 2, index_kv.shape[-1] // 2
+    row = block_row.unsqueeze(0)
+    nblk = seq_len // r
+    bkeys = None
+    if nblk > budget // r:  # past the dense regime: the indexer selects blocks
+        ends = r * torch.arange(nblk, device=q.device) + r - 1
+        bkeys = paged_rows(index_kv, row, ends.unsqueeze(0))[0, :, 0, di:].to(index_q.dtype)
+
+    def rows_of(tok):
+        rows = paged_rows(kv, row, tok.unsqueeze(0))[0].to(q.dtype)
+        return rows[..., :hd], rows[..., hd:]
+
+    if bkeys is not None and q.shape[0] <= GATHER_SELECTED_MAX_QUERIES:
+        out = qsa_attention_gathered(q, q_pos, index_q, bkeys, rows_of, r, budget, scale, index_scale)
+    else:
+        k, v = rows_of(torch.arange(seq_len, device=q.device))
+        out = qsa_attention(q, k, v, q_pos, index_q, bkeys, r, budget, scale, index_scale)
+    return out.to(q.dtype)
+

@@ -105,6 +105,40 @@ def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, Nb, r, scale, n_bt,
 
 
 @triton.jit
+def _qsa_score_prefill_kernel(IQ, IKV, IBT, QPOS, KEYS, Tq, Nb, r, scale, n_bt,
+                              stride_qt, stride_qh, stride_kvb, stride_kvl, stride_keys_t,
+                              HI: tl.constexpr, DI: tl.constexpr, IBS: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr):
+    """Sort keys of BLOCK_M queries of ONE sequence x BLOCK_N of its block keys (read through its block-table row
+    IBT from the paged index cache, as ``_qsa_score_paged_kernel``): one load of the block keys serves BLOCK_M
+    queries (prefill), and each head's scores are a [BLOCK_M, DI] x [DI, BLOCK_N] product."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = offs_m < Tq
+    n_complete = (tl.load(QPOS + offs_m, mask=mmask, other=0).to(tl.int64) + 1) // r
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    vis = (offs_n < Nb) & (offs_n < tl.max(n_complete, axis=0))  # blocks no query of the tile sees: not loaded
+    offs_d = tl.arange(0, DI)
+    tok = offs_n.to(tl.int64) * r + r - 1
+    phys = tl.load(IBT + tl.minimum(tok // IBS, n_bt - 1), mask=vis, other=0).to(tl.int64)
+    row = phys * stride_kvb + (tok % IBS) * stride_kvl + DI
+    k = tl.load(IKV + row[:, None] + offs_d[None, :], mask=vis[:, None], other=0.0)
+    s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for h in tl.static_range(HI):
+        qh = tl.load(IQ + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mmask[:, None],
+                     other=0.0)
+        s += tl.maximum(_dot(qh, tl.trans(k)), 0.0)
+    s = s * scale + 0.0  # + 0.0: -0.0 -> +0.0 (they tie in the reference)
+    bits = s.to(tl.int32, bitcast=True)
+    key32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
+    key = (key32.to(tl.int64) << 32) + (4294967295 - offs_n.to(tl.int64))[None, :]
+    key = tl.where(offs_n[None, :] < n_complete[:, None], key, _KEY_MIN)
+    tl.store(KEYS + offs_m[:, None].to(tl.int64) * stride_keys_t + offs_n[None, :], key,
+             mask=mmask[:, None] & (offs_n < Nb)[None, :])
+
+
+@triton.jit
 def _qsa_topk_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, CH: tl.constexpr, M_P: tl.constexpr):
     """Top-m of one query's int64 sort keys, one program per query: an exact 4-pass radix select (8 bits a pass)
     on the score half of the key, then ties at the threshold broken by the lower block id (the id half).  Writes
@@ -181,20 +215,13 @@ def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.const
 
 
 @triton.jit
-def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
-                     stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
-                     BT, stride_bt, n_bt, stride_kb, stride_vb,
-                     G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr, TAIL: tl.constexpr,
-                     KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
-    """PAGED: K/V are paged caches (block ``stride_kb``/``stride_vb``, row ``stride_kl``/``stride_vl``, PBS rows a
-    block) and token p of query t lives in block BT[t, p // PBS]; else K/V rows are the tokens themselves."""
-    sp = tl.program_id(0)
-    g = tl.program_id(1)
-    t = tl.program_id(2)
-    n_kvh = tl.num_programs(1)
+def _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t, stride_bt, n_bt, stride_kb,
+               stride_vb, TAIL: tl.constexpr, KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
+    """Element offsets of the K and V rows (head 0) of query t's selected-token slots, and which slots hold a
+    token: slot i < m*r is token ids[i // r] * r + i % r, slot m*r + j is tail token n_complete*r + j (<= q_pos).
+    PAGED: token p lives in block BT[t, p // PBS] (block strides ``stride_kb``/``stride_vb``), else row p."""
     qpos = tl.load(QPOS + t).to(tl.int64)
     n_complete = (qpos + 1) // r
-    slots = sp * SB + tl.arange(0, SB)
     n_blk_slots = m * r
     in_blk = slots < n_blk_slots
     raw = tl.load(IDS + t * stride_ids_t + slots // r, mask=in_blk, other=-1).to(tl.int64)
@@ -208,11 +235,6 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
     tok = tl.where(in_blk, tok_b, tok_t)
     valid = tl.where(in_blk, bid >= 0, (j >= 0) & (j < TAIL) & (tok_t <= qpos))
     tok = tl.where(valid, tok, 0)
-    offs_g = tl.arange(0, G_P)
-    offs_d = tl.arange(0, HD)
-    gmask = offs_g < G
-    q = tl.load(Q + t * stride_qt + (g * G + offs_g)[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None],
-                other=0.0)
     if PAGED:
         phys = tl.load(BT + t * stride_bt + tl.minimum(tok // PBS, n_bt - 1), mask=valid, other=0).to(tl.int64)
         k_row = phys * stride_kb + (tok % PBS) * stride_kl
@@ -220,6 +242,29 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
     else:
         k_row = tok * stride_kl
         v_row = tok * stride_vl
+    return k_row, v_row, valid
+
+
+@triton.jit
+def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
+                     stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
+                     BT, stride_bt, n_bt, stride_kb, stride_vb,
+                     G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr, TAIL: tl.constexpr,
+                     KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
+    """One chunk of SB slots of one (query, KV head): fp32 partial output, max and sum for ``_qsa_merge_kernel``
+    (few queries: the split over slot chunks gives the GPU enough programs)."""
+    sp = tl.program_id(0)
+    g = tl.program_id(1)
+    t = tl.program_id(2)
+    n_kvh = tl.num_programs(1)
+    slots = sp * SB + tl.arange(0, SB)
+    k_row, v_row, valid = _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t, stride_bt,
+                                     n_bt, stride_kb, stride_vb, TAIL, KEYS, PAGED, PBS)
+    offs_g = tl.arange(0, G_P)
+    offs_d = tl.arange(0, HD)
+    gmask = offs_g < G
+    q = tl.load(Q + t * stride_qt + (g * G + offs_g)[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None],
+                other=0.0)
     k = tl.load(K + k_row[:, None] + g * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(V + v_row[:, None] + g * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0)
     s = _dot(q, tl.trans(k)) * scale_log2  # [G_P, SB], log2 units
@@ -233,6 +278,44 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
     tl.store(OP + (base * G_P + offs_g)[:, None] * HD + offs_d[None, :], o)
     tl.store(MP + base * G_P + offs_g, mx)
     tl.store(LP + base * G_P + offs_g, l)
+
+
+@triton.jit
+def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
+                          stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
+                          BT, stride_bt, n_bt, stride_kb, stride_vb, stride_ot, stride_oh,
+                          G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr,
+                          TAIL: tl.constexpr, KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
+    """All slots of one (query, KV head) in one program, online softmax over chunks of SB slots (prefill: many
+    queries fill the GPU without a split, and no fp32 partials go through memory)."""
+    g = tl.program_id(0)
+    t = tl.program_id(1)
+    offs_g = tl.arange(0, G_P)
+    offs_d = tl.arange(0, HD)
+    gmask = offs_g < G
+    q = tl.load(Q + t * stride_qt + (g * G + offs_g)[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None],
+                other=0.0)
+    m_i = tl.full([G_P], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_P], dtype=tl.float32)
+    acc = tl.zeros([G_P, HD], dtype=tl.float32)
+    for c in range(0, n_chunks):
+        slots = c * SB + tl.arange(0, SB)
+        k_row, v_row, valid = _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t,
+                                         stride_bt, n_bt, stride_kb, stride_vb, TAIL, KEYS, PAGED, PBS)
+        k = tl.load(K + k_row[:, None] + g * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + v_row[:, None] + g * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = _dot(q, tl.trans(k)) * scale_log2  # [G_P, SB], log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(tl.bfloat16), v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(O + t * stride_ot + (g * G + offs_g)[:, None] * stride_oh + offs_d[None, :], out.to(tl.bfloat16),
+             mask=gmask[:, None])
 
 
 @triton.jit
@@ -271,7 +354,13 @@ TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch
 TOPK_CHUNK = 8192  # keys per pass step of the radix select
 TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register binary-search select instead of the radix select
 TOPK_SMALL_MAX = 16384
-MAX_TQ = 64  # decode / verify / short chunks; longer prefill chunks go to the reference
+MAX_TQ = 64  # qsa_attention (unpaged K/V): decode / verify / short chunks; longer ones go to the reference
+LOOP_MIN_QUERIES = 256  # from this many queries on, the attention runs one looping program per (query, KV head)
+LOOP_SLOT_BLOCK = 64  # slots per loop iteration of that kernel
+LOOP_WARPS = 8
+PREFILL_KEYS_BYTES = 256 << 20  # the int64 sort keys of one query chunk of qsa_prefill_paged_triton stay below this
+SCORE_BLOCK_M = 64  # queries x block keys per program of the prefill score kernel
+SCORE_BLOCK_N = 64
 
 
 def supported(q, k, v, q_pos, index_q, block_keys, r, budget) -> bool:
@@ -353,19 +442,16 @@ def select_block_ids(q_pos, index_q, block_keys, r: int, budget: int, index_scal
 def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool, block_table=None):
     """Attention of q [Tq, Hq, d] over the tokens of the selected blocks plus each query's tail.  ``sel`` [Tq, m]:
     block ids (-1 = none), or with ``keys`` the top-k sort keys they decode from. ``block_table`` [Tq, nbt]: k and
-    v are paged caches [num_blocks, Hkv, block_size, d] (views with any row stride), query t's tokens in its row."""
+    v are paged caches [num_blocks, Hkv, block_size, d] (views with any row stride), query t's tokens in its row
+    (rows may repeat: a stride-0 expansion of one sequence's row).  From ``LOOP_MIN_QUERIES`` queries on, one
+    program per (query, KV head) loops over the slots; fewer queries split the slots and merge the partials."""
     Tq, Hq, HD = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     G_P = max(16, triton.next_power_of_2(G))
     m = sel.shape[1]
     n_slots = m * r + (r - 1)
-    SB = ATTN_SLOT_BLOCK
-    n_split = triton.cdiv(max(n_slots, 1), SB)
     dev = q.device
-    op = torch.empty(Tq * Hkv * n_split * G_P * HD, dtype=torch.float32, device=dev)
-    mp = torch.empty(Tq * Hkv * n_split * G_P, dtype=torch.float32, device=dev)
-    lp = torch.empty_like(mp)
     sel = sel.contiguous()
     if block_table is None:
         paged = (sel, 0, 1, 0, 0)  # unused
@@ -375,11 +461,25 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
         paged = (block_table, block_table.stride(0), block_table.shape[1], k.stride(0), v.stride(0))
         strides = (k.stride(2), k.stride(1), v.stride(2), v.stride(1))
         pbs = k.shape[2]
+    out = torch.empty(Tq, Hq, HD, dtype=q.dtype, device=dev)
+    scale_log2 = float(scale) * 1.4426950408889634
+    if Tq >= LOOP_MIN_QUERIES:
+        SB = LOOP_SLOT_BLOCK
+        LAUNCHED["qsa_attn_loop"] = _qsa_attn_loop_kernel[(Hkv, Tq)](
+            q, k, v, q_pos, sel, out, r, m, triton.cdiv(max(n_slots, 1), SB), scale_log2,
+            q.stride(0), q.stride(1), *strides, sel.stride(0), *paged, out.stride(0), out.stride(1),
+            G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
+            num_warps=LOOP_WARPS)
+        return out
+    SB = ATTN_SLOT_BLOCK
+    n_split = triton.cdiv(max(n_slots, 1), SB)
+    op = torch.empty(Tq * Hkv * n_split * G_P * HD, dtype=torch.float32, device=dev)
+    mp = torch.empty(Tq * Hkv * n_split * G_P, dtype=torch.float32, device=dev)
+    lp = torch.empty_like(mp)
     LAUNCHED["qsa_attn"] = _qsa_attn_kernel[(n_split, Hkv, Tq)](
-        q, k, v, q_pos, sel, op, mp, lp, r, m, n_split, float(scale) * 1.4426950408889634,
+        q, k, v, q_pos, sel, op, mp, lp, r, m, n_split, scale_log2,
         q.stride(0), q.stride(1), *strides, sel.stride(0), *paged,
         G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs, num_warps=4)
-    out = torch.empty(Tq, Hq, HD, dtype=q.dtype, device=dev)
     LAUNCHED["qsa_merge"] = _qsa_merge_kernel[(G, Hkv, Tq)](
         op, mp, lp, out, n_split, out.stride(0), out.stride(1),
         G=G, G_P=G_P, HD=HD, NSP=triton.next_power_of_2(n_split), CH=16, num_warps=4)
@@ -436,6 +536,47 @@ def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_
         sel = _dense_ids(q_pos, r, m)
     return sparse_attention_slots(q, kv[..., :HD], kv[..., HD:], q_pos, sel, r, scale, keys=False,
                                   block_table=block_table)
+
+
+def prefill_paged_supported(q, q_pos, index_q, kv, block_row, index_kv, r, budget) -> bool:
+    """What ``qsa_prefill_paged_triton`` covers: ``paged_supported``'s caches and widths, one block-table row."""
+    return (block_row.dim() == 1 and index_q.dim() == 3 and index_q.shape[1] <= 16
+            and paged_supported(q, q_pos, index_q, kv, block_row.unsqueeze(0), index_kv, block_row.unsqueeze(0), r,
+                                budget))
+
+
+def qsa_prefill_paged_triton(q, q_pos, index_q, kv, block_row, index_kv, seq_len: int, r: int, budget: int,
+                             scale: float, index_scale: float):
+    """Queries of ONE sequence over its paged caches (``qwen4exp.ops.qsa.reference.qsa_prefill_paged`` is the
+    contract), in query chunks whose sort keys fit ``PREFILL_KEYS_BYTES``: tiled scores of the chunk against the
+    sequence's block keys, top-m per query, attention over the selected tokens (looping kernel for long chunks)."""
+    Tq, HD = q.shape[0], q.shape[-1]
+    m = budget // r
+    n_blocks = seq_len // r
+    out = torch.empty_like(q)
+    if Tq == 0:
+        return out
+    k_cache, v_cache = kv[..., :HD], kv[..., HD:]
+    indexed = n_blocks > m and m > 0
+    step = max(1, min(Tq, PREFILL_KEYS_BYTES // (8 * n_blocks))) if indexed else Tq
+    HI, DI = index_q.shape[1], index_q.shape[2]
+    for c0 in range(0, Tq, step):
+        qc, pc, iqc = q[c0: c0 + step], q_pos[c0: c0 + step], index_q[c0: c0 + step]
+        tq = qc.shape[0]
+        bt = block_row.unsqueeze(0).expand(tq, -1)  # stride 0: every query reads the sequence's row
+        if indexed:
+            keys = torch.empty(tq, n_blocks, dtype=torch.int64, device=q.device)
+            LAUNCHED["qsa_score_prefill"] = _qsa_score_prefill_kernel[
+                (triton.cdiv(n_blocks, SCORE_BLOCK_N), triton.cdiv(tq, SCORE_BLOCK_M))](
+                iqc, index_kv, block_row, pc, keys, tq, n_blocks, r, float(index_scale), block_row.shape[0],
+                iqc.stride(0), iqc.stride(1), index_kv.stride(0), index_kv.stride(2), keys.stride(0),
+                HI=HI, DI=DI, IBS=index_kv.shape[2], BLOCK_M=SCORE_BLOCK_M, BLOCK_N=SCORE_BLOCK_N, num_warps=4)
+            sel = top_ids(keys, m)
+        else:
+            sel = _dense_ids(pc, r, m)
+        out[c0: c0 + tq] = sparse_attention_slots(qc, k_cache, v_cache, pc, sel, r, scale, keys=False,
+                                                  block_table=bt)
+    return out
 
 
 @triton.jit
