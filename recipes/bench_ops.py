@@ -286,6 +286,54 @@ def tune_and_breakdown():
     return out
 
 
+def prefill_breakdown(Tq=4096):
+    """qsa_prefill_paged at Tq queries, L=50,000, by stage (tiled scores, top-k, attention), the attention's launch
+    shapes swept, and the attention once more with every query selecting the same blocks (the L2-friendly bound:
+    real selections of neighbouring queries overlap, random test data's do not). -> rows (op, case, stage, us)."""
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    sets, _, _ = prefill_qsa_case(Tq)
+    q, pos, iq, kv, row, ikv, L, r, budget, sc, isc = sets[0]
+    HD, nb, m = q.shape[-1], L // r, budget // r
+    bt = row.unsqueeze(0).expand(Tq, -1)
+    out = []
+
+    def timed(stage, fn):
+        t, mode = time_calls(lambda: fn(), [()], reps=10)
+        out.append(("qsa_prefill_paged", f"Tq={Tq}", stage, t))
+        print(f"   {stage}: {t:.1f} us ({mode})", flush=True)
+
+    for bm, bn, w in ((64, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8)):
+        tk.SCORE_BLOCK_M, tk.SCORE_BLOCK_N, tk.SCORE_WARPS = bm, bn, w
+        timed(f"scores BLOCK_M={bm} BLOCK_N={bn} warps={w}",
+              lambda: tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc))
+    tk.SCORE_BLOCK_M, tk.SCORE_BLOCK_N, tk.SCORE_WARPS = 64, 64, 4
+    keys = tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc)
+    timed("top-k (in-register select)", lambda: tk.top_ids(keys, m))
+    sel = tk.top_ids(keys, m)
+    same = sel[:1].expand(Tq, -1).contiguous()
+    kc, vc = kv[..., :HD], kv[..., HD:]
+    timed("attention split + merge", lambda: tk.sparse_attention_slots(q, kc, vc, pos, sel, r, sc, False, bt))
+    best = None
+    for sb in (32, 64, 128):
+        for w in (4, 8):
+            for st in (1, 2, 3):
+                tk.LOOP_SLOT_BLOCK, tk.LOOP_WARPS, tk.LOOP_STAGES = sb, w, st
+                try:
+                    timed(f"attention loop SB={sb} warps={w} stages={st}",
+                          lambda: tk.sparse_attention_slots(q, kc, vc, pos, sel, r, sc, False, bt, loop=True))
+                except Exception as e:  # noqa: BLE001  (out of shared memory / registers)
+                    print(f"   SB={sb} warps={w} stages={st}: {type(e).__name__}", flush=True)
+                    continue
+                if best is None or out[-1][3] < best[0]:
+                    best = (out[-1][3], sb, w, st)
+    _, tk.LOOP_SLOT_BLOCK, tk.LOOP_WARPS, tk.LOOP_STAGES = best
+    timed(f"attention loop (best: SB={best[1]} warps={best[2]} stages={best[3]}), same blocks for every query",
+          lambda: tk.sparse_attention_slots(q, kc, vc, pos, same, r, sc, False, bt, loop=True))
+    timed("whole op (best attention)", lambda: tk.qsa_prefill_paged_triton(q, pos, iq, kv, row, ikv, L, r, budget,
+                                                                          sc, isc))
+    return out
+
+
 def profile_once():
     """A few eager calls of each kernel at decode size, for a profiler (ncu) to catch."""
     from qwen4exp.ops import cuda
@@ -307,6 +355,8 @@ def main():
     ap.add_argument("--tune", action="store_true",
                     help="first sweep the launch shapes of hc_mix and qsa (kept for the table), time their stages")
     ap.add_argument("--profile-once", action="store_true", help="only run each kernel twice (for ncu)")
+    ap.add_argument("--tune-prefill", action="store_true",
+                    help="first time qsa_prefill_paged by stage and sweep its attention kernel's launch shapes")
     args = ap.parse_args()
     if args.profile_once:
         return profile_once()
@@ -316,6 +366,8 @@ def main():
     bw = measure_bandwidth()
     print(f"device {dev}; measured HBM bandwidth (d2d copy, read+write) {bw / 1e12:.2f} TB/s", flush=True)
     stages = tune_and_breakdown() if args.tune else []
+    if args.tune_prefill:
+        stages += prefill_breakdown()
     only = set(filter(None, args.only.split(",")))
     cases = []
     for T in (1, 32):

@@ -355,9 +355,11 @@ TOPK_CHUNK = 8192  # keys per pass step of the radix select
 TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register binary-search select instead of the radix select
 TOPK_SMALL_MAX = 16384
 MAX_TQ = 64  # qsa_attention (unpaged K/V): decode / verify / short chunks; longer ones go to the reference
-LOOP_MIN_QUERIES = 256  # from this many queries on, the attention runs one looping program per (query, KV head)
-LOOP_SLOT_BLOCK = 64  # slots per loop iteration of that kernel
-LOOP_WARPS = 8
+LOOP_MIN_QUERIES = 256  # prefill chunks of this many queries on: one looping program per (query, KV head)
+LOOP_SLOT_BLOCK = 128  # slots per loop iteration of that kernel, its warps and software-pipeline stages (the
+LOOP_WARPS = 4  # fastest of 18 shapes on the H200 at 4,096 queries x 50k context: `bench_ops.py --tune-prefill`)
+LOOP_STAGES = 2
+SCORE_WARPS = 4
 PREFILL_KEYS_BYTES = 256 << 20  # the int64 sort keys of one query chunk of qsa_prefill_paged_triton stay below this
 SCORE_BLOCK_M = 64  # queries x block keys per program of the prefill score kernel
 SCORE_BLOCK_N = 64
@@ -439,12 +441,14 @@ def select_block_ids(q_pos, index_q, block_keys, r: int, budget: int, index_scal
     return torch.where(top == INT64_MIN, -1, 4294967295 - (top & 4294967295))
 
 
-def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool, block_table=None):
+def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool, block_table=None,
+                           loop: bool = False):
     """Attention of q [Tq, Hq, d] over the tokens of the selected blocks plus each query's tail.  ``sel`` [Tq, m]:
     block ids (-1 = none), or with ``keys`` the top-k sort keys they decode from. ``block_table`` [Tq, nbt]: k and
     v are paged caches [num_blocks, Hkv, block_size, d] (views with any row stride), query t's tokens in its row
-    (rows may repeat: a stride-0 expansion of one sequence's row).  From ``LOOP_MIN_QUERIES`` queries on, one
-    program per (query, KV head) loops over the slots; fewer queries split the slots and merge the partials."""
+    (rows may repeat: a stride-0 expansion of one sequence's row).  ``loop`` (prefill: many queries, eager): one
+    program per (query, KV head) loops over the slots; else (decode, CUDA graphs) the slots are split over programs
+    and the partials merged."""
     Tq, Hq, HD = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -463,13 +467,13 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
         pbs = k.shape[2]
     out = torch.empty(Tq, Hq, HD, dtype=q.dtype, device=dev)
     scale_log2 = float(scale) * 1.4426950408889634
-    if Tq >= LOOP_MIN_QUERIES:
+    if loop:
         SB = LOOP_SLOT_BLOCK
         LAUNCHED["qsa_attn_loop"] = _qsa_attn_loop_kernel[(Hkv, Tq)](
             q, k, v, q_pos, sel, out, r, m, triton.cdiv(max(n_slots, 1), SB), scale_log2,
             q.stride(0), q.stride(1), *strides, sel.stride(0), *paged, out.stride(0), out.stride(1),
             G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
-            num_warps=LOOP_WARPS)
+            num_warps=LOOP_WARPS, num_stages=LOOP_STAGES)
         return out
     SB = ATTN_SLOT_BLOCK
     n_split = triton.cdiv(max(n_slots, 1), SB)
@@ -545,6 +549,18 @@ def prefill_paged_supported(q, q_pos, index_q, kv, block_row, index_kv, r, budge
                                 budget))
 
 
+def prefill_score_keys(q_pos, index_q, index_kv, block_row, n_blocks: int, r: int, index_scale: float):
+    """[Tq, n_blocks] int64 sort keys of queries of one sequence against its paged block keys (tiled kernel)."""
+    Tq, HI, DI = index_q.shape
+    keys = torch.empty(Tq, n_blocks, dtype=torch.int64, device=index_q.device)
+    LAUNCHED["qsa_score_prefill"] = _qsa_score_prefill_kernel[
+        (triton.cdiv(n_blocks, SCORE_BLOCK_N), triton.cdiv(Tq, SCORE_BLOCK_M))](
+        index_q, index_kv, block_row, q_pos, keys, Tq, n_blocks, r, float(index_scale), block_row.shape[0],
+        index_q.stride(0), index_q.stride(1), index_kv.stride(0), index_kv.stride(2), keys.stride(0),
+        HI=HI, DI=DI, IBS=index_kv.shape[2], BLOCK_M=SCORE_BLOCK_M, BLOCK_N=SCORE_BLOCK_N, num_warps=SCORE_WARPS)
+    return keys
+
+
 def qsa_prefill_paged_triton(q, q_pos, index_q, kv, block_row, index_kv, seq_len: int, r: int, budget: int,
                              scale: float, index_scale: float):
     """Queries of ONE sequence over its paged caches (``qwen4exp.ops.qsa.reference.qsa_prefill_paged`` is the
@@ -559,23 +575,15 @@ def qsa_prefill_paged_triton(q, q_pos, index_q, kv, block_row, index_kv, seq_len
     k_cache, v_cache = kv[..., :HD], kv[..., HD:]
     indexed = n_blocks > m and m > 0
     step = max(1, min(Tq, PREFILL_KEYS_BYTES // (8 * n_blocks))) if indexed else Tq
-    HI, DI = index_q.shape[1], index_q.shape[2]
     for c0 in range(0, Tq, step):
         qc, pc, iqc = q[c0: c0 + step], q_pos[c0: c0 + step], index_q[c0: c0 + step]
-        tq = qc.shape[0]
-        bt = block_row.unsqueeze(0).expand(tq, -1)  # stride 0: every query reads the sequence's row
         if indexed:
-            keys = torch.empty(tq, n_blocks, dtype=torch.int64, device=q.device)
-            LAUNCHED["qsa_score_prefill"] = _qsa_score_prefill_kernel[
-                (triton.cdiv(n_blocks, SCORE_BLOCK_N), triton.cdiv(tq, SCORE_BLOCK_M))](
-                iqc, index_kv, block_row, pc, keys, tq, n_blocks, r, float(index_scale), block_row.shape[0],
-                iqc.stride(0), iqc.stride(1), index_kv.stride(0), index_kv.stride(2), keys.stride(0),
-                HI=HI, DI=DI, IBS=index_kv.shape[2], BLOCK_M=SCORE_BLOCK_M, BLOCK_N=SCORE_BLOCK_N, num_warps=4)
-            sel = top_ids(keys, m)
+            sel = top_ids(prefill_score_keys(pc, iqc, index_kv, block_row, n_blocks, r, index_scale), m)
         else:
             sel = _dense_ids(pc, r, m)
-        out[c0: c0 + tq] = sparse_attention_slots(qc, k_cache, v_cache, pc, sel, r, scale, keys=False,
-                                                  block_table=bt)
+        bt = block_row.unsqueeze(0).expand(qc.shape[0], -1)  # stride 0: every query reads the sequence's row
+        out[c0: c0 + qc.shape[0]] = sparse_attention_slots(qc, k_cache, v_cache, pc, sel, r, scale, keys=False,
+                                                           block_table=bt, loop=qc.shape[0] >= LOOP_MIN_QUERIES)
     return out
 
 
