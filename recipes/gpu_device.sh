@@ -90,7 +90,8 @@ case "${1:-}" in
           --out /tmp/check-$impl --models tiny,coder,fn4 --impls $impl > "$OUT/check-$impl.log" 2>&1
         echo "rc=$?" >> "$OUT/check-$impl.log"; cp /tmp/check-$impl/results.csv "$OUT/check-$impl.csv"
         if [ $impl = upstream ]; then
-          timeout 150 python recipes/bench_ops.py --csv "$OUT/bench_ops.csv" --no-compile > "$OUT/bench_ops.log" 2>&1
+          timeout 150 python recipes/bench_ops.py --csv "$OUT/bench_ops.csv" --no-compile ${BENCH_OPS_ARGS:-} \
+            > "$OUT/bench_ops.log" 2>&1
           echo "rc=$?" >> "$OUT/bench_ops.log"
         fi ) &
     done

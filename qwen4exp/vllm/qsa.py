@@ -26,6 +26,10 @@ from ..layers.qsa import QSAAttention
 from ..ops.qsa import block_mean, index_update_decode, paged_rows, qsa_decode_paged, qsa_prefill_paged, write_paged
 from .layers import eager_segment, vllm_linear
 
+# Requests of a mixed step with up to this many queries (decodes, MTP verifications, short prefill chunks) are
+# served together, one row per query (``qsa_decode_paged``); longer chunks one by one (``qsa_prefill_paged``).
+BATCHED_MAX_QUERIES = 8
+
 
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -169,12 +173,12 @@ class QSAMixer(QSAAttention):
                 last_idx = s + (first + r - 1 - start)
                 bk_rows[last_idx] = keys.to(bk_rows.dtype)
         write_paged(ikv, m.slot_mapping[:n].long(), raw.unsqueeze(1), bk_rows.unsqueeze(1))
-        # 3. selection + attention: the single-query requests in one batched call, each other request (prefill
-        #    chunk, MTP verification) through the paged prefill op (one Triton pass per query chunk on GPUs)
-        decodes = [b for b in range(nreq) if qsl[b + 1] - qsl[b] == 1]
-        if decodes:  # all single-query requests at once, whatever their lengths
-            self._decode_batch(out, q, index_q, pos1, decodes, qsl, seq_lens, m, kv, ikv)
-        done = set(decodes)
+        # 3. selection + attention: the queries of requests with few of them (decodes, MTP verifications, short
+        #    chunks) in one batched call, each longer chunk through the paged prefill op (Triton on GPUs)
+        few = [b for b in range(nreq) if 0 < qsl[b + 1] - qsl[b] <= BATCHED_MAX_QUERIES]
+        if few:
+            self._decode_batch(out, q, index_q, pos1, few, qsl, seq_lens, m, kv, ikv)
+        done = set(few)
         for b in range(nreq):
             s, e = qsl[b], qsl[b + 1]
             if e <= s or b in done:
@@ -205,12 +209,13 @@ class QSAMixer(QSAAttention):
         out[:B] = self._attend_decodes(q[:B], index_q[:B], pos, bt, kv, ikv, n_blocks)
 
     def _decode_batch(self, out, q, index_q, pos1, reqs, qsl, seq_lens, m, kv, ikv) -> None:
-        """The single-query requests of a mixed step in one batched call (no per-request loop)."""
+        """Every query of the requests ``reqs`` of a mixed step in one batched call, one row per query with its own
+        position and its request's block-table row (no per-request loop)."""
         device = q.device
-        rows = torch.tensor([qsl[b] for b in reqs], device=device)
-        idx = torch.tensor(reqs, device=device)
+        rows = torch.tensor([i for b in reqs for i in range(qsl[b], qsl[b + 1])], device=device)
+        owner = torch.tensor([b for b in reqs for _ in range(qsl[b], qsl[b + 1])], device=device)
         n_blocks = max(1, max(seq_lens[b] for b in reqs) // self.r)
-        out[rows] = self._attend_decodes(q[rows], index_q[rows], pos1[rows], m.block_table[idx], kv, ikv, n_blocks)
+        out[rows] = self._attend_decodes(q[rows], index_q[rows], pos1[rows], m.block_table[owner], kv, ikv, n_blocks)
 
     def _attend_decodes(self, q, index_q, pos, bt, kv, ikv, n_blocks: int) -> torch.Tensor:
         """Selection + attention of single queries, main K/V and index rows read through the layer's one block
