@@ -99,9 +99,12 @@ def copy_bandwidth() -> float:
 
 
 # ------------------------------------------------------------------------------------------------- one engine
-def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None):
+def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, prefill_steps: list | None = None,
+           profile_prefill: int = 0):
     """Add the prompts, step until done. Returns (t_first_all, t_end, step_times_while_all_decoding, tokens).
-    ``profile_to``: write a torch-profiler table of decode steps 32..39 there (the steps stay out of the timings)."""
+    ``profile_to``: write a torch-profiler table of decode steps 32..39 there (the steps stay out of the timings),
+    or with ``profile_prefill`` = k of the first k steps (prefill chunks). ``prefill_steps``: gets the wall time
+    of every step before all first tokens."""
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -112,8 +115,27 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None):
     t_first = None
     steps = []
     prof = None
+    n_step = 0
     while engine.has_unfinished_requests():
-        if profile_to and len(steps) == 32 and prof is None:
+        if profile_to and profile_prefill and n_step == 0:
+            import torch
+
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=acts) as pp:
+                for _ in range(profile_prefill):
+                    engine.step()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+            with open(profile_to, "w") as f:
+                key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+                f.write(pp.key_averages().table(sort_by=key, row_limit=45))
+                f.write("\n\n")
+                f.write(pp.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+            n_step = profile_prefill
+            continue
+        if profile_to and not profile_prefill and len(steps) == 32 and prof is None:
             import torch
 
             acts = [torch.profiler.ProfilerActivity.CPU]
@@ -135,6 +157,9 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None):
         ts = time.perf_counter()
         outs = engine.step()
         te = time.perf_counter()
+        n_step += 1
+        if prefill_steps is not None and t_first is None:
+            prefill_steps.append(round(te - ts, 4))
         for o in outs:
             got[o.request_id] = len(o.outputs[0].token_ids) if o.outputs else 0
         all_started = len(got) == len(prompts) and min(got.values()) >= 1
@@ -197,10 +222,18 @@ def worker(args) -> None:
 
     _drive(engine, prompts(1, 64), 8)  # warm-up (kernels, allocator) outside every figure
     res.update(self_consistency(llm, prompts(1, min(args.ctx, 3000))[0]))
-    t_first, t_end, steps, ntok = _drive(engine, prompts(1, args.ctx), args.out_tokens)
+    chunks = []
+    t_first, t_end, steps, ntok = _drive(engine, prompts(1, args.ctx), args.out_tokens, prefill_steps=chunks)
     res.update(bs1_ctx=args.ctx, bs1_prefill_s=t_first, bs1_e2e_s=t_end,
                bs1_tpot_ms=1e3 * (t_end - t_first) / max(ntok - 1, 1),
-               bs1_step_ms=1e3 * statistics.median(steps) if steps else None)
+               bs1_step_ms=1e3 * statistics.median(steps) if steps else None, bs1_prefill_steps_s=chunks)
+    if args.warm_prefill:  # the same length again: no first-use costs (kernel JIT, allocator growth) left
+        chunks = []
+        res["bs1_prefill_warm_s"] = _drive(engine, prompts(1, args.ctx), 1, prefill_steps=chunks)[0]
+        res["bs1_prefill_warm_steps_s"] = chunks
+        if args.profile:
+            _drive(engine, prompts(1, args.ctx), 1,
+                   os.path.join(os.path.dirname(args.result), f"{args.impl}.profile-prefill.txt"), profile_prefill=2)
     print(json.dumps(res), flush=True)
     if args.profile:  # a separate request: the profiler's overhead stays out of the figures above
         _drive(engine, prompts(1, args.ctx), 48,
@@ -233,7 +266,7 @@ def _finish(proc_lf, timeout: float) -> str | None:
 
 
 FIELDS = ["impl", "eager", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "consistency", "bs1_ctx",
-          "bs1_prefill_s", "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s", "bs32_step_ms",
+          "bs1_prefill_s", "bs1_prefill_warm_s", "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s", "bs32_step_ms",
           "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "error"]
 
 
@@ -256,6 +289,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="torch-profiler table of 8 batch-1 decode steps per impl "
                     "(<impl>.profile.txt; those steps are left out of the timings, not of the end-to-end TPOT), "
                     "and of 8 batch-32 decode steps (<impl>.profile-bs32.txt; left out of the batch-32 figures)")
+    ap.add_argument("--warm-prefill", action="store_true", help="time the batch-1 prefill a second time (after "
+                    "first-use costs); with --profile also a profiler table of its first two chunks")
     ap.add_argument("--timeout", type=float, default=560, help="seconds per implementation")
     ap.add_argument("--gpus", default="", help="comma list of GPU ids, one per implementation (e.g. 0,1): all "
                     "implementations then run at the same time, each on its own GPU")
@@ -299,6 +334,8 @@ def main() -> None:
                "--gpu-util", str(args.gpu_util_ours if impl == "ours" else args.gpu_util)]
         if args.profile:
             cmd.append("--profile")
+        if args.warm_prefill:
+            cmd.append("--warm-prefill")
         if os.path.exists(res_path):
             os.remove(res_path)
         runs.append((impl, res_path, log, cmd, env))

@@ -78,7 +78,7 @@ def _order_key(s, offs_n, n_complete, scale):
     return tl.where(offs_n < n_complete, key, _KEY_MIN)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['Nb', 'n_bt'])
 def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, Nb, r, scale, n_bt,
                             stride_qt, stride_qh, stride_kvb, stride_kvl, stride_bt, stride_keys_t,
                             HI: tl.constexpr, HI_P: tl.constexpr, DI: tl.constexpr, IBS: tl.constexpr,
@@ -104,7 +104,7 @@ def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, Nb, r, scale, n_bt,
     tl.store(KEYS + t * stride_keys_t + offs_n, key, mask=nmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['Tq', 'Nb', 'n_bt', 'stride_keys_t'])
 def _qsa_score_prefill_kernel(IQ, IKV, IBT, QPOS, KEYS, Tq, Nb, r, scale, n_bt,
                               stride_qt, stride_qh, stride_kvb, stride_kvl, stride_keys_t,
                               HI: tl.constexpr, DI: tl.constexpr, IBS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -138,7 +138,7 @@ def _qsa_score_prefill_kernel(IQ, IKV, IBT, QPOS, KEYS, Tq, Nb, r, scale, n_bt,
              mask=mmask[:, None] & (offs_n < Nb)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['Nb', 'm', 'stride_kt', 'stride_ot'])
 def _qsa_topk_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, CH: tl.constexpr, M_P: tl.constexpr):
     """Top-m of one query's int64 sort keys, one program per query: an exact 4-pass radix select (8 bits a pass)
     on the score half of the key, then ties at the threshold broken by the lower block id (the id half).  Writes
@@ -187,7 +187,7 @@ def _qsa_topk_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, CH: tl.constexpr, M
     tl.store(OUT + t * stride_ot + slots, tl.full([M_P], -1, tl.int32), mask=(slots >= n_sel) & (slots < m))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['Nb', 'm', 'stride_kt', 'stride_ot'])
 def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.constexpr, M_P: tl.constexpr):
     """Same selection as ``_qsa_topk_kernel`` for Nb <= N_P keys held in registers: the threshold (the m-th
     largest score half of the keys) by a 32-step bitwise binary search of counts, then ties by block id."""
@@ -245,7 +245,7 @@ def _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t
     return k_row, v_row, valid
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['m', 'n_split'])
 def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
                      stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                      BT, stride_bt, n_bt, stride_kb, stride_vb,
@@ -280,7 +280,7 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
     tl.store(LP + base * G_P + offs_g, l)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['m', 'n_chunks'])
 def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
                           stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                           BT, stride_bt, n_bt, stride_kb, stride_vb, stride_ot, stride_oh,
@@ -354,6 +354,8 @@ TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch
 TOPK_CHUNK = 8192  # keys per pass step of the radix select
 TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register binary-search select instead of the radix select
 TOPK_SMALL_MAX = 16384
+TOPK_SMALL_BUCKET = 2048  # the in-register select is compiled for two sizes only (N_P 2048 or TOPK_SMALL_MAX), and
+# the kernels' integer sizes are not specialised: new context lengths never JIT-compile a new variant mid-request
 MAX_TQ = 64  # qsa_attention (unpaged K/V): decode / verify / short chunks; longer ones go to the reference
 LOOP_MIN_QUERIES = 256  # prefill chunks of this many queries on: one looping program per (query, KV head)
 LOOP_SLOT_BLOCK = 128  # slots per loop iteration of that kernel, its warps and software-pipeline stages (the
@@ -410,8 +412,8 @@ def top_ids(keys, m: int):
     out = torch.empty(Tq, m, dtype=torch.int32, device=keys.device)
     if TOPK_SMALL and Nb <= TOPK_SMALL_MAX:  # keys in registers, binary search of counts
         LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
-            keys, out, Nb, m, keys.stride(0), out.stride(0), N_P=max(triton.next_power_of_2(Nb), 512),
-            M_P=triton.next_power_of_2(m), num_warps=32 if Nb > 4096 else 16)
+            keys, out, Nb, m, keys.stride(0), out.stride(0), N_P=TOPK_SMALL_BUCKET if Nb <= TOPK_SMALL_BUCKET
+            else TOPK_SMALL_MAX, M_P=triton.next_power_of_2(m), num_warps=16 if Nb <= TOPK_SMALL_BUCKET else 32)
     else:  # radix select over chunks of keys
         LAUNCHED["qsa_topk"] = _qsa_topk_kernel[(Tq,)](keys, out, Nb, m, keys.stride(0), out.stride(0),
                                                        CH=TOPK_CHUNK, M_P=triton.next_power_of_2(m), num_warps=16)
