@@ -266,8 +266,8 @@ def _finish(proc_lf, timeout: float) -> str | None:
 
 
 FIELDS = ["impl", "eager", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "consistency", "bs1_ctx",
-          "bs1_prefill_s", "bs1_prefill_warm_s", "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s", "bs32_step_ms",
-          "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "error"]
+          "bs1_prefill_s", "bs1_prefill_warm_s", "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s",
+          "bs32_step_ms", "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "error"]
 
 
 def main() -> None:

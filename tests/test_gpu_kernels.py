@@ -102,10 +102,32 @@ def test_hc_mix_lead_dims_fp32_weight_and_fallback():
     xr, cr = ref.hc_mix(H.view(2, 3, -1), nw.float(), Wd, Wu, Wi, 4, 1e-6)
     bf16_close(x, xr, 0.95)
     bf16_close(c, cr, 0.5)
-    H, nw, Wd, Wu, Wi = hc_case(64, 4, 2560, 320, True, seed=8)  # past MAX_T: the reference
-    x, c = cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)
-    xr, cr = ref.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)
+    x, c = cuda.hc_mix(H.float(), nw, Wd.float(), Wu.float(), Wi.float(), 4, 1e-6)  # fp32: the reference itself
+    xr, cr = ref.hc_mix(H.float(), nw, Wd.float(), Wu.float(), Wi.float(), 4, 1e-6)
     assert torch.equal(x, xr) and torch.equal(c, cr)
+
+
+@pytest.mark.parametrize("T,with_inj", [(33, True), (64, False), (16_384, True)])
+def test_hc_mix_many_tokens_matches_reference(T, with_inj):
+    """Past MAX_T (prefill): cuBLAS projections + the Triton grouped norm and gate-mean kernels, against the
+    reference; the gate-mean kernel alone is bit-exact (same rounding points, fp32 mean of four bf16 products)."""
+    from qwen4exp.ops.hyper_connection import reference as ref
+    from qwen4exp.ops.hyper_connection import triton_kernel as tk
+    cuda = cuda_ops()
+    H, nw, Wd, Wu, Wi = hc_case(T, 4, 2560, 320, with_inj, seed=T)
+    assert not tk.supported(H, nw, Wd, Wu, Wi, 4) and tk.gemm_path_supported(H, nw, Wd, Wu, Wi, 4)
+    poison()
+    x, c = cuda.hc_mix(H.view(1, T, -1), nw, Wd, Wu, Wi, 4, 1e-6)
+    xr, cr = ref.hc_mix(H.view(1, T, -1), nw, Wd, Wu, Wi, 4, 1e-6)
+    assert x.shape == xr.shape
+    bf16_close(x, xr, 0.95)
+    if with_inj:
+        bf16_close(c, cr, 0.5)
+    else:
+        assert c is None
+    g, Hn = rnd((T, 4 * 2560), gen(T), 3.0), rnd((T, 4 * 2560), gen(T + 1), 2.0)
+    want = (torch.sigmoid(g).unflatten(-1, (4, 2560)) * Hn.unflatten(-1, (4, 2560))).mean(-2)
+    assert torch.equal(cuda.hc_gate_mean_op(g, Hn, 4), want)
 
 
 @pytest.mark.parametrize("pdl,prefetch,block_d", [(False, True, 8), (True, True, 32), (True, False, 16)])

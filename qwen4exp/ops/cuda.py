@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ._dispatch import register_kernel
 from .hyper_connection import reference as hc_ref
@@ -40,11 +41,38 @@ def _(H, norm_weight, down, up, inj, n, eps):
     return H.new_empty(*lead, H.shape[-1] // n), H.new_empty(*lead, 0 if inj is None else n)
 
 
+@torch.library.custom_op("qwen4exp::hc_gate_mean", mutates_args=())
+def hc_gate_mean_op(g: Tensor, Hn: Tensor, n: int) -> Tensor:
+    return hc_tk.hc_gate_mean_triton(g, Hn, n)
+
+
+@hc_gate_mean_op.register_fake
+def _(g, Hn, n):
+    return g.new_empty(g.shape[0], g.shape[1] // n)
+
+
 def hc_mix(H, norm_weight, down, up, inj, n, eps):
-    if not hc_tk.supported(H, norm_weight, down, up, inj, n):
-        return hc_ref.hc_mix(H, norm_weight, down, up, inj, n, eps)
-    x, c = hc_mix_op(H, norm_weight, down, up, inj, n, eps)
-    return x, (None if inj is None else c)
+    if hc_tk.supported(H, norm_weight, down, up, inj, n):  # decode sizes: two fused launches
+        x, c = hc_mix_op(H, norm_weight, down, up, inj, n, eps)
+        return x, (None if inj is None else c)
+    if hc_tk.gemm_path_supported(H, norm_weight, down, up, inj, n):  # prefill sizes
+        return _hc_mix_many_tokens(H, norm_weight, down, up, inj, n, eps)
+    return hc_ref.hc_mix(H, norm_weight, down, up, inj, n, eps)
+
+
+def _hc_mix_many_tokens(H, norm_weight, down, up, inj, n, eps):
+    """``hc_mix`` past the fused kernel's token count: the reference's three projections on cuBLAS, its grouped norm
+    and its gated stream mean as one Triton pass each (in the reference those are fp32 elementwise passes over
+    [T, nD]: most of its time at prefill sizes)."""
+    NK = H.shape[-1]
+    D = NK // n
+    H2 = H.reshape(-1, NK)
+    Hn = rms_norm(H2, norm_weight, D, eps)
+    a = F.silu(F.linear(Hn, down) / n)
+    x = hc_gate_mean_op(F.linear(a, up), Hn, n)
+    c = None if inj is None else 2 * torch.sigmoid(F.linear(Hn, inj) / n)
+    lead = H.shape[:-1]
+    return x.view(*lead, D), (None if c is None else c.view(*lead, n))
 
 
 @torch.library.custom_op("qwen4exp::hc_inject", mutates_args=())

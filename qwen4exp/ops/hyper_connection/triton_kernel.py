@@ -186,6 +186,22 @@ def _hc_inject_kernel(H, Cc, Y, O, NS: tl.constexpr, D: tl.constexpr, BLOCK: tl.
     tl.store(O + t * (NS * D) + offs, (h + cy).to(tl.bfloat16), mask=mask)
 
 
+@triton.jit
+def _hc_gate_mean_kernel(G, HN, X, D, stride_g, stride_hn, stride_x, inv_n, NS: tl.constexpr, BLOCK: tl.constexpr):
+    """x[t, j] = bf16(mean_s bf16(bf16(sigmoid(g[t, s*D + j])) * Hn[t, s*D + j])): the reference's sigmoid, product
+    and stream mean (three passes over [T, nD]) in one pass, the same rounding points (as kernel B)."""
+    t = tl.program_id(1).to(tl.int64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(NS):
+        g = tl.load(G + t * stride_g + s * D + offs, mask=mask, other=0.0).to(tl.float32)
+        hn = tl.load(HN + t * stride_hn + s * D + offs, mask=mask, other=0.0).to(tl.float32)
+        gamma = _rbf(tl.div_rn(1.0, 1.0 + _exp(-g)))
+        acc += _rbf(gamma * hn)
+    tl.store(X + t * stride_x + offs, _rbf(acc * inv_n).to(tl.bfloat16), mask=mask)
+
+
 _ON_GPU = os.environ.get("TRITON_INTERPRET", "0") != "1"
 USE_PDL = _ON_GPU  # programmatic dependent launch of kernel B (Hopper+): B fetches W_up while A runs
 PREFETCH_UP = False  # alternative: kernel A pulls W_up into L2 (inline PTX prefetch)
@@ -196,7 +212,8 @@ A_WARPS = 8
 B_BLOCK_D = 16  # output columns per program of kernel B ([n * B_BLOCK_D, r] W_up tile)
 B_WARPS = 8
 IN_KERNEL_SILU_MAX_T = 4  # up to this many tokens kernel B finishes the down projection itself (per program)
-MAX_T = 32  # decode / verify batches; longer inputs go to the reference (cuBLAS GEMMs win there)
+MAX_T = 32  # decode / verify batches; longer inputs: cuBLAS projections + the norm and gate-mean kernels
+GATE_MEAN_BLOCK = 1024
 
 
 def _split_for(D: int, NK: int, T: int = 1) -> int:
@@ -272,6 +289,29 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, _stop_after
         BLOCK_D=BLOCK_D, BLOCK_T=BLOCK_T, NSPLIT_P=triton.next_power_of_2(n_split), PDL=USE_PDL, A_READY=a_ready,
         C_IN_KERNEL=(NI > 0) and not a_ready, num_warps=B_WARPS, launch_pdl=USE_PDL)
     return x.view(*lead, D), c.reshape(*lead, NI)
+
+
+def gemm_path_supported(H, norm_weight, down, up, inj, n) -> bool:
+    """Many tokens (past MAX_T): plain bf16 weights of the usual shapes, n a power of two (the mean is a product by
+    1/n, exact only then)."""
+    if not (H.is_cuda and H.dtype == down.dtype == up.dtype == torch.bfloat16 and n in (1, 2, 4, 8)):
+        return False
+    NK = H.shape[-1]
+    R = down.shape[0]
+    return (NK % n == 0 and down.shape == (R, NK) and up.shape == (NK, R) and norm_weight.numel() == NK
+            and (inj is None or (inj.dtype == torch.bfloat16 and inj.shape == (n, NK))))
+
+
+def hc_gate_mean_triton(g, Hn, n: int):
+    """[T, n*D] gate pre-activations and normalised streams -> x [T, D] (``_hc_gate_mean_kernel``)."""
+    T, NK = g.shape
+    D = NK // n
+    g, Hn = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, Hn))
+    x = torch.empty(T, D, dtype=torch.bfloat16, device=g.device)
+    if T:
+        _hc_gate_mean_kernel[(triton.cdiv(D, GATE_MEAN_BLOCK), T)](
+            g, Hn, x, D, g.stride(0), Hn.stride(0), x.stride(0), 1.0 / n, NS=n, BLOCK=GATE_MEAN_BLOCK, num_warps=4)
+    return x
 
 
 def hc_inject_supported(H, c, y) -> bool:
