@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from qwen4exp.ops.cuda_graph import capture  # noqa: E402
 from qwen4exp.ops.hyper_connection import reference as hc_ref  # noqa: E402
 from qwen4exp.ops.norm import reference as norm_ref  # noqa: E402
 from qwen4exp.ops.ple import reference as ple_ref  # noqa: E402
@@ -59,14 +60,7 @@ def time_calls(fn, sets, reps=30, graph=True):
     torch.cuda.synchronize()
     if graph:
         try:
-            st = torch.cuda.Stream()
-            st.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(st):
-                all_sets()
-            torch.cuda.current_stream().wait_stream(st)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                all_sets()
+            g, _ = capture(all_sets)
             for _ in range(3):
                 g.replay()
             torch.cuda.synchronize()
@@ -86,7 +80,6 @@ def measure_bandwidth():
     for _ in range(3):
         dst.copy_(src)
     t = events_median(lambda: dst.copy_(src), 20)
-    del src, dst
     return 2 * n * 2 / (t * 1e-6)  # bytes / s, read + write
 
 
@@ -252,7 +245,6 @@ def tune_and_breakdown():
                                  ("B_WARPS", (8, 4)), ("USE_PDL", (True, False))], hc_tk.hc_mix_triton, hc_ok)
     a_only = lambda *a: hc_tk.hc_mix_triton(*a, _stop_after_down=True)  # noqa: E731
     timed("hc_mix", "T=1", "stage A alone (norm + down/inj)", a_only, sets)
-    del sets
     sets, _, _ = qsa_case(1)
     want = qsa_ref.qsa_attention(*sets[0])
 
@@ -262,7 +254,6 @@ def tune_and_breakdown():
 
     sweep("qsa", qsa_tk, sets, [("TOPK_SMALL", (True, False)), ("ATTN_SLOT_BLOCK", (64, 32))],
           qsa_tk.qsa_attention_triton, qsa_ok)
-    del sets
     m = 2048 // 4
     for Tq in (1, 32):
         sets, by, _ = qsa_case(Tq)
@@ -274,7 +265,7 @@ def tune_and_breakdown():
         timed("qsa", f"Tq={Tq}", "stage: top-512 (torch.topk)", lambda kk: qsa_tk.top_keys(kk, m), keys)
         asets = [(s[0], s[1], s[2], s[3], qsa_tk.top_ids(kk[0], m), s[6], s[8], False) for s, kk in zip(sets, keys)]
         timed("qsa", f"Tq={Tq}", "stage: attention + merge", qsa_tk.sparse_attention_slots, asets)
-        del sets, keys, asets
+        sets = keys = asets = None  # free before the next case
         torch.cuda.empty_cache()
     print("\nlaunch-shape sweeps and stage times (us per call, CUDA-graph replay)")
     for op, case, stage, t in out:

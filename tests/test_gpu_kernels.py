@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qwen4exp.ops.cuda_graph import capture
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernels)")
 
 BF = torch.bfloat16
@@ -171,14 +173,7 @@ def test_hc_ops_in_cuda_graph_and_compile():
         return cuda.hc_inject(H, c, y + x)
 
     ref_out = step(H)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step(H)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(H)
+    graph, out = capture(lambda: step(H))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ref_out)
@@ -309,14 +304,7 @@ def test_qsa_small_heads_and_cuda_graph():
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=5e-2)
     q, k, v, q_pos, iq, bk = qsa_case(50_001, 1, seed=10)
     eager = cuda.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, 0.0625, 0.088)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        cuda.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, 0.0625, 0.088)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cuda.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, 0.0625, 0.088)
+    graph, out = capture(lambda: cuda.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, 0.0625, 0.088))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
@@ -404,14 +392,7 @@ def test_qsa_decode_paged_in_cuda_graph():
     q, pos, iq, kv, bt, ikv, ibt = paged_decode_case([9001, 2500, 40], 16, 64, seed=3)
     args = dict(n_blocks=12_000, r=R_QSA, budget=BUDGET, scale=256 ** -0.5, index_scale=128 ** -0.5)
     run = lambda: cuda.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, **args)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = run()
+    g, out = capture(run)
     pos.copy_(torch.tensor([8000, 2499, 30], device="cuda"))
     bt.copy_(bt.roll(1, 0))
     ibt.copy_(ibt.roll(1, 0))
