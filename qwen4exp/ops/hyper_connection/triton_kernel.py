@@ -190,8 +190,8 @@ def _hc_inject_kernel(H, Cc, Y, O, NS: tl.constexpr, D: tl.constexpr, BLOCK: tl.
 def _hc_gate_mean_kernel(G, HN, X, D, stride_g, stride_hn, stride_x, inv_n, NS: tl.constexpr, BLOCK: tl.constexpr):
     """x[t, j] = bf16(mean_s bf16(bf16(sigmoid(g[t, s*D + j])) * Hn[t, s*D + j])): the reference's sigmoid, product
     and stream mean (three passes over [T, nD]) in one pass, the same rounding points (as kernel B)."""
-    t = tl.program_id(1).to(tl.int64)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    t = tl.program_id(0).to(tl.int64)  # tokens on grid axis 0 (no 65,535 limit)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(NS):
@@ -309,7 +309,7 @@ def hc_gate_mean_triton(g, Hn, n: int):
     g, Hn = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, Hn))
     x = torch.empty(T, D, dtype=torch.bfloat16, device=g.device)
     if T:
-        _hc_gate_mean_kernel[(triton.cdiv(D, GATE_MEAN_BLOCK), T)](
+        _hc_gate_mean_kernel[(T, triton.cdiv(D, GATE_MEAN_BLOCK))](
             g, Hn, x, D, g.stride(0), Hn.stride(0), x.stride(0), 1.0 / n, NS=n, BLOCK=GATE_MEAN_BLOCK, num_warps=4)
     return x
 

@@ -363,6 +363,7 @@ LOOP_WARPS = 4  # fastest of 18 shapes on the H200 at 4,096 queries x 50k contex
 LOOP_STAGES = 2
 SCORE_WARPS = 4
 PREFILL_KEYS_BYTES = 256 << 20  # the int64 sort keys of one query chunk of qsa_prefill_paged_triton stay below this
+PREFILL_MAX_QUERIES = 16384  # and a chunk has at most this many queries
 SCORE_BLOCK_M = 64  # queries x block keys per program of the prefill score kernel
 SCORE_BLOCK_N = 64
 
@@ -577,6 +578,7 @@ def qsa_prefill_paged_triton(q, q_pos, index_q, kv, block_row, index_kv, seq_len
     k_cache, v_cache = kv[..., :HD], kv[..., HD:]
     indexed = n_blocks > m and m > 0
     step = max(1, min(Tq, PREFILL_KEYS_BYTES // (8 * n_blocks))) if indexed else Tq
+    step = min(step, PREFILL_MAX_QUERIES)  # the attention grids put queries on an axis limited to 65,535
     for c0 in range(0, Tq, step):
         qc, pc, iqc = q[c0: c0 + step], q_pos[c0: c0 + step], index_q[c0: c0 + step]
         if indexed:
