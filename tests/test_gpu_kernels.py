@@ -400,6 +400,42 @@ def test_qsa_decode_paged_in_cuda_graph():
     torch.testing.assert_close(out, run(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_qsa_paged_ops_read_fp8_caches(dtype):
+    """FP8 K/V and index caches (``--kv-cache-dtype fp8``, unit scales): the paged decode and prefill kernels read
+    them (widened exactly to bf16) instead of falling back to the torch path, and match the reference on the same
+    FP8 caches."""
+    from test_ops import paged_qsa_case
+
+    from qwen4exp.ops.qsa import reference as ref
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    cuda = cuda_ops()
+    q, pos, iq, kv, bt, ikv, ibt = paged_decode_case([7, 2052, 9001], 16, 64, seed=11)
+    kv, ikv = (page_padded(t.float().clamp(-400, 400).to(dtype)) for t in (kv, ikv))
+    assert tk.paged_supported(q, pos, iq, kv, bt, ikv, ibt, R_QSA, BUDGET)
+    args = (9001 // R_QSA + 3, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5)
+    poison()
+    out = cuda.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, *args)
+    want = ref.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, *args)
+    assert not torch.isnan(out).any()
+    err = (out.float() - want.float()).norm(dim=(1, 2)) / want.float().norm(dim=(1, 2))
+    assert err.max() < 1e-2, err
+    L, n_q = 9001, 300
+    g = torch.Generator().manual_seed(12)
+    seq = [torch.randn(s, generator=g).to(BF) for s in ((n_q, 24, 256), (L, 2, 256), (L, 2, 256), (n_q, 4, 128),
+                                                         (L // R_QSA + 1, 128))]
+    kv, bt, ikv, _ = paged_qsa_case([seq], [L], R_QSA, 16, 16, seed=L, shared_table=True)
+    kv, ikv = (page_padded(t.cuda().float().clamp(-400, 400).to(dtype)) for t in (kv, ikv))
+    row, q, iq = bt[0].cuda(), seq[0].cuda(), seq[3].cuda()
+    pos = torch.arange(L - n_q, L, device="cuda")
+    assert tk.prefill_paged_supported(q, pos, iq, kv, row, ikv, R_QSA, BUDGET)
+    poison()
+    out = cuda.qsa_prefill_paged(q, pos, iq, kv, row, ikv, L, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5)
+    want = ref.qsa_prefill_paged(q, pos, iq, kv, row, ikv, L, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5)
+    err = (out.float() - want.float()).norm(dim=(1, 2)) / want.float().norm(dim=(1, 2))
+    assert not torch.isnan(out).any() and err.max() < 1e-2, err.max()
+
+
 # ------------------------------------------------------------------------------------------ QSA paged prefill
 @pytest.mark.parametrize("L,n_q,bs,keys_mib", [(50_003, 700, 16, 256), (50_000, 4, 784, 256), (2_600, 2_600, 64, 1),
                                                (9_001, 3_000, 16, 40)])

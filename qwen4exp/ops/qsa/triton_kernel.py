@@ -99,7 +99,7 @@ def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, Nb, r, scale, n_bt,
     page = tl.minimum(tok // IBS, n_bt - 1)
     phys = tl.load(IBT + t * stride_bt + page, mask=vis, other=0).to(tl.int64)
     row = phys * stride_kvb + (tok % IBS) * stride_kvl + DI
-    k = tl.load(IKV + row[:, None] + offs_d[None, :], mask=vis[:, None], other=0.0)
+    k = tl.load(IKV + row[:, None] + offs_d[None, :], mask=vis[:, None], other=0.0).to(tl.bfloat16)  # FP8: exact
     key = _order_key(_dot(k, tl.trans(q)), offs_n, n_complete, scale)
     tl.store(KEYS + t * stride_keys_t + offs_n, key, mask=nmask)
 
@@ -123,7 +123,7 @@ def _qsa_score_prefill_kernel(IQ, IKV, IBT, QPOS, KEYS, Tq, Nb, r, scale, n_bt,
     tok = offs_n.to(tl.int64) * r + r - 1
     phys = tl.load(IBT + tl.minimum(tok // IBS, n_bt - 1), mask=vis, other=0).to(tl.int64)
     row = phys * stride_kvb + (tok % IBS) * stride_kvl + DI
-    k = tl.load(IKV + row[:, None] + offs_d[None, :], mask=vis[:, None], other=0.0)
+    k = tl.load(IKV + row[:, None] + offs_d[None, :], mask=vis[:, None], other=0.0).to(tl.bfloat16)  # FP8: exact
     s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for h in tl.static_range(HI):
         qh = tl.load(IQ + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mmask[:, None],
@@ -265,8 +265,8 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
     gmask = offs_g < G
     q = tl.load(Q + t * stride_qt + (g * G + offs_g)[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None],
                 other=0.0)
-    k = tl.load(K + k_row[:, None] + g * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(V + v_row[:, None] + g * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0)
+    k = tl.load(K + k_row[:, None] + g * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)
+    v = tl.load(V + v_row[:, None] + g * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)
     s = _dot(q, tl.trans(k)) * scale_log2  # [G_P, SB], log2 units
     s = tl.where(valid[None, :], s, float("-inf"))
     mx = tl.max(s, axis=1)
@@ -302,8 +302,10 @@ def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
         slots = c * SB + tl.arange(0, SB)
         k_row, v_row, valid = _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t,
                                          stride_bt, n_bt, stride_kb, stride_vb, TAIL, KEYS, PAGED, PBS)
-        k = tl.load(K + k_row[:, None] + g * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(V + v_row[:, None] + g * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(K + k_row[:, None] + g * stride_kh + offs_d[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.bfloat16)  # FP8 caches widen exactly
+        v = tl.load(V + v_row[:, None] + g * stride_vh + offs_d[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.bfloat16)
         s = _dot(q, tl.trans(k)) * scale_log2  # [G_P, SB], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -504,9 +506,14 @@ def qsa_attention_triton(q, k, v, q_pos, index_q, block_keys, r: int, budget: in
     return sparse_attention_slots(q, k, v, q_pos, top_keys(keys, m), r, scale, keys=True)
 
 
+CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)  # FP8 (unit scales) widens exactly to bf16
+
+
 def paged_supported(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, r, budget) -> bool:
-    """What ``qsa_decode_paged_triton`` covers: bf16 queries and caches, contiguous caches, the head sizes above."""
-    if not (q.is_cuda and q.dtype == kv.dtype == index_kv.dtype == index_q.dtype == torch.bfloat16):
+    """What ``qsa_decode_paged_triton`` covers: bf16 queries, bf16 or FP8 caches (read and widened to bf16), the
+    head sizes above."""
+    if not (q.is_cuda and q.dtype == index_q.dtype == torch.bfloat16 and kv.dtype in CACHE_DTYPES
+            and index_kv.dtype in CACHE_DTYPES):
         return False
     B, Hq, HD = q.shape
     Hkv, di = kv.shape[1], index_kv.shape[-1] // 2
