@@ -252,7 +252,8 @@ def tune_and_breakdown():
         o = qsa_tk.qsa_attention_triton(*sets[0])
         return bool(((o.float() - want.float()).norm() / want.float().norm()) < 1e-2)
 
-    sweep("qsa", qsa_tk, sets, [("TOPK_SMALL", (True, False)), ("ATTN_SLOT_BLOCK", (64, 32))],
+    sweep("qsa", qsa_tk, sets, [("TOPK_SMALL", (True, False)), ("TOPK_SMALL_BITS", (1, 2, 4)),
+                                ("ATTN_SLOT_BLOCK", (64, 32))],
           qsa_tk.qsa_attention_triton, qsa_ok)
     m = 2048 // 4
     for Tq in (1, 32):

@@ -243,20 +243,30 @@ def test_qsa_attention_matches_reference(L, Tq):
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=5e-2)
 
 
+def select_each_way(q_pos, iq, bk, index_scale):
+    """``select_block_ids`` by each top-k variant: the in-register select (1, 2 and 4 threshold bits a step), the
+    radix select, torch.topk on the sort keys. -> [(variant, ids)]."""
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    saved = tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS
+    out = []
+    for way in (("triton", True, 1), ("triton", True, 2), ("triton", True, 4), ("triton", False, 1),
+                ("torch", True, 1)):
+        tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = way
+        try:
+            out.append((way[0], tk.select_block_ids(q_pos, iq, bk, R_QSA, BUDGET, index_scale)))
+        finally:
+            tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = saved
+    return out
+
+
 def test_qsa_selection_with_heavy_ties_and_no_indexer():
     from qwen4exp.ops.qsa import reference as ref
     cuda = cuda_ops()
     L = 8195
     q, k, v, q_pos, iq, bk = qsa_case(L, 2, seed=5, tie_heavy=True)
-    from qwen4exp.ops.qsa import triton_kernel as tk
     nc = ref.num_complete_blocks(q_pos, R_QSA)
     want = ref.select_blocks(ref.indexer_scores(iq, bk[: int(nc.max())], 0.1), nc, BUDGET // R_QSA)
-    for mode, small in (("triton", True), ("triton", False), ("torch", True)):
-        tk.TOPK, tk.TOPK_SMALL = mode, small
-        try:
-            ids = tk.select_block_ids(q_pos, iq, bk, R_QSA, BUDGET, 0.1)
-        finally:
-            tk.TOPK, tk.TOPK_SMALL = "triton", True
+    for mode, ids in select_each_way(q_pos, iq, bk, 0.1):
         if mode == "torch":  # the sort keys give the reference's order too
             assert torch.equal(ids, want)
         for t in range(ids.shape[0]):  # ties: lower block id first, like the reference's stable sort
@@ -274,19 +284,13 @@ def test_qsa_selection_with_heavy_ties_and_no_indexer():
 @pytest.mark.parametrize("Nb,Tq", [(513, 1), (600, 3), (12_500, 2), (16_385, 1), (65_536, 2)])
 def test_qsa_topk_selection_both_paths(Nb, Tq):
     from qwen4exp.ops.qsa import reference as ref
-    from qwen4exp.ops.qsa import triton_kernel as tk
     g = gen(Nb)
     iq, bk = rnd((Tq, 4, 128), g), rnd((Nb, 128), g)
     q_pos = Nb * R_QSA - 1 - 5 * torch.arange(Tq, device="cuda")  # fewer visible blocks for later rows
     nc = ref.num_complete_blocks(q_pos, R_QSA)
     sc = ref.indexer_scores(iq, bk, 0.088)
     want = ref.select_blocks(sc, nc, BUDGET // R_QSA)
-    for mode, small in (("triton", True), ("triton", False), ("torch", True)):
-        tk.TOPK, tk.TOPK_SMALL = mode, small
-        try:
-            ids = tk.select_block_ids(q_pos, iq, bk, R_QSA, BUDGET, 0.088)
-        finally:
-            tk.TOPK, tk.TOPK_SMALL = "triton", True
+    for mode, ids in select_each_way(q_pos, iq, bk, 0.088):
         for t in range(Tq):
             a, b = set(ids[t].tolist()), set(want[t].tolist())
             if a != b:  # only a near-tie (fp32 summation order) may flip a block at the boundary

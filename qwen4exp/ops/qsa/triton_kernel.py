@@ -188,30 +188,42 @@ def _qsa_topk_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, CH: tl.constexpr, M
 
 
 @triton.jit(do_not_specialize=['Nb', 'm', 'stride_kt', 'stride_ot'])
-def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.constexpr, M_P: tl.constexpr):
+def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.constexpr, M_P: tl.constexpr,
+                           BITS: tl.constexpr):
     """Same selection as ``_qsa_topk_kernel`` for Nb <= N_P keys held in registers: the threshold (the m-th
-    largest score half of the keys) by a 32-step bitwise binary search of counts, then ties by block id."""
+    largest score half of the keys) by a search of counts, BITS bits a step (32 / BITS block-wide reductions of
+    2^BITS counts each), then ties by block id; the output positions come out of ONE prefix sum (the counts of
+    "above the threshold" and "at it" packed into the two halves of an int32)."""
     t = tl.program_id(0)
     offs = tl.arange(0, N_P)
     kv = tl.load(KEYS + t * stride_kt + offs, mask=offs < Nb, other=_KEY_MIN)
     valid = kv != _KEY_MIN
     u = ((kv >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order = key order
     k = tl.minimum(m, tl.sum(valid.to(tl.int32), axis=0))
-    prefix = tl.zeros([], dtype=tl.uint32)
-    for b in tl.static_range(32):
-        cand = prefix | (1 << (31 - b))
-        cnt = tl.sum((valid & (u >= cand)).to(tl.int32), axis=0)
-        prefix = tl.where(cnt >= k, cand, prefix)
+    prefix = tl.zeros([], dtype=tl.uint32)  # invariant: at least k valid keys are >= prefix
+    if BITS == 1:
+        for b in tl.static_range(32):
+            cand = prefix | (1 << (31 - b))
+            cnt = tl.sum((valid & (u >= cand)).to(tl.int32), axis=0)
+            prefix = tl.where(cnt >= k, cand, prefix)
+    else:
+        digits = tl.arange(0, 1 << BITS).to(tl.uint32)
+        for st in tl.static_range(32 // BITS):
+            cands = prefix | (digits << (32 - BITS * (st + 1)))  # [2^BITS]; digit 0 is prefix itself
+            cnt = tl.sum((valid[:, None] & (u[:, None] >= cands[None, :])).to(tl.int32), axis=0)
+            best = tl.max(tl.where(cnt >= k, digits, 0), axis=0)
+            prefix = prefix | (best << (32 - BITS * (st + 1)))
     thr = prefix
-    k_rem = k - tl.sum((valid & (u > thr)).to(tl.int32), axis=0)
+    gt = valid & (u > thr)
     eq = valid & (u == thr)
-    rank = tl.cumsum(eq.to(tl.int32), axis=0)
-    sel = (valid & (u > thr)) | (eq & (rank <= k_rem) & (k > 0))
-    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    k_rem = k - tl.sum(gt.to(tl.int32), axis=0)
+    c = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)  # N_P <= 16384 < 2^16: no carry
+    n_eq = c >> 16  # equal keys up to here (id order): the first k_rem of them are taken
+    sel = gt | (eq & (n_eq <= k_rem))
+    pos = (c & 0xFFFF) + tl.minimum(n_eq, k_rem) - 1
     tl.store(OUT + t * stride_ot + pos, offs.to(tl.int32), mask=sel)
-    n_sel = tl.sum(sel.to(tl.int32), axis=0)
-    slots = tl.arange(0, M_P)
-    tl.store(OUT + t * stride_ot + slots, tl.full([M_P], -1, tl.int32), mask=(slots >= n_sel) & (slots < m))
+    slots = tl.arange(0, M_P)  # k slots filled (every visible block when fewer than m)
+    tl.store(OUT + t * stride_ot + slots, tl.full([M_P], -1, tl.int32), mask=(slots >= k) & (slots < m))
 
 
 @triton.jit
@@ -355,7 +367,8 @@ ATTN_SLOT_BLOCK = 64  # selected-token slots per program of the attention kernel
 TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch" (torch.topk on the keys)
 TOPK_CHUNK = 8192  # keys per pass step of the radix select
 TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register binary-search select instead of the radix select
-TOPK_SMALL_MAX = 16384
+TOPK_SMALL_MAX = 16384  # (<= 2^16: the in-register kernel packs two counts into an int32)
+TOPK_SMALL_BITS = 1  # threshold bits per search step of the in-register select (1, 2 or 4; 1 measured in run 5)
 TOPK_SMALL_BUCKET = 2048  # the in-register select is compiled for two sizes only (N_P 2048 or TOPK_SMALL_MAX), and
 # the kernels' integer sizes are not specialised: new context lengths never JIT-compile a new variant mid-request
 MAX_TQ = 64  # qsa_attention (unpaged K/V): decode / verify / short chunks; longer ones go to the reference
@@ -416,7 +429,8 @@ def top_ids(keys, m: int):
     if TOPK_SMALL and Nb <= TOPK_SMALL_MAX:  # keys in registers, binary search of counts
         LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
             keys, out, Nb, m, keys.stride(0), out.stride(0), N_P=TOPK_SMALL_BUCKET if Nb <= TOPK_SMALL_BUCKET
-            else TOPK_SMALL_MAX, M_P=triton.next_power_of_2(m), num_warps=16 if Nb <= TOPK_SMALL_BUCKET else 32)
+            else TOPK_SMALL_MAX, M_P=triton.next_power_of_2(m), BITS=TOPK_SMALL_BITS,
+            num_warps=16 if Nb <= TOPK_SMALL_BUCKET else 32)
     else:  # radix select over chunks of keys
         LAUNCHED["qsa_topk"] = _qsa_topk_kernel[(Tq,)](keys, out, Nb, m, keys.stride(0), out.stride(0),
                                                        CH=TOPK_CHUNK, M_P=triton.next_power_of_2(m), num_warps=16)
