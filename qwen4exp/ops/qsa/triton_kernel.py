@@ -78,7 +78,7 @@ def _order_key(s, offs_n, n_complete, scale):
     return tl.where(offs_n < n_complete, key, _KEY_MIN)
 
 
-@triton.jit(do_not_specialize=['Nb', 'n_bt'])
+@triton.jit(do_not_specialize=['Nb', 'n_bt', 'stride_bt'])
 def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, Nb, r, scale, n_bt,
                             stride_qt, stride_qh, stride_kvb, stride_kvl, stride_bt, stride_keys_t,
                             HI: tl.constexpr, HI_P: tl.constexpr, DI: tl.constexpr, IBS: tl.constexpr,
@@ -257,7 +257,7 @@ def _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t
     return k_row, v_row, valid
 
 
-@triton.jit(do_not_specialize=['m', 'n_split'])
+@triton.jit(do_not_specialize=['m', 'n_split', 'stride_bt', 'n_bt'])
 def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
                      stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                      BT, stride_bt, n_bt, stride_kb, stride_vb,
@@ -292,7 +292,7 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
     tl.store(LP + base * G_P + offs_g, l)
 
 
-@triton.jit(do_not_specialize=['m', 'n_chunks'])
+@triton.jit(do_not_specialize=['m', 'n_chunks', 'stride_bt', 'n_bt'])
 def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
                           stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                           BT, stride_bt, n_bt, stride_kb, stride_vb, stride_ot, stride_oh,
