@@ -1,13 +1,14 @@
-"""Triton kernels for QSA decode (few queries of one sequence). Imported only on the CUDA path.
+"""Triton kernels for QSA: decode (one query per sequence, or few), paged prefill (many queries of one sequence),
+and the paged cache writes. Imported only on the CUDA path.
 
-Three stages, no host synchronisation (so the whole op can be captured in a CUDA graph):
+Three stages, no host synchronisation (so the decode op can be captured in a CUDA graph):
 
 1. ``_qsa_score_kernel``: indexer scores s_j = scale * sum_h relu(q_h . K_j) (fp32 accumulation of exact bf16
    products) for every block key, written as an int64 sort key  (orderable score bits << 32) | (2^32 - 1 - j),
    or INT64_MIN for blocks the query cannot see yet.  The keys are unique and order like the reference's stable
    sort ("higher score first, lower block id on ties").
 2. Selection of the top m = budget / r blocks per query, one program per query: ``_qsa_topk_small_kernel`` (up to
-   TOPK_SMALL_MAX blocks, keys held in registers, the threshold by a bitwise binary search of counts) or
+   TOPK_SMALL_MAX blocks, keys held in registers, the threshold by a search of counts, TOPK_SMALL_BITS a step) or
    ``_qsa_topk_kernel`` (radix select over chunks); ties at the threshold go to the lower block ids, so the set is
    exactly the reference's.  ``TOPK = "torch"`` uses ``torch.topk`` on the keys instead (slower).  A query with at
    most m complete blocks takes all of them (the reference's dense regime).
@@ -15,6 +16,11 @@ Three stages, no host synchronisation (so the whole op can be captured in a CUDA
    attention of the query heads of one GQA group over the selected tokens: slot i < m*r is token
    ids[i // r] * r + i % r, slot m*r + j is tail token n_complete*r + j (<= q_pos).  Softmax in fp32 (exp2),
    P rounded to bf16 for the P.V product (as flash kernels do), fp32 partials merged across chunks.
+
+Prefill (``qsa_prefill_paged_triton``): ``_qsa_score_prefill_kernel`` scores a tile of 64 queries against 64 block
+keys per program (one load of the keys serves the tile), the same top-k, and ``_qsa_attn_loop_kernel``: one program
+per (query, KV head) loops over the slots with an online softmax (no partials through memory). Query chunks keep the
+int64 sort keys under ``PREFILL_KEYS_BYTES``. FP8 caches are read and widened exactly to bf16.
 """
 
 from __future__ import annotations
