@@ -300,7 +300,11 @@ def prefill_breakdown(Tq=4096):
               lambda: tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc))
     tk.SCORE_BLOCK_M, tk.SCORE_BLOCK_N, tk.SCORE_WARPS = 64, 64, 4
     keys = tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc)
-    timed("top-k (in-register select)", lambda: tk.top_ids(keys, m))
+    for small, bits in ((True, 1), (True, 2), (True, 4), (False, 1)):  # the in-register select's search steps, radix
+        tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = small, bits
+        timed(f"top-k ({f'in-register select, {bits} bit(s) a step' if small else 'radix select'})",
+              lambda: tk.top_ids(keys, m))
+    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = True, 1
     sel = tk.top_ids(keys, m)
     same = sel[:1].expand(Tq, -1).contiguous()
     kc, vc = kv[..., :HD], kv[..., HD:]
