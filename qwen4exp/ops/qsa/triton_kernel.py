@@ -74,14 +74,20 @@ def _qsa_score_kernel(IQ, BK, QPOS, KEYS, Nb, r, scale,
 
 
 @triton.jit
-def _order_key(s, offs_n, n_complete, scale):
-    """Scores [BLOCK_N, HI_P] (q . K per head, fp32) -> int64 sort keys (orderable score bits << 32) |
-    (2^32 - 1 - id); INT64_MIN for blocks the query cannot see."""
-    s = tl.sum(tl.maximum(s, 0.0), axis=1) * scale + 0.0  # + 0.0: -0.0 -> +0.0 (they tie in the reference)
+def _sort_key(s, ids, visible):
+    """Final scores (fp32), block ids, visibility (broadcast together) -> int64 sort keys (orderable score bits
+    << 32) | (2^32 - 1 - id); INT64_MIN where not visible."""
+    s = s + 0.0  # -0.0 -> +0.0 (they tie in the reference)
     bits = s.to(tl.int32, bitcast=True)
     key32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
-    key = (key32.to(tl.int64) << 32) + (4294967295 - offs_n.to(tl.int64))
-    return tl.where(offs_n < n_complete, key, _KEY_MIN)
+    key = (key32.to(tl.int64) << 32) + (4294967295 - ids.to(tl.int64))
+    return tl.where(visible, key, _KEY_MIN)
+
+
+@triton.jit
+def _order_key(s, offs_n, n_complete, scale):
+    """Scores [BLOCK_N, HI_P] (q . K per head, fp32) of one query -> its sort keys (``_sort_key``)."""
+    return _sort_key(tl.sum(tl.maximum(s, 0.0), axis=1) * scale, offs_n, offs_n < n_complete)
 
 
 @triton.jit(do_not_specialize=['Nb', 'n_bt', 'stride_bt'])
@@ -135,11 +141,7 @@ def _qsa_score_prefill_kernel(IQ, IKV, IBT, QPOS, KEYS, Tq, Nb, r, scale, n_bt,
         qh = tl.load(IQ + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mmask[:, None],
                      other=0.0)
         s += tl.maximum(_dot(qh, tl.trans(k)), 0.0)
-    s = s * scale + 0.0  # + 0.0: -0.0 -> +0.0 (they tie in the reference)
-    bits = s.to(tl.int32, bitcast=True)
-    key32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
-    key = (key32.to(tl.int64) << 32) + (4294967295 - offs_n.to(tl.int64))[None, :]
-    key = tl.where(offs_n[None, :] < n_complete[:, None], key, _KEY_MIN)
+    key = _sort_key(s * scale, offs_n[None, :], offs_n[None, :] < n_complete[:, None])
     tl.store(KEYS + offs_m[:, None].to(tl.int64) * stride_keys_t + offs_n[None, :], key,
              mask=mmask[:, None] & (offs_n < Nb)[None, :])
 
@@ -574,9 +576,9 @@ def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_
 
 def prefill_paged_supported(q, q_pos, index_q, kv, block_row, index_kv, r, budget) -> bool:
     """What ``qsa_prefill_paged_triton`` covers: ``paged_supported``'s caches and widths, one block-table row."""
-    return (block_row.dim() == 1 and index_q.dim() == 3 and index_q.shape[1] <= 16
-            and paged_supported(q, q_pos, index_q, kv, block_row.unsqueeze(0), index_kv, block_row.unsqueeze(0), r,
-                                budget))
+    row = block_row.unsqueeze(0)
+    return (block_row.dim() == 1 and index_q.dim() == 3
+            and paged_supported(q, q_pos, index_q, kv, row, index_kv, row, r, budget))
 
 
 def prefill_score_keys(q_pos, index_q, index_kv, block_row, n_blocks: int, r: int, index_scale: float):
