@@ -355,6 +355,23 @@ def paged_decode_case(lens, bs, ibs, seed, Hq=24, Hkv=2, d=256, hi=4, di=128):
     return q, pos, iq, kv, bt, ikv, ibt
 
 
+def paged_prefill_case(L, n_q, bs, seed, dtype=None, Hq=24, Hkv=2, d=256, hi=4, di=128):
+    """The last n_q queries of ONE L-token sequence, its K/V and index rows paged by one block-table row (vLLM's
+    layout) into page-padded caches, optionally stored as ``dtype`` (FP8: values clamped into its range).
+    -> (q, pos, index_q, kv, row, index_kv) on the GPU."""
+    from test_ops import paged_qsa_case  # the CPU test's paging (same layout)
+
+    g = torch.Generator().manual_seed(seed)
+    seq = [torch.randn(s, generator=g).to(BF) for s in ((n_q, Hq, d), (L, Hkv, d), (L, Hkv, d), (n_q, hi, di),
+                                                         (L // R_QSA + 1, di))]  # queries: only the last n_q
+    kv, bt, ikv, _ = paged_qsa_case([seq], [L], R_QSA, bs, bs, seed=L, shared_table=True)
+    if dtype is not None:
+        kv, ikv = (t.float().clamp(-400, 400).to(dtype) for t in (kv, ikv))
+    kv, ikv = page_padded(kv.cuda()), page_padded(ikv.cuda())
+    pos = torch.arange(L - n_q, L, device="cuda")
+    return seq[0].cuda(), pos, seq[3].cuda(), kv, bt[0].cuda(), ikv
+
+
 def page_padded(t, pad=40):
     """The same cache with every block inside a larger page, as vLLM lays out a hybrid model's caches (each block
     padded to the common page size): not contiguous, block stride > heads * block_size * row."""
@@ -409,8 +426,6 @@ def test_qsa_paged_ops_read_fp8_caches(dtype):
     """FP8 K/V and index caches (``--kv-cache-dtype fp8``, unit scales): the paged decode and prefill kernels read
     them (widened exactly to bf16) instead of falling back to the torch path, and match the reference on the same
     FP8 caches."""
-    from test_ops import paged_qsa_case
-
     from qwen4exp.ops.qsa import reference as ref
     from qwen4exp.ops.qsa import triton_kernel as tk
     cuda = cuda_ops()
@@ -424,14 +439,8 @@ def test_qsa_paged_ops_read_fp8_caches(dtype):
     assert not torch.isnan(out).any()
     err = (out.float() - want.float()).norm(dim=(1, 2)) / want.float().norm(dim=(1, 2))
     assert err.max() < 1e-2, err
-    L, n_q = 9001, 300
-    g = torch.Generator().manual_seed(12)
-    seq = [torch.randn(s, generator=g).to(BF) for s in ((n_q, 24, 256), (L, 2, 256), (L, 2, 256), (n_q, 4, 128),
-                                                         (L // R_QSA + 1, 128))]
-    kv, bt, ikv, _ = paged_qsa_case([seq], [L], R_QSA, 16, 16, seed=L, shared_table=True)
-    kv, ikv = (page_padded(t.cuda().float().clamp(-400, 400).to(dtype)) for t in (kv, ikv))
-    row, q, iq = bt[0].cuda(), seq[0].cuda(), seq[3].cuda()
-    pos = torch.arange(L - n_q, L, device="cuda")
+    L = 9001
+    q, pos, iq, kv, row, ikv = paged_prefill_case(L, 300, 16, seed=12, dtype=dtype)
     assert tk.prefill_paged_supported(q, pos, iq, kv, row, ikv, R_QSA, BUDGET)
     poison()
     out = cuda.qsa_prefill_paged(q, pos, iq, kv, row, ikv, L, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5)
@@ -449,21 +458,11 @@ def test_qsa_prefill_paged_matches_reference(monkeypatch, L, n_q, bs, keys_mib):
     at the real widths, on a page-padded cache with one block table for K/V and index rows (vLLM's layout): a
     prefill chunk far past the budget, an MTP verification (4 queries: split kernel), a whole prompt crossing the
     dense regime's end, and query chunks forced small (``PREFILL_KEYS_BYTES``)."""
-    from test_ops import paged_qsa_case
-
     from qwen4exp.ops.qsa import reference as ref
     from qwen4exp.ops.qsa import triton_kernel as tk
     cuda = cuda_ops()
     monkeypatch.setattr(tk, "PREFILL_KEYS_BYTES", keys_mib << 20)
-    g = torch.Generator().manual_seed(L + n_q)
-    Hq, Hkv, d, hi, di = 24, 2, 256, 4, 128
-    seq = [torch.randn(s, generator=g).to(BF) for s in ((n_q, Hq, d), (L, Hkv, d), (L, Hkv, d), (n_q, hi, di),
-                                                         (L // R_QSA + 1, di))]  # queries: only the last n_q
-    kv, bt, ikv, _ = paged_qsa_case([seq], [L], R_QSA, bs, bs, seed=L, shared_table=True)
-    kv, ikv = page_padded(kv.cuda()), page_padded(ikv.cuda())
-    row = bt[0].cuda()
-    q, iq = seq[0].cuda(), seq[3].cuda()
-    pos = torch.arange(L - n_q, L, device="cuda")
+    q, pos, iq, kv, row, ikv = paged_prefill_case(L, n_q, bs, seed=L + n_q)
     assert tk.prefill_paged_supported(q, pos, iq, kv, row, ikv, R_QSA, BUDGET)
     scale, iscale = 256 ** -0.5, 128 ** -0.5
     poison()
