@@ -8,7 +8,7 @@ Three stages, no host synchronisation (so the decode op can be captured in a CUD
    or INT64_MIN for blocks the query cannot see yet.  The keys are unique and order like the reference's stable
    sort ("higher score first, lower block id on ties").
 2. Selection of the top m = budget / r blocks per query, one program per query: ``_qsa_topk_small_kernel`` (up to
-   TOPK_SMALL_MAX blocks, keys held in registers, the threshold by a search of counts, TOPK_SMALL_BITS a step) or
+   TOPK_SMALL_MAX blocks, keys held in registers, the threshold bit by bit or byte by byte: TOPK_SMALL_BITS) or
    ``_qsa_topk_kernel`` (radix select over chunks); ties at the threshold go to the lower block ids, so the set is
    exactly the reference's.  ``TOPK = "torch"`` uses ``torch.topk`` on the keys instead (slower).  A query with at
    most m complete blocks takes all of them (the reference's dense regime).
@@ -199,9 +199,10 @@ def _qsa_topk_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, CH: tl.constexpr, M
 def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.constexpr, M_P: tl.constexpr,
                            BITS: tl.constexpr):
     """Same selection as ``_qsa_topk_kernel`` for Nb <= N_P keys held in registers: the threshold (the m-th
-    largest score half of the keys) by a search of counts, BITS bits a step (32 / BITS block-wide reductions of
-    2^BITS counts each), then ties by block id; the output positions come out of ONE prefix sum (the counts of
-    "above the threshold" and "at it" packed into the two halves of an int32)."""
+    largest score half of the keys) by a search of counts, one bit a step (BITS = 1: 32 block-wide counts) or one
+    byte a step (BITS = 8: four 256-bin histograms of the keys still tied with the threshold so far), then ties by
+    block id; the output positions come out of ONE prefix sum (the counts of "above the threshold" and "at it"
+    packed into the two halves of an int32)."""
     t = tl.program_id(0)
     offs = tl.arange(0, N_P)
     kv = tl.load(KEYS + t * stride_kt + offs, mask=offs < Nb, other=_KEY_MIN)
@@ -214,13 +215,19 @@ def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.const
             cand = prefix | (1 << (31 - b))
             cnt = tl.sum((valid & (u >= cand)).to(tl.int32), axis=0)
             prefix = tl.where(cnt >= k, cand, prefix)
-    else:
-        digits = tl.arange(0, 1 << BITS).to(tl.uint32)
-        for st in tl.static_range(32 // BITS):
-            cands = prefix | (digits << (32 - BITS * (st + 1)))  # [2^BITS]; digit 0 is prefix itself
-            cnt = tl.sum((valid[:, None] & (u[:, None] >= cands[None, :])).to(tl.int32), axis=0)
-            best = tl.max(tl.where(cnt >= k, digits, 0), axis=0)
-            prefix = prefix | (best << (32 - BITS * (st + 1)))
+    else:  # radix: k_rem = rank of the threshold among the keys that share its digits found so far
+        bins = tl.arange(0, 256)
+        k_rem = k
+        for p in tl.static_range(4):
+            SHIFT: tl.constexpr = 24 - 8 * p
+            active = valid
+            if p > 0:
+                active = valid & ((u >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+            h = tl.histogram(((u >> SHIFT) & 255).to(tl.int32), 256, mask=active)
+            above = tl.cumsum(h, axis=0, reverse=True)  # active keys with digit >= bin
+            d = tl.max(tl.where(above >= k_rem, bins, 0), axis=0)
+            k_rem = k_rem - tl.sum(tl.where(bins > d, h, 0), axis=0)
+            prefix = prefix | (d.to(tl.uint32) << SHIFT)
     thr = prefix
     gt = valid & (u > thr)
     eq = valid & (u == thr)
@@ -376,7 +383,8 @@ TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch
 TOPK_CHUNK = 8192  # keys per pass step of the radix select
 TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register binary-search select instead of the radix select
 TOPK_SMALL_MAX = 16384  # (<= 2^16: the in-register kernel packs two counts into an int32)
-TOPK_SMALL_BITS = 1  # threshold bits per search step of the in-register select (1, 2 or 4; 1 measured in run 5)
+TOPK_SMALL_BITS = 1  # threshold bits per search step of the in-register select: 1 (binary search) or 8 (radix)
+TOPK_SMALL_WARPS = 32  # warps of the in-register select at the larger size
 TOPK_SMALL_BUCKET = 2048  # the in-register select is compiled for two sizes only (N_P 2048 or TOPK_SMALL_MAX), and
 # the kernels' integer sizes are not specialised: new context lengths never JIT-compile a new variant mid-request
 MAX_TQ = 64  # qsa_attention (unpaged K/V): decode / verify / short chunks; longer ones go to the reference
@@ -438,7 +446,7 @@ def top_ids(keys, m: int):
         LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
             keys, out, Nb, m, keys.stride(0), out.stride(0), N_P=TOPK_SMALL_BUCKET if Nb <= TOPK_SMALL_BUCKET
             else TOPK_SMALL_MAX, M_P=triton.next_power_of_2(m), BITS=TOPK_SMALL_BITS,
-            num_warps=16 if Nb <= TOPK_SMALL_BUCKET else 32)
+            num_warps=16 if Nb <= TOPK_SMALL_BUCKET else TOPK_SMALL_WARPS)
     else:  # radix select over chunks of keys
         LAUNCHED["qsa_topk"] = _qsa_topk_kernel[(Tq,)](keys, out, Nb, m, keys.stride(0), out.stride(0),
                                                        CH=TOPK_CHUNK, M_P=triton.next_power_of_2(m), num_warps=16)
