@@ -86,7 +86,16 @@ class Qwen4ExpVllmTextModel(nn.Module):
                                                       prefix=f"{prefix}.hyper_connection_mixer")
         sc = vllm_config.speculative_config
         self.keep_mtp_hidden = sc is not None and sc.method == "mtp"
-        self.mtp_hidden = None
+        if self.keep_mtp_hidden:
+            # The MTP hand-off lives in a persistent buffer that forward copies into (vLLM's contract for
+            # get_mtp_target_hidden_states): a tensor produced inside a CUDA graph sits in the graphs' shared memory
+            # pool, where later replays (the final mixer's, the draft's) may overwrite it before the draft reads it.
+            n_max = max(vllm_config.scheduler_config.max_num_batched_tokens,
+                        max(vllm_config.compilation_config.cudagraph_capture_sizes or [0]))
+            self.register_buffer("mtp_hidden", torch.zeros(n_max, config.hc_count * config.hidden_size,
+                                                           dtype=vllm_config.model_config.dtype), persistent=False)
+        else:
+            self.mtp_hidden = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,8 +115,8 @@ class Qwen4ExpVllmTextModel(nn.Module):
                 def ple_fn(H, st=self.ple_states[str(i)]):
                     return st(torch.empty_like(H), H, input_ids)
             H = layer(H, mix, ple_fn)
-        if self.keep_mtp_hidden:
-            self.mtp_hidden = H  # the pre-final-mixer streams [T, nD]: what the MTP draft head consumes
+        if self.keep_mtp_hidden:  # the pre-final-mixer streams [T, nD]: what the MTP draft head consumes
+            self.mtp_hidden[: H.shape[0]].copy_(H)  # (vLLM never schedules more rows than the buffer has)
         out, _ = self.hyper_connection_mixer(H)
         return out
 
@@ -206,8 +215,9 @@ class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def get_mtp_target_hidden_states(self) -> torch.Tensor | None:
-        """vLLM's MTP hand-off: the last forward's pre-final-mixer streams [T, hc_count*H] (what our MTP head takes
-        in place of the single-stream output)."""
+        """vLLM's MTP hand-off: a persistent buffer [max_num_batched_tokens, hc_count*H] whose first T rows hold the
+        last forward's pre-final-mixer streams (what our MTP head takes in place of the single-stream output); vLLM
+        slices the rows it needs."""
         return self.model.mtp_hidden
 
     def get_mrope_input_positions(self, input_tokens, mm_features):
