@@ -29,7 +29,16 @@ $(VENV)/.stamp: pyproject.toml requirements-cpu.lock
 
 venv: $(VENV)/.stamp
 
-test: venv
+# Triton (the GPU image's 3.6.0) BESIDE the venv, for tests/test_triton_offline.py: the GPU kernels run under Triton's
+# CPU interpreter against their references and are compiled for sm_90, with no GPU. Not in the venv: vLLM's CPU build
+# must not see Triton.
+TRITON_DIR := .cache/triton
+$(TRITON_DIR)/.stamp: | $(VENV)/.stamp
+	@mkdir -p .cache .tmp
+	$(PIP) install -q --no-deps --target $(TRITON_DIR) triton==3.6.0
+	touch $@
+
+test: venv $(TRITON_DIR)/.stamp
 	@mkdir -p .cache .tmp
 	$(VPY) -m pytest -q -ra tests
 

@@ -1,0 +1,239 @@
+"""The Triton kernels checked without a GPU (run by ``tests/test_triton_offline.py`` in CI, where no GPU exists):
+
+  TRITON_INTERPRET=1 python tests/triton_offline.py run LAUNCHES.json
+      each kernel wrapper (``*_triton``) against its torch reference on small random inputs, under Triton's CPU
+      interpreter (every program of every grid, sequentially); the kernels' launches (argument types, compile-time
+      constants, warps) are written to LAUNCHES.json
+  python tests/triton_offline.py compile LAUNCHES.json
+      every distinct recorded launch compiled ahead of time for Hopper (sm_90: Triton's front end, its GPU passes,
+      LLVM and ptxas to a cubin), the GPU build of each kernel (libdevice math, bf16 dots), not the interpreter's.
+
+Needs Triton importable (``make test`` installs the GPU image's version, 3.6.0, beside the venv, which keeps vLLM's
+CPU build free of Triton). The interpreter rounds fp32 -> bf16 stores by truncation; the kernels round explicitly
+where it matters (``ops/triton_utils.round_bf16``), so the tolerances are the GPU tests' (``test_gpu_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BF = torch.bfloat16
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+         torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+         torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+OPTIONS = ("num_warps", "num_stages")
+
+
+def close(got, want, atol, what, rtol=0.0):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    err = (got.float() - want.float()).abs()
+    bad = err > atol + rtol * want.float().abs()
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements off, max abs err {err.max().item()}"
+
+
+# ------------------------------------------------------------------------------------------------------ checks
+def check_qsa_topk():
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    torch.manual_seed(0)
+    m = 16
+    for Nb, Tq, ties in ((10, 3, False), (17, 2, True), (300, 4, False), (300, 4, True), (2049, 2, True)):
+        sc = torch.randn(Tq, Nb)
+        if ties:
+            sc = sc.round().clamp(min=0)  # many exact ties (zeros and small integers)
+        nc = torch.randint(0, Nb + 1, (Tq,))
+        nc[0] = Nb
+        keys = ref._order_keys(sc, torch.arange(Nb)[None] < nc[:, None])
+        want = ref.select_blocks(sc, nc, m)
+        for small, bits in ((True, 1), (True, 8), (False, 1)):
+            tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = small, bits
+            got = tk.top_ids(keys, m)
+            for t in range(Tq):
+                a = sorted(x for x in got[t].tolist() if x >= 0)
+                b = sorted(x for x in want[t].tolist() if x >= 0)
+                assert a == b and (got[t] >= 0).sum() == (want[t] >= 0).sum(), (Nb, ties, small, bits, t)
+    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = True, 1
+
+
+def _paged(lens, seed, shared_table):
+    from test_ops import paged_qsa_case, qsa_inputs
+    seqs = [[t.to(BF) for t in qsa_inputs(L, Hq=6, Hkv=2, d=64, hi=4, di=32, seed=seed + i)]
+            for i, L in enumerate(lens)]
+    return seqs, paged_qsa_case(seqs, lens, 4, 16, 16 if shared_table else 64, shared_table=shared_table)
+
+
+def check_qsa_decode():
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    r, budget = 4, 32
+    lens = [1, 9, 37, 150, 203]
+    seqs, (kv, bt, ikv, ibt) = _paged(lens, 700, False)
+    pos = torch.tensor(lens) - 1
+    q, iq = torch.stack([s[0][-1] for s in seqs]), torch.stack([s[3][-1] for s in seqs])
+    got = tk.qsa_decode_paged_triton(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
+    close(got, ref.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4), 0.05, "decode paged")
+    L = 150
+    qq, k, v, iqq, bk = seqs[3]
+    p = torch.arange(L - 5, L)  # unpaged, five queries of one sequence
+    got = tk.qsa_attention_triton(qq[-5:], k, v, p, iqq[-5:], bk[: L // r], r, budget, 0.3, 0.4)
+    close(got, ref.qsa_attention(qq[-5:], k, v, p, iqq[-5:], bk, r, budget, 0.3, 0.4), 0.05, "unpaged")
+
+
+def check_qsa_prefill():
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    r, budget = 4, 32
+    lens = [9, 150, 203]
+    seqs, (kv, bt, ikv, _) = _paged(lens, 500, True)
+    saved = tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES
+    # split attention / looping attention; one query chunk / chunks by the keys' bytes / by the query cap
+    for loop_min, keys_bytes, max_q in ((1, 1 << 30, 1 << 14), (10 ** 9, 8 * 7 * 50, 1 << 14), (5, 1 << 30, 7)):
+        tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES = loop_min, keys_bytes, max_q
+        for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
+            for n in (1, min(L, 40)):
+                pos = torch.arange(L - n, L)
+                got = tk.qsa_prefill_paged_triton(q[-n:], pos, iq[-n:], kv, bt[b], ikv, L, r, budget, 0.3, 0.4)
+                want = ref.qsa_prefill_paged(q[-n:], pos, iq[-n:], kv, bt[b], ikv, L, r, budget, 0.3, 0.4)
+                close(got, want, 0.05, f"prefill L={L} n={n} loop_min={loop_min} keys_bytes={keys_bytes}")
+    tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES = saved
+
+
+def check_qsa_fp8_caches():
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    r, budget = 4, 32
+    lens = [9, 150, 203]
+    seqs, (kv, bt, ikv, _) = _paged(lens, 900, True)
+    pos = torch.tensor(lens) - 1
+    q, iq = torch.stack([s[0][-1] for s in seqs]), torch.stack([s[3][-1] for s in seqs])
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        k8, i8 = kv.clamp(-400, 400).to(dt), ikv.clamp(-400, 400).to(dt)
+        got = tk.qsa_decode_paged_triton(q, pos, iq, k8, bt, i8, bt, 60, r, budget, 0.3, 0.4)
+        close(got, ref.qsa_decode_paged(q, pos, iq, k8, bt, i8, bt, 60, r, budget, 0.3, 0.4), 0.05, f"{dt} decode")
+        n = 30
+        got = tk.qsa_prefill_paged_triton(seqs[2][0][-n:], pos[2:] - torch.arange(n - 1, -1, -1), seqs[2][3][-n:],
+                                          k8, bt[2], i8, lens[2], r, budget, 0.3, 0.4)
+        want = ref.qsa_prefill_paged(seqs[2][0][-n:], pos[2:] - torch.arange(n - 1, -1, -1), seqs[2][3][-n:], k8,
+                                     bt[2], i8, lens[2], r, budget, 0.3, 0.4)
+        close(got, want, 0.05, f"{dt} prefill")
+
+
+def check_hc():
+    from qwen4exp.ops.hyper_connection import reference as ref, triton_kernel as tk
+    g = torch.Generator().manual_seed(3)
+    for T, n, D, R, inj in ((1, 4, 256, 40, True), (3, 4, 256, 40, False), (6, 2, 384, 20, True)):
+        H = (torch.randn(T, n * D, generator=g) * 2).to(BF)
+        nw = (torch.randn(n * D, generator=g) * 0.1).to(BF)
+        Wd = (torch.randn(R, n * D, generator=g) / (n * D) ** 0.5).to(BF)
+        Wu = (torch.randn(n * D, R, generator=g) / R ** 0.5).to(BF)
+        Wi = (torch.randn(n, n * D, generator=g) / (n * D) ** 0.5).to(BF) if inj else None
+        x, c = tk.hc_mix_triton(H, nw, Wd, Wu, Wi, n, 1e-6)
+        xr, cr = ref.hc_mix(H, nw, Wd, Wu, Wi, n, 1e-6)
+        close(x, xr, 0.07, f"hc_mix T={T}")
+        if inj:
+            close(c, cr, 0.02, f"hc_mix c T={T}")
+        y = torch.randn(T, D, generator=g).to(BF)
+        cc = (torch.rand(T, n, generator=g) * 2).to(BF)
+        close(tk.hc_inject_triton(H, cc, y), ref.hc_inject(H, cc, y), 0.0, "hc_inject", rtol=2 ** -7)  # 1 unit
+        # (the interpreter truncates the final fp32 -> bf16 store; on the GPU it is bit-exact)
+        gg = (torch.randn(T, n * D, generator=g) * 3).to(BF)
+        want = (torch.sigmoid(gg).unflatten(-1, (n, D)) * H.unflatten(-1, (n, D))).mean(-2)
+        close(tk.hc_gate_mean_triton(gg, H, n), want, 0.02, "hc_gate_mean")
+
+
+def check_norm_rope_ple():
+    from qwen4exp.ops.norm import reference as nref, triton_kernel as ntk
+    from qwen4exp.ops.ple import reference as pref, triton_kernel as ptk
+    from qwen4exp.ops.rope import reference as rref, triton_kernel as rtk
+    g = torch.Generator().manual_seed(5)
+    for shape, group in (((3, 4, 128), 128), ((2, 1280), 640)):
+        x = (torch.randn(shape, generator=g) * 3).to(BF)
+        w = (torch.randn(shape[-1], generator=g) * 0.1).to(BF)
+        close(ntk.rms_norm_triton(x, w, group, 1e-6), nref.grouped_rms_norm(x, w, group, 1e-6), 0.05, "rms_norm")
+    x = torch.randn(3, 2, 2 * 128, generator=g).to(BF)[..., :128]  # strided, as q out of [q | gate]
+    ang = torch.randn(3, 16, generator=g) * 50
+    cos, sin = torch.cat([ang, ang], -1).cos().to(BF), torch.cat([ang, ang], -1).sin().to(BF)
+    close(rtk.apply_rope_triton(x, cos, sin), rref.apply_rope(x, cos, sin), 0.02, "apply_rope")
+    table = (torch.randn(1001, 32, generator=g) * 120).clamp(-448, 448).to(torch.float8_e4m3fn)
+    rows = torch.randint(0, 1001, (5, 4), generator=g)
+    scale = torch.tensor(0.0173)
+    close(ptk.ple_lookup_triton(table, rows, scale), pref.ple_lookup(table, rows, scale), 0.0, "ple", rtol=2 ** -7)
+
+
+CHECKS = [check_qsa_topk, check_qsa_decode, check_qsa_prefill, check_qsa_fp8_caches, check_hc, check_norm_rope_ple]
+
+
+# ------------------------------------------------------------------------------------------ record / compile
+def _describe(fn, args, kwargs):
+    """One launch -> {module, name, signature, constexprs, options} (JSON-able)."""
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args))
+    bound.update({k: v for k, v in kwargs.items() if k in params})
+    sig, const = {}, {}
+    for name, p in params.items():
+        v = bound.get(name, p.default)
+        if "constexpr" in str(p.annotation):
+            sig[name], const[name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + TYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            sig[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(v).__name__}")
+    return dict(module=fn.__module__, name=fn.__name__, signature=sig, constexprs=const,
+                options={k: kwargs[k] for k in OPTIONS if k in kwargs})
+
+
+def run(path):
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
+    from triton.runtime.interpreter import InterpretedFunction
+    launches = {}
+    orig = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        d = _describe(self.fn, args, kwargs)
+        launches[json.dumps(d, sort_keys=True)] = d
+        return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording
+    for check in CHECKS:
+        check()
+        print(f"ok {check.__name__}", flush=True)
+    with open(path, "w") as f:
+        json.dump(list(launches.values()), f)
+    print(f"{len(launches)} distinct launches recorded")
+
+
+def compile_all(path):
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compile without TRITON_INTERPRET"
+    target = GPUTarget("cuda", 90, 32)
+    with open(path) as f:
+        launches = json.load(f)
+    names = set()
+    for d in launches:
+        fn = getattr(importlib.import_module(d["module"]), d["name"])
+        src = ASTSource(fn, d["signature"], constexprs=d["constexprs"])
+        try:
+            k = triton.compile(src, target=target, options=d["options"])
+        except Exception as e:  # noqa: BLE001  (name the kernel and its constants)
+            raise RuntimeError(f"{d['name']} {d['constexprs']} {d['options']}: {type(e).__name__}: {e}") from e
+        assert k.asm.get("cubin"), d["name"]
+        names.add(d["name"])
+    print(f"compiled {len(launches)} launches of {len(names)} kernels for sm_90: {', '.join(sorted(names))}")
+
+
+if __name__ == "__main__":
+    {"run": run, "compile": compile_all}[sys.argv[1]](sys.argv[2])
