@@ -367,8 +367,11 @@ def main():
         stages += prefill_breakdown()
     only = set(filter(None, args.only.split(",")))
     cases = []
-    for T in (1, 32, 16384):  # 16384: a prefill chunk (cuBLAS projections + norm and gate-mean kernels)
+    for T in (1, 8, 32, 16384):  # 16384: a prefill chunk (cuBLAS projections + norm and gate-mean kernels)
         cases.append(("hc_mix", f"T={T}", lambda T=T: hc_mix_case(T), cuda.hc_mix, hc_ref.hc_mix))
+    for T in (8, 32):  # the many-token path (cuBLAS + norm and gate-mean kernels) at decode sizes, beside the fused
+        cases.append(("hc_mix", f"T={T},gemm-path", lambda T=T: hc_mix_case(T), cuda._hc_mix_many_tokens,
+                      hc_ref.hc_mix))
     for T in (1, 32):
         cases.append(("hc_inject", f"T={T}", lambda T=T: hc_inject_case(T), cuda.hc_inject, hc_ref.hc_inject))
     for Tq in (1, 32):
