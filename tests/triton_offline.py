@@ -122,6 +122,35 @@ def check_qsa_fp8_caches():
         close(got, want, 0.05, f"{dt} prefill")
 
 
+def check_qsa_cache_writes():
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    g = torch.Generator().manual_seed(11)
+    for blocks, H, bs, d, N in ((12, 2, 16, 64, 9), (4, 1, 64, 32, 5)):  # main K|V cache, index cache shapes
+        kv = torch.randn(blocks, H, bs, 2 * d, generator=g).to(BF)
+        kv2 = kv.clone()
+        slots = torch.randperm(blocks * bs, generator=g)[:N]
+        slots[::3] = -1  # padding rows store nothing
+        k = torch.randn(N, H, 2 * d, generator=g).to(BF)[..., :d]  # strided rows
+        v = torch.randn(N, H, d, generator=g).to(BF)
+        tk.write_paged_triton(kv, slots, k, v)
+        ref.write_paged(kv2, slots, k, v)
+        assert torch.equal(kv, kv2), "write_paged"
+    B, di, RD, ibs, nb, r = 9, 64, 32, 16, 60, 4
+    ikv = (torch.randn(nb, 1, ibs, 2 * di, generator=g) * 2).to(BF)
+    bt = (torch.randperm(nb - 1, generator=g)[: B * 6] + 1).view(B, 6).int()
+    pos = torch.tensor([0, 1, 2, 3, 4, 7, 11, 63, 90])
+    slots = bt.gather(1, (pos // ibs).unsqueeze(1)).squeeze(1).long() * ibs + pos % ibs
+    slots[-1] = -1
+    raw = (torch.randn(B, di + 16, generator=g) * 2).to(BF)[:, :di]
+    w = (torch.randn(di, generator=g) * 0.2).to(BF)
+    ang = torch.randn(B, RD // 2, generator=g) * 30
+    cos, sin = torch.cat([ang, ang], -1).cos().to(BF), torch.cat([ang, ang], -1).sin().to(BF)
+    a, b = ikv.clone(), ikv.clone()
+    tk.index_update_triton(a, slots, bt, pos, slots >= 0, raw, w, 1e-6, cos, sin, r)
+    ref.index_update_decode(b, slots, bt, pos, slots >= 0, raw, w, 1e-6, cos, sin, r)
+    close(a, b, 1e-3, "index_update_decode", rtol=2 ** -7)
+
+
 def check_hc():
     from qwen4exp.ops.hyper_connection import reference as ref, triton_kernel as tk
     g = torch.Generator().manual_seed(3)
@@ -164,7 +193,8 @@ def check_norm_rope_ple():
     close(ptk.ple_lookup_triton(table, rows, scale), pref.ple_lookup(table, rows, scale), 0.0, "ple", rtol=2 ** -7)
 
 
-CHECKS = [check_qsa_topk, check_qsa_decode, check_qsa_prefill, check_qsa_fp8_caches, check_hc, check_norm_rope_ple]
+CHECKS = [check_qsa_topk, check_qsa_decode, check_qsa_prefill, check_qsa_fp8_caches, check_qsa_cache_writes, check_hc,
+          check_norm_rope_ple]
 
 
 # ------------------------------------------------------------------------------------------ record / compile
@@ -222,6 +252,10 @@ def compile_all(path):
     target = GPUTarget("cuda", 90, 32)
     with open(path) as f:
         launches = json.load(f)
+    # the interpreter runs the HC kernels without programmatic dependent launch (no such thing on a CPU): compile
+    # those launches with it too, as the GPU runs them
+    launches += [dict(d, constexprs=dict(d["constexprs"], PDL=True)) for d in launches
+                 if d["constexprs"].get("PDL") is False]
     names = set()
     for d in launches:
         fn = getattr(importlib.import_module(d["module"]), d["name"])
