@@ -242,7 +242,8 @@ def tune_and_breakdown():
         return bool((x.float() - xr.float()).abs().max() <= 0.07 and (c.float() - cr.float()).abs().max() <= 0.02)
 
     sweep("hc_mix", hc_tk, sets, [("A_BLOCK_R", (64, 32, 16)), ("A_WARPS", (8, 4)), ("B_BLOCK_D", (16, 8, 32)),
-                                 ("B_WARPS", (8, 4)), ("USE_PDL", (True, False))], hc_tk.hc_mix_triton, hc_ok)
+                                 ("B_WARPS", (8, 4)), ("USE_PDL", (True, False)), ("FUSED", (False, True))],
+          hc_tk.hc_mix_triton, hc_ok)
     a_only = lambda *a: hc_tk.hc_mix_triton(*a, _stop_after_down=True)  # noqa: E731
     timed("hc_mix", "T=1", "stage A alone (norm + down/inj)", a_only, sets)
     sets, _, _ = qsa_case(1)

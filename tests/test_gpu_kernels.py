@@ -150,6 +150,39 @@ def test_hc_mix_launch_variants(pdl, prefetch, block_d):
         tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D = saved
 
 
+def test_hc_mix_single_launch_with_grid_barrier():
+    """``FUSED``: both stages in one launch, a grid barrier between them; the barrier words must be left ready for
+    the next launch (many launches in a row, and replays of a CUDA graph, all right), with and without W_inj."""
+    from qwen4exp.ops.cuda_graph import capture
+    from qwen4exp.ops.hyper_connection import reference as ref
+    from qwen4exp.ops.hyper_connection import triton_kernel as tk
+    saved = tk.FUSED
+    tk.FUSED = True
+    try:
+        for T, inj in ((1, True), (2, False), (4, True)):
+            cases = [hc_case(T, 4, 2560, 320, inj, seed=500 + 10 * T + i) for i in range(3)]
+            for _ in range(5):
+                for H, nw, Wd, Wu, Wi in cases:
+                    poison()
+                    x, c = tk.hc_mix_triton(H, nw, Wd, Wu, Wi, 4, 1e-6)
+                    xr, cr = ref.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)
+                    bf16_close(x, xr, 0.95)
+                    if inj:
+                        bf16_close(c, cr, 0.5)
+            assert "hc_fused" in tk.LAUNCHED
+            H, nw, Wd, Wu, Wi = cases[0]
+            static = H.clone()
+            graph, out = capture(lambda a=(static, nw, Wd, Wu, Wi): tk.hc_mix_triton(*a, 4, 1e-6))
+            for H in (c[0] for c in cases):  # new inputs, the captured weights
+                static.copy_(H)
+                graph.replay()
+                bf16_close(out[0], ref.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)[0], 0.95)
+            sync = tk._sync_buffer(H.device)
+            assert int(sync[0]) == 0, "the barrier's arrival count must be back at 0 after every launch"
+    finally:
+        tk.FUSED = saved
+
+
 @pytest.mark.parametrize("T,n,D", [(1, 4, 2560), (5, 4, 2560), (33, 4, 2560), (3, 2, 384)])
 def test_hc_inject_is_bit_exact(T, n, D):
     from qwen4exp.ops.hyper_connection import reference as ref

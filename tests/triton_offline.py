@@ -160,11 +160,16 @@ def check_hc():
         Wd = (torch.randn(R, n * D, generator=g) / (n * D) ** 0.5).to(BF)
         Wu = (torch.randn(n * D, R, generator=g) / R ** 0.5).to(BF)
         Wi = (torch.randn(n, n * D, generator=g) / (n * D) ** 0.5).to(BF) if inj else None
-        x, c = tk.hc_mix_triton(H, nw, Wd, Wu, Wi, n, 1e-6)
         xr, cr = ref.hc_mix(H, nw, Wd, Wu, Wi, n, 1e-6)
-        close(x, xr, 0.07, f"hc_mix T={T}")
-        if inj:
-            close(c, cr, 0.02, f"hc_mix c T={T}")
+        for fused in (False, True):  # two launches / one launch with a grid barrier (here: its two phases)
+            tk.FUSED = fused
+            x, c = tk.hc_mix_triton(H, nw, Wd, Wu, Wi, n, 1e-6)
+            close(x, xr, 0.07, f"hc_mix T={T} fused={fused}")
+            if inj:
+                close(c, cr, 0.02, f"hc_mix c T={T} fused={fused}")
+            else:
+                assert c.shape == (T, 0)
+        tk.FUSED = False
         y = torch.randn(T, D, generator=g).to(BF)
         cc = (torch.rand(T, n, generator=g) * 2).to(BF)
         close(tk.hc_inject_triton(H, cc, y), ref.hc_inject(H, cc, y), 0.0, "hc_inject", rtol=2 ** -7)  # 1 unit
@@ -256,6 +261,9 @@ def compile_all(path):
     # those launches with it too, as the GPU runs them
     launches += [dict(d, constexprs=dict(d["constexprs"], PDL=True)) for d in launches
                  if d["constexprs"].get("PDL") is False]
+    # nor the single-launch HC mixer's grid barrier (it runs the two phases as two launches): compile PHASE 3 too
+    launches += [dict(d, constexprs=dict(d["constexprs"], PHASE=3)) for d in launches
+                 if d["constexprs"].get("PHASE") == 2]
     names = set()
     for d in launches:
         fn = getattr(importlib.import_module(d["module"]), d["name"])

@@ -15,6 +15,12 @@ up-projection, since every output needs all r down-projected values):
      re-normalised Hn columns (bf16 product) and the mean over the n streams (fp32 sum, * 1/n, bf16).  Program 0
      also finishes c = 2*sigmoid(bf16(bf16(W_inj Hn) / n)).
 
+``FUSED`` (off until timed on the H200: ``bench_ops.py --tune`` sweeps it): ``_hc_fused_kernel`` does both stages in
+ONE launch for up to IN_KERNEL_SILU_MAX_T tokens: program p runs stage A's tile p, issues its stage-B loads of W_up,
+waits at a grid barrier (atomics on a per-device pair of words; the grid, one program per (row block, K chunk),
+must fit on the SMs at once) and finishes stage B's column block p. The bodies of both stages are shared helpers
+(``_hc_down_part``, ``_hc_up_load``, ``_hc_up_finish``) of the two-launch kernels and this one.
+
 Rounding points are the reference's (``_rbf`` makes each one explicit: the compiler folded plain
 ``x.to(bf16).to(fp32)`` round trips away); exp / rsqrt are CUDA's expf / rsqrtf as in PyTorch's kernels.  The dot
 products accumulate in fp32 in another order than cuBLAS, so a bf16 result can differ by one unit now and then.
@@ -54,23 +60,11 @@ else:  # CUDA's expf / rsqrtf, which PyTorch's kernels call: the same bf16 round
 
 
 @triton.jit
-def _hc_down_kernel(
-    H, NW, WD, WI, RSTD, PART, WU,
-    T, eps, inv_d, pf_lines, pf_per,
-    stride_h,
-    R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
-    KC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr, PF_BLOCK: tl.constexpr, PDL: tl.constexpr,
-):
-    pid_r = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    if PDL:  # let kernel B start now: it loads W_up while this kernel runs, then waits for the partials
-        gdc_launch_dependents()
-    if PREFETCH:  # pull this program's share of W_up into L2 now, so kernel B reads it from L2, not HBM
-        lin = (pid_k * tl.num_programs(0) + pid_r) * pf_per + tl.arange(0, PF_BLOCK)
-        lin = tl.minimum(lin, pf_lines - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [WU + lin.to(tl.int64) * 64],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+def _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid_r, pid_k, n_split,
+                  R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, KC: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """Stage A of one (row block, K chunk): normalise the chunk of H, multiply by the W_down (or W_inj) tile, store
+    the fp32 split-K partials PART [T, n_split, R + NI] (and the streams' 1/RMS from the first row block)."""
     n_rb: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
     NK: tl.constexpr = NS * D
     k0 = pid_k * KC
@@ -106,35 +100,65 @@ def _hc_down_kernel(
     hn = ((hk * rstd[:, None]) * (1.0 + nw)[None, :]).to(tl.bfloat16)
     acc = _dot(hn, tl.trans(w))  # [BLOCK_T, BLOCK_R] fp32
     RT: tl.constexpr = R + NI
-    tl.store(PART + offs_t[:, None] * (tl.num_programs(1) * RT) + pid_k * RT + out_col[None, :], acc,
-             mask=tmask[:, None] & rmask[None, :])  # PART [T, n_split, R + NI]
+    tl.store(PART + offs_t[:, None] * (n_split * RT) + pid_k * RT + out_col[None, :], acc,
+             mask=tmask[:, None] & rmask[None, :])
 
 
 @triton.jit
-def _hc_up_kernel(
-    H, NW, WU, RSTD, PART, X, C,
-    T, n_split, inv_n,
-    stride_h, stride_x,
+def _hc_down_kernel(
+    H, NW, WD, WI, RSTD, PART, WU,
+    T, eps, inv_d, pf_lines, pf_per,
+    stride_h,
     R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
-    R_P: tl.constexpr, NI_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, NSPLIT_P: tl.constexpr,
-    PDL: tl.constexpr, A_READY: tl.constexpr, C_IN_KERNEL: tl.constexpr,
+    KC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr, PF_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if PDL:  # let kernel B start now: it loads W_up while this kernel runs, then waits for the partials
+        gdc_launch_dependents()
+    if PREFETCH:  # pull this program's share of W_up into L2 now, so kernel B reads it from L2, not HBM
+        lin = (pid_k * tl.num_programs(0) + pid_r) * pf_per + tl.arange(0, PF_BLOCK)
+        lin = tl.minimum(lin, pf_lines - 1)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [WU + lin.to(tl.int64) * 64],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid_r, pid_k, tl.num_programs(1),
+                  R, NI, D, NS, KC, BLOCK_R, BLOCK_T, NORM_BLOCK)
+
+
+@triton.jit
+def _hc_up_load(H, NW, WU, T, stride_h, pid, R: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
+                R_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Stage B's inputs that do not depend on stage A: the [n * BLOCK_D, r] slice of W_up for output columns
+    pid * BLOCK_D.., the H columns and norm weights (combined (stream, column) index i -> row s*D + j0 + i % BLOCK_D
+    of W_up / column of H)."""
     j0 = pid * BLOCK_D
-    # combined (stream, column) index i -> row s*D + j0 + i % BLOCK_D of W_up / column of H
     offs_i = tl.arange(0, NS * BLOCK_D)
     col = (offs_i // BLOCK_D) * D + j0 + offs_i % BLOCK_D
     cmask = (j0 + offs_i % BLOCK_D) < D
     offs_r = tl.arange(0, R_P)
     w = tl.load(WU + col[:, None] * R + offs_r[None, :], mask=cmask[:, None] & (offs_r < R)[None, :], other=0.0)
     offs_t = tl.arange(0, BLOCK_T)
-    tmask = offs_t < T
-    RT: tl.constexpr = R + NI
-    hk = tl.load(H + offs_t[:, None] * stride_h + col[None, :], mask=tmask[:, None] & cmask[None, :],
+    hk = tl.load(H + offs_t[:, None] * stride_h + col[None, :], mask=(offs_t < T)[:, None] & cmask[None, :],
                  other=0.0).to(tl.float32)
     nw = tl.load(NW + col, mask=cmask, other=0.0).to(tl.float32)
-    if PDL:  # launched early (programmatic dependent launch): wait for kernel A's results
-        gdc_wait()
+    return w, hk, nw
+
+
+@triton.jit
+def _hc_up_finish(w, hk, nw, RSTD, PART, X, C, T, n_split, inv_n, stride_x, pid,
+                  R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, R_P: tl.constexpr,
+                  NI_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, NSPLIT_P: tl.constexpr,
+                  A_READY: tl.constexpr, C_IN_KERNEL: tl.constexpr):
+    """Stage B after stage A: a from the partials, gamma = sigmoid(W_up a), the gated mean over the streams for
+    output columns pid * BLOCK_D.. (PART and RSTD read through L2: another program of the same launch may have just
+    written them)."""
+    j0 = pid * BLOCK_D
+    offs_i = tl.arange(0, NS * BLOCK_D)
+    offs_r = tl.arange(0, R_P)
+    offs_t = tl.arange(0, BLOCK_T)
+    tmask = offs_t < T
+    RT: tl.constexpr = R + NI
     offs_k = tl.arange(0, NSPLIT_P)
     kmask = offs_k < n_split
     rmask = offs_r < R
@@ -145,14 +169,15 @@ def _hc_up_kernel(
         a = tl.zeros([BLOCK_T, R_P], dtype=tl.bfloat16)
         for t in range(0, T):
             blk = tl.load(PART + t * (n_split * RT) + offs_k[:, None] * RT + offs_r[None, :],
-                          mask=kmask[:, None] & rmask[None, :], other=0.0)
+                          mask=kmask[:, None] & rmask[None, :], other=0.0, cache_modifier=".cg")
             q = _rbf(_rbf(tl.sum(blk, axis=0)) * inv_n)
             arow = tl.div_rn(q, 1.0 + _exp(-q)).to(tl.bfloat16)
             a = tl.where(offs_t[:, None] == t, arow[None, :], a)
     g = _rbf(_dot(a, tl.trans(w)))  # [BLOCK_T, NS*BLOCK_D]
     gamma = _rbf(tl.div_rn(1.0, 1.0 + _exp(-g)))
-    # Hn at these columns, exactly as kernel A built it
-    rstd = tl.load(RSTD + offs_t[:, None] * NS + (offs_i // BLOCK_D)[None, :], mask=tmask[:, None], other=0.0)
+    # Hn at these columns, exactly as stage A built it
+    rstd = tl.load(RSTD + offs_t[:, None] * NS + (offs_i // BLOCK_D)[None, :], mask=tmask[:, None], other=0.0,
+                   cache_modifier=".cg")
     hn = _rbf((hk * rstd) * (1.0 + nw)[None, :])
     prod = _rbf(gamma * hn)
     x = tl.sum(tl.reshape(prod, [BLOCK_T, NS, BLOCK_D]), axis=1) * inv_n
@@ -166,11 +191,78 @@ def _hc_up_kernel(
             lg = tl.zeros([BLOCK_T, NI_P], dtype=tl.float32)
             for t in range(0, T):
                 blk = tl.load(PART + t * (n_split * RT) + offs_k[:, None] * RT + R + offs_c[None, :],
-                              mask=kmask[:, None] & (offs_c < NI)[None, :], other=0.0)
+                              mask=kmask[:, None] & (offs_c < NI)[None, :], other=0.0, cache_modifier=".cg")
                 lg = tl.where(offs_t[:, None] == t, tl.sum(blk, axis=0)[None, :], lg)
             z = _rbf(_rbf(lg) * inv_n)
             sg = _rbf(tl.div_rn(1.0, 1.0 + _exp(-z)))
             tl.store(C + offs_t[:, None] * NI + offs_c[None, :], (2.0 * sg).to(tl.bfloat16), mask=lmask)
+
+
+@triton.jit
+def _hc_up_kernel(
+    H, NW, WU, RSTD, PART, X, C,
+    T, n_split, inv_n,
+    stride_h, stride_x,
+    R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
+    R_P: tl.constexpr, NI_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, NSPLIT_P: tl.constexpr,
+    PDL: tl.constexpr, A_READY: tl.constexpr, C_IN_KERNEL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    w, hk, nw = _hc_up_load(H, NW, WU, T, stride_h, pid, R, D, NS, R_P, BLOCK_D, BLOCK_T)
+    if PDL:  # launched early (programmatic dependent launch): wait for kernel A's results
+        gdc_wait()
+    _hc_up_finish(w, hk, nw, RSTD, PART, X, C, T, n_split, inv_n, stride_x, pid, R, NI, D, NS, R_P, NI_P, BLOCK_D,
+                  BLOCK_T, NSPLIT_P, A_READY, C_IN_KERNEL)
+
+
+@triton.jit
+def _grid_barrier(SYNC, n_prog):
+    """Every program of the grid waits here until all have arrived (they must all be resident: grid <= SMs). SYNC
+    [2] int32: arrivals, generation; the last to arrive resets the count and bumps the generation, so the buffer is
+    ready for the next launch. Block-wide barriers around it make the whole program's stores visible (release by
+    the arriving thread after the CTA barrier, acquire by the spinning one), as CUDA's grid sync does."""
+    tl.debug_barrier()
+    gen0 = tl.atomic_add(SYNC + 1, 0, sem="acquire", scope="gpu")
+    arrived = tl.atomic_add(SYNC, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_prog - 1:
+        tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
+        tl.atomic_add(SYNC + 1, 1, sem="release", scope="gpu")
+    else:
+        g = tl.atomic_add(SYNC + 1, 0, sem="acquire", scope="gpu")
+        while g == gen0:
+            g = tl.atomic_add(SYNC + 1, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _hc_fused_kernel(
+    H, NW, WD, WI, WU, RSTD, PART, X, C, SYNC,
+    T, eps, inv_d, inv_n, stride_h, stride_x,
+    R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, KC: tl.constexpr, BLOCK_R: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, R_P: tl.constexpr, NI_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    NSPLIT_P: tl.constexpr, PHASE: tl.constexpr,
+):
+    """Stages A and B in ONE launch (few tokens): program p does stage A's (row block, K chunk) p, loads stage B's
+    W_up slice for column block p (if p < D / BLOCK_D), waits at a grid barrier for every partial, then finishes
+    column block p. PHASE 3 on the GPU; the CPU interpreter runs programs one after another, so it launches
+    PHASE 1 (stage A) and then PHASE 2 (stage B) instead of spinning."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    n_rb1: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R + (1 if NI > 0 else 0)
+    NK: tl.constexpr = NS * D
+    n_split: tl.constexpr = NK // KC
+    if PHASE != 2:
+        _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid % n_rb1, pid // n_rb1, n_split,
+                      R, NI, D, NS, KC, BLOCK_R, BLOCK_T, NORM_BLOCK)
+    if PHASE != 1:
+        n_cb: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
+        cb = tl.minimum(pid, n_cb - 1)  # programs past the column blocks load a valid slice and store nothing
+        w, hk, nw = _hc_up_load(H, NW, WU, T, stride_h, cb, R, D, NS, R_P, BLOCK_D, BLOCK_T)
+        if PHASE == 3:
+            _grid_barrier(SYNC, n_prog)
+        if pid < n_cb:
+            _hc_up_finish(w, hk, nw, RSTD, PART, X, C, T, n_split, inv_n, stride_x, pid, R, NI, D, NS, R_P, NI_P,
+                          BLOCK_D, BLOCK_T, NSPLIT_P, False, NI > 0)
 
 
 @triton.jit
@@ -212,6 +304,7 @@ A_WARPS = 8
 B_BLOCK_D = 16  # output columns per program of kernel B ([n * B_BLOCK_D, r] W_up tile)
 B_WARPS = 8
 IN_KERNEL_SILU_MAX_T = 4  # up to this many tokens kernel B finishes the down projection itself (per program)
+FUSED = False  # up to IN_KERNEL_SILU_MAX_T tokens: both stages in one launch with a grid barrier (not yet timed)
 MAX_T = 32  # decode / verify batches; longer inputs: cuBLAS projections + the norm and gate-mean kernels
 GATE_MEAN_BLOCK = 1024
 
@@ -239,6 +332,25 @@ def supported(H, norm_weight, down, up, inj, n) -> bool:
 
 
 LAUNCHED = {}  # the last compiled kernels (registers / spills for the notes)
+_SYNC = {}  # per device: the barrier words, the SM count
+
+
+def _sync_buffer(dev):
+    """The fused kernel's grid-barrier words (arrivals, generation), one pair per device, zero between launches."""
+    key = str(dev)
+    if key not in _SYNC:
+        _SYNC[key] = torch.zeros(2, dtype=torch.int32, device=dev)
+    return _SYNC[key]
+
+
+def _resident_programs(dev) -> int:
+    """Programs the fused kernel may launch: all must be resident at once for its grid barrier (one per SM)."""
+    if not _ON_GPU:
+        return 1 << 30
+    key = ("sms", str(dev))
+    if key not in _SYNC:
+        _SYNC[key] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _SYNC[key]
 
 
 def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, _stop_after_down: bool = False):
@@ -263,6 +375,22 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, _stop_after
     part = torch.empty(T, n_split, R + NI, dtype=torch.float32, device=dev)
     n_rb = triton.cdiv(R, BLOCK_R)
     grid = (n_rb + (1 if NI else 0), n_split)
+    fused = FUSED and T <= IN_KERNEL_SILU_MAX_T and not _stop_after_down
+    if fused:
+        P = grid[0] * grid[1]
+        BLOCK_D = max(16, triton.next_power_of_2(triton.cdiv(D, P)))
+        fused = P <= _resident_programs(dev)
+    if fused:  # one launch: stage A, a grid barrier, stage B
+        x = torch.empty(T, D, dtype=H.dtype, device=dev)
+        c_buf = torch.empty(max(T * NI, 1), dtype=H.dtype, device=dev)
+        args = (H2, nw, down, wi, up, rstd, part, x, c_buf, _sync_buffer(dev), T, float(eps), 1.0 / D, 1.0 / n,
+                H2.stride(0), x.stride(0))
+        meta = dict(R=R, NI=NI, D=D, NS=n, KC=KC, BLOCK_R=BLOCK_R, NORM_BLOCK=512 if T <= 16 else 256,
+                    R_P=triton.next_power_of_2(R), NI_P=max(2, triton.next_power_of_2(max(NI, 1))), BLOCK_D=BLOCK_D,
+                    BLOCK_T=BLOCK_T, NSPLIT_P=triton.next_power_of_2(n_split), num_warps=A_WARPS)
+        for phase in ((3,) if _ON_GPU else (1, 2)):
+            LAUNCHED["hc_fused"] = _hc_fused_kernel[(P,)](*args, PHASE=phase, **meta)
+        return x.view(*lead, D), c_buf[: T * NI].view(T, NI).reshape(*lead, NI)
     pf_lines = triton.cdiv(up.numel() * up.element_size(), 128)  # 128-byte lines of W_up
     pf_per = triton.cdiv(pf_lines, grid[0] * grid[1])
     LAUNCHED["hc_down"] = _hc_down_kernel[grid](
