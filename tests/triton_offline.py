@@ -52,7 +52,7 @@ def check_qsa_topk():
         nc[0] = Nb
         keys = ref._order_keys(sc, torch.arange(Nb)[None] < nc[:, None])
         want = ref.select_blocks(sc, nc, m)
-        for small, bits in ((True, 1), (True, 8), (False, 1)):
+        for small, bits in ((True, 1), (True, 8), (True, 11), (False, 1)):
             tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = small, bits
             got = tk.top_ids(keys, m)
             for t in range(Tq):

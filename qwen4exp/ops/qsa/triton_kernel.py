@@ -200,7 +200,7 @@ def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.const
                            BITS: tl.constexpr):
     """Same selection as ``_qsa_topk_kernel`` for Nb <= N_P keys held in registers: the threshold (the m-th
     largest score half of the keys) by a search of counts, one bit a step (BITS = 1: 32 block-wide counts) or one
-    byte a step (BITS = 8: four 256-bin histograms of the keys still tied with the threshold so far), then ties by
+    digit a step (BITS = 8 or 11: 2^BITS-bin histograms of the keys still tied with the threshold so far), then ties by
     block id; the output positions come out of ONE prefix sum (the counts of "above the threshold" and "at it"
     packed into the two halves of an int32)."""
     t = tl.program_id(0)
@@ -215,15 +215,17 @@ def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.const
             cand = prefix | (1 << (31 - b))
             cnt = tl.sum((valid & (u >= cand)).to(tl.int32), axis=0)
             prefix = tl.where(cnt >= k, cand, prefix)
-    else:  # radix: k_rem = rank of the threshold among the keys that share its digits found so far
-        bins = tl.arange(0, 256)
+    else:  # radix, BITS-bit digits from the top: k_rem = rank of the threshold among the keys that share its
+        # digits found so far (BITS = 8: 8+8+8+8; BITS = 11: 11+11+10)
+        bins = tl.arange(0, 1 << BITS)
         k_rem = k
-        for p in tl.static_range(4):
-            SHIFT = 24 - 8 * p  # a compile-time value (p is)
+        for p in tl.static_range((32 + BITS - 1) // BITS):
+            HI = 32 - BITS * p  # compile-time values (p is): the digit is bits SHIFT .. HI-1
+            SHIFT = HI - BITS if HI > BITS else 0
             active = valid
             if p > 0:
-                active = valid & ((u >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
-            h = tl.histogram(((u >> SHIFT) & 255).to(tl.int32), 256, mask=active)
+                active = valid & ((u >> HI) == (prefix >> HI))
+            h = tl.histogram(((u >> SHIFT) & ((1 << (HI - SHIFT)) - 1)).to(tl.int32), 1 << BITS, mask=active)
             above = tl.cumsum(h, axis=0, reverse=True)  # active keys with digit >= bin
             d = tl.max(tl.where(above >= k_rem, bins, 0), axis=0)
             k_rem = k_rem - tl.sum(tl.where(bins > d, h, 0), axis=0)
@@ -383,7 +385,7 @@ TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch
 TOPK_CHUNK = 8192  # keys per pass step of the radix select
 TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register binary-search select instead of the radix select
 TOPK_SMALL_MAX = 16384  # (<= 2^16: the in-register kernel packs two counts into an int32)
-TOPK_SMALL_BITS = 1  # threshold bits per search step of the in-register select: 1 (binary search) or 8 (radix)
+TOPK_SMALL_BITS = 1  # threshold bits per search step of the in-register select: 1 (binary search), 8 or 11 (radix)
 TOPK_SMALL_WARPS = 16  # warps of the in-register select at the larger size (16: 48 vs 53 us with 32, H200 run 6)
 TOPK_SMALL_BUCKET = 2048  # the in-register select is compiled for two sizes only (N_P 2048 or TOPK_SMALL_MAX), and
 # the kernels' integer sizes are not specialised: new context lengths never JIT-compile a new variant mid-request
