@@ -275,6 +275,36 @@ def compile_all(path):
         assert k.asm.get("cubin"), d["name"]
         names.add(d["name"])
     print(f"compiled {len(launches)} launches of {len(names)} kernels for sm_90: {', '.join(sorted(names))}")
+    row_views_not_specialised(target)
+
+
+def row_views_not_specialised(target):
+    """Positions and block-table rows arrive as views whose start may or may not be 16-byte aligned (where the
+    request sits in the step): no QSA kernel may compile a variant per alignment of them (a JIT stall mid-serving).
+    Every such parameter is marked, and the launch key of the prefill score kernel is the same for an aligned and a
+    misaligned view."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    marked = 0
+    for name, fn in vars(tk).items():
+        if isinstance(fn, JITFunction) and name.endswith("_kernel"):  # (launched; helpers take what they get)
+            for p in fn.params:
+                if p.name in tk._ROW_VIEWS:
+                    assert p.do_not_specialize_on_alignment, f"{name}: {p.name} specialised on alignment"
+                    marked += 1
+    k = tk._qsa_score_prefill_kernel
+    binder = create_function_from_signature(k.signature, k.params, CUDABackend(target))
+    pos, bt = torch.arange(10), torch.zeros(4, 7, dtype=torch.int32)
+
+    def key(p, row):
+        args = (torch.zeros(8, 4, 128, dtype=BF), torch.zeros(2, 1, 16, 256, dtype=BF), row, p,
+                torch.zeros(8, 64, dtype=torch.int64), 8, 64, 4, 0.5, 7, 512, 128, 8192, 256, 64)
+        return str(binder(*args, HI=4, DI=128, IBS=16, BLOCK_M=64, BLOCK_N=64, debug=False)[1])
+
+    assert key(pos[0:8], bt[0]) == key(pos[1:9], bt[1]), "prefill score kernel: a new variant per alignment"
+    print(f"row views: {marked} parameters not specialised on alignment")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,13 @@ else:
 
 
 
-@triton.jit
+# Positions and block-table rows reach the kernels as views into the step's batch (``positions[s:e]``,
+# ``block_table[b]``): their start is 16-byte aligned or not depending on where the request sits, and Triton would
+# compile one variant per alignment, in the middle of serving. Not specialised on it (their loads are tiny).
+_ROW_VIEWS = ['QPOS', 'POS', 'BT', 'IBT']
+
+
+@triton.jit(do_not_specialize_on_alignment=_ROW_VIEWS)
 def _qsa_score_kernel(IQ, BK, QPOS, KEYS, Nb, r, scale,
                       stride_qt, stride_qh, stride_kb, stride_keys_t,
                       HI: tl.constexpr, HI_P: tl.constexpr, DI: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -90,7 +96,7 @@ def _order_key(s, offs_n, n_complete, scale):
     return _sort_key(tl.sum(tl.maximum(s, 0.0), axis=1) * scale, offs_n, offs_n < n_complete)
 
 
-@triton.jit(do_not_specialize=['Nb', 'n_bt', 'stride_bt'])
+@triton.jit(do_not_specialize=['Nb', 'n_bt', 'stride_bt'], do_not_specialize_on_alignment=_ROW_VIEWS)
 def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, Nb, r, scale, n_bt,
                             stride_qt, stride_qh, stride_kvb, stride_kvl, stride_bt, stride_keys_t,
                             HI: tl.constexpr, HI_P: tl.constexpr, DI: tl.constexpr, IBS: tl.constexpr,
@@ -116,7 +122,7 @@ def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, Nb, r, scale, n_bt,
     tl.store(KEYS + t * stride_keys_t + offs_n, key, mask=nmask)
 
 
-@triton.jit(do_not_specialize=['Tq', 'Nb', 'n_bt', 'stride_keys_t'])
+@triton.jit(do_not_specialize=['Tq', 'Nb', 'n_bt', 'stride_keys_t'], do_not_specialize_on_alignment=_ROW_VIEWS)
 def _qsa_score_prefill_kernel(IQ, IKV, IBT, QPOS, KEYS, Tq, Nb, r, scale, n_bt,
                               stride_qt, stride_qh, stride_kvb, stride_kvl, stride_keys_t,
                               HI: tl.constexpr, DI: tl.constexpr, IBS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -274,7 +280,7 @@ def _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t
     return k_row, v_row, valid
 
 
-@triton.jit(do_not_specialize=['m', 'n_split', 'stride_bt', 'n_bt'])
+@triton.jit(do_not_specialize=['m', 'n_split', 'stride_bt', 'n_bt'], do_not_specialize_on_alignment=_ROW_VIEWS)
 def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
                      stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                      BT, stride_bt, n_bt, stride_kb, stride_vb,
@@ -309,7 +315,7 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
     tl.store(LP + base * G_P + offs_g, l)
 
 
-@triton.jit(do_not_specialize=['m', 'n_chunks', 'stride_bt', 'n_bt'])
+@triton.jit(do_not_specialize=['m', 'n_chunks', 'stride_bt', 'n_bt'], do_not_specialize_on_alignment=_ROW_VIEWS)
 def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
                           stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                           BT, stride_bt, n_bt, stride_kb, stride_vb, stride_ot, stride_oh,
@@ -679,7 +685,7 @@ def _block_mean_seg(IKV, RAW, BT, b, pos, ok, offs, m, stride_raw, stride_kvb, s
     return _rbf(acc / R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=_ROW_VIEWS)
 def _index_update_kernel(IKV, SLOTS, BT, POS, VALID, RAW, NW, COS, SIN, eps, n_bt,
                          stride_kvb, stride_kvl, stride_bt, stride_raw, stride_c,
                          DI: tl.constexpr, RD: tl.constexpr, R: tl.constexpr, IBS: tl.constexpr,
