@@ -1,12 +1,14 @@
 """The Triton kernels checked without a GPU (run by ``tests/test_triton_offline.py`` in CI, where no GPU exists):
 
   TRITON_INTERPRET=1 python tests/triton_offline.py run LAUNCHES.json
-      each kernel wrapper (``*_triton``) against its torch reference on small random inputs, under Triton's CPU
-      interpreter (every program of every grid, sequentially); the kernels' launches (argument types, compile-time
-      constants, warps) are written to LAUNCHES.json
+      each kernel wrapper (``*_triton``) against its torch reference on small random inputs, and the HC mixer and
+      the QSA decode / prefill ops once at the real model widths, under Triton's CPU interpreter (every program of
+      every grid, sequentially); the kernels' launches (argument types, compile-time constants, warps) are written
+      to LAUNCHES.json
   python tests/triton_offline.py compile LAUNCHES.json
       every distinct recorded launch compiled ahead of time for Hopper (sm_90: Triton's front end, its GPU passes,
-      LLVM and ptxas to a cubin), the GPU build of each kernel (libdevice math, bf16 dots), not the interpreter's.
+      LLVM and ptxas to a cubin), the GPU build of each kernel (libdevice math, bf16 dots), not the interpreter's;
+      each within Hopper's shared memory per program; QSA kernels not specialised on row-view alignment.
 
 Needs Triton importable (``make test`` installs the GPU image's version, 3.6.0, beside the venv, which keeps vLLM's
 CPU build free of Triton). The interpreter rounds fp32 -> bf16 stores by truncation; the kernels round explicitly
@@ -30,6 +32,7 @@ TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", t
          torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
          torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 OPTIONS = ("num_warps", "num_stages")
+SMEM_MAX = 232448  # shared memory one program may use on Hopper (227 KiB): more fails at launch, not at compile
 
 
 def close(got, want, atol, what, rtol=0.0):
@@ -198,8 +201,47 @@ def check_norm_rope_ple():
     close(ptk.ple_lookup_triton(table, rows, scale), pref.ple_lookup(table, rows, scale), 0.0, "ple", rtol=2 ** -7)
 
 
+def check_real_widths():
+    """Qwen3.8-Flash-Next's widths (HC: 4 x 2560 streams, rank 320; QSA: 24 / 2 heads x 256, indexer 4 x 128,
+    budget 2048 in blocks of 4, a 1,568-token page as vLLM picked on the H200) on a context past the budget, so the
+    compile step also builds (and checks the shared memory of) the variants the GPU runs."""
+    from qwen4exp.ops.hyper_connection import reference as href, triton_kernel as htk
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    from test_ops import paged_qsa_case, qsa_inputs
+    g = torch.Generator().manual_seed(7)
+    n, D, R = 4, 2560, 320
+    H = (torch.randn(1, n * D, generator=g) * 3).to(BF)
+    nw = (torch.randn(n * D, generator=g) * 0.2).to(BF)
+    Wd = (torch.randn(R, n * D, generator=g) * (n * D) ** -0.5 * 4).to(BF)
+    Wu = (torch.randn(n * D, R, generator=g) * R ** -0.5 * 2).to(BF)
+    Wi = (torch.randn(n, n * D, generator=g) * (n * D) ** -0.5 * 4).to(BF)
+    xr, cr = href.hc_mix(H, nw, Wd, Wu, Wi, n, 1e-6)
+    for fused in (False, True):
+        htk.FUSED = fused
+        x, c = htk.hc_mix_triton(H, nw, Wd, Wu, Wi, n, 1e-6)
+        close(x, xr, 0.07, f"hc_mix real widths fused={fused}")
+        close(c, cr, 0.02, f"hc_mix c real widths fused={fused}")
+    htk.FUSED = False
+    r, budget, L, bs = 4, 2048, 2100, 1568
+    seq = [t.to(BF) for t in qsa_inputs(L, Hq=24, Hkv=2, d=256, hi=4, di=128, seed=3)]
+    kv, bt, ikv, _ = paged_qsa_case([seq], [L], r, bs, bs, shared_table=True)
+    q, k, v, iq, bk = seq
+    pos = torch.tensor([L - 1])
+    got = tk.qsa_decode_paged_triton(q[-1:], pos, iq[-1:], kv, bt, ikv, bt, L // r, r, budget, 0.0625, 0.1)
+    close(got, ref.qsa_decode_paged(q[-1:], pos, iq[-1:], kv, bt, ikv, bt, L // r, r, budget, 0.0625, 0.1), 0.05,
+          "decode real widths")
+    saved = tk.LOOP_MIN_QUERIES
+    for loop_min in (1, 10 ** 9):  # looping / split attention
+        tk.LOOP_MIN_QUERIES = loop_min
+        p = torch.arange(L - 2, L)
+        got = tk.qsa_prefill_paged_triton(q[-2:], p, iq[-2:], kv, bt[0], ikv, L, r, budget, 0.0625, 0.1)
+        want = ref.qsa_prefill_paged(q[-2:], p, iq[-2:], kv, bt[0], ikv, L, r, budget, 0.0625, 0.1)
+        close(got, want, 0.05, f"prefill real widths loop_min={loop_min}")
+    tk.LOOP_MIN_QUERIES = saved
+
+
 CHECKS = [check_qsa_topk, check_qsa_decode, check_qsa_prefill, check_qsa_fp8_caches, check_qsa_cache_writes, check_hc,
-          check_norm_rope_ple]
+          check_norm_rope_ple, check_real_widths]
 
 
 # ------------------------------------------------------------------------------------------ record / compile
@@ -273,6 +315,7 @@ def compile_all(path):
         except Exception as e:  # noqa: BLE001  (name the kernel and its constants)
             raise RuntimeError(f"{d['name']} {d['constexprs']} {d['options']}: {type(e).__name__}: {e}") from e
         assert k.asm.get("cubin"), d["name"]
+        assert k.metadata.shared <= SMEM_MAX, f"{d['name']} {d['constexprs']}: {k.metadata.shared} B of shared memory"
         names.add(d["name"])
     print(f"compiled {len(launches)} launches of {len(names)} kernels for sm_90: {', '.join(sorted(names))}")
     row_views_not_specialised(target)
