@@ -28,6 +28,7 @@ products accumulate in fp32 in another order than cuBLAS, so a bf16 result can d
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -332,7 +333,7 @@ def supported(H, norm_weight, down, up, inj, n) -> bool:
 
 
 LAUNCHED = {}  # the last compiled kernels (registers / spills for the notes)
-_SYNC = {}  # per device: the barrier words, the SM count
+_SYNC = {}  # per device: the fused kernel's grid-barrier words
 
 
 def _sync_buffer(dev):
@@ -343,14 +344,14 @@ def _sync_buffer(dev):
     return _SYNC[key]
 
 
+@functools.cache
+def _sm_count(dev: str) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
 def _resident_programs(dev) -> int:
     """Programs the fused kernel may launch: all must be resident at once for its grid barrier (one per SM)."""
-    if not _ON_GPU:
-        return 1 << 30
-    key = ("sms", str(dev))
-    if key not in _SYNC:
-        _SYNC[key] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return _SYNC[key]
+    return _sm_count(str(dev)) if _ON_GPU else 1 << 30
 
 
 def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, _stop_after_down: bool = False):
@@ -373,49 +374,43 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, _stop_after
     dev = H.device
     rstd = torch.empty(T, n, dtype=torch.float32, device=dev)
     part = torch.empty(T, n_split, R + NI, dtype=torch.float32, device=dev)
-    n_rb = triton.cdiv(R, BLOCK_R)
-    grid = (n_rb + (1 if NI else 0), n_split)
-    fused = FUSED and T <= IN_KERNEL_SILU_MAX_T and not _stop_after_down
-    if fused:
-        P = grid[0] * grid[1]
+    grid = (triton.cdiv(R, BLOCK_R) + (1 if NI else 0), n_split)
+    # compile-time shapes: of both stages, of stage A, of stage B
+    shapes = dict(R=R, NI=NI, D=D, NS=n, BLOCK_T=BLOCK_T)
+    a_meta = dict(KC=KC, BLOCK_R=BLOCK_R, NORM_BLOCK=512 if T <= 16 else 256)
+    b_meta = dict(R_P=triton.next_power_of_2(R), NI_P=max(2, triton.next_power_of_2(max(NI, 1))),
+                  NSPLIT_P=triton.next_power_of_2(n_split))
+    a_ready = T > IN_KERNEL_SILU_MAX_T  # many tokens: the down projection is finished in torch between the stages
+    x = torch.empty(T, D, dtype=H.dtype, device=dev)
+    c_buf = x if a_ready else torch.empty(max(T * NI, 1), dtype=H.dtype, device=dev)  # never a null pointer
+    c = None if a_ready else c_buf[: T * NI].view(T, NI)  # (a_ready: computed in torch below)
+    P = grid[0] * grid[1]
+    if FUSED and not a_ready and not _stop_after_down and P <= _resident_programs(dev):
+        # one launch: stage A, a grid barrier, stage B (one column block per program)
         BLOCK_D = max(16, triton.next_power_of_2(triton.cdiv(D, P)))
-        fused = P <= _resident_programs(dev)
-    if fused:  # one launch: stage A, a grid barrier, stage B
-        x = torch.empty(T, D, dtype=H.dtype, device=dev)
-        c_buf = torch.empty(max(T * NI, 1), dtype=H.dtype, device=dev)
-        args = (H2, nw, down, wi, up, rstd, part, x, c_buf, _sync_buffer(dev), T, float(eps), 1.0 / D, 1.0 / n,
-                H2.stride(0), x.stride(0))
-        meta = dict(R=R, NI=NI, D=D, NS=n, KC=KC, BLOCK_R=BLOCK_R, NORM_BLOCK=512 if T <= 16 else 256,
-                    R_P=triton.next_power_of_2(R), NI_P=max(2, triton.next_power_of_2(max(NI, 1))), BLOCK_D=BLOCK_D,
-                    BLOCK_T=BLOCK_T, NSPLIT_P=triton.next_power_of_2(n_split), num_warps=A_WARPS)
         for phase in ((3,) if _ON_GPU else (1, 2)):
-            LAUNCHED["hc_fused"] = _hc_fused_kernel[(P,)](*args, PHASE=phase, **meta)
-        return x.view(*lead, D), c_buf[: T * NI].view(T, NI).reshape(*lead, NI)
+            LAUNCHED["hc_fused"] = _hc_fused_kernel[(P,)](
+                H2, nw, down, wi, up, rstd, part, x, c_buf, _sync_buffer(dev), T, float(eps), 1.0 / D, 1.0 / n,
+                H2.stride(0), x.stride(0), **shapes, **a_meta, **b_meta, BLOCK_D=BLOCK_D, PHASE=phase,
+                num_warps=A_WARPS)
+        return x.view(*lead, D), c.reshape(*lead, NI)
     pf_lines = triton.cdiv(up.numel() * up.element_size(), 128)  # 128-byte lines of W_up
-    pf_per = triton.cdiv(pf_lines, grid[0] * grid[1])
+    pf_per = triton.cdiv(pf_lines, P)
     LAUNCHED["hc_down"] = _hc_down_kernel[grid](
-        H2, nw, down, wi, rstd, part, up, T, float(eps), 1.0 / D, pf_lines, pf_per, H2.stride(0),
-        R=R, NI=NI, D=D, NS=n, KC=KC, BLOCK_R=BLOCK_R, BLOCK_T=BLOCK_T, NORM_BLOCK=512 if T <= 16 else 256,
+        H2, nw, down, wi, rstd, part, up, T, float(eps), 1.0 / D, pf_lines, pf_per, H2.stride(0), **shapes, **a_meta,
         PREFETCH=PREFETCH_UP and up.element_size() == 2, PF_BLOCK=triton.next_power_of_2(pf_per),
-        PDL=USE_PDL and T <= IN_KERNEL_SILU_MAX_T, num_warps=A_WARPS)
+        PDL=USE_PDL and not a_ready, num_warps=A_WARPS)
     if _stop_after_down:  # (benchmark breakdown)
         return rstd, part
-    x = torch.empty(T, D, dtype=H.dtype, device=dev)
-    a_ready = T > IN_KERNEL_SILU_MAX_T
-    if a_ready:  # many tokens: finish the down projection once, in torch (the reference's ops and rounding)
+    if a_ready:  # finish the down projection once, in torch (the reference's ops and rounding)
         dsum = part.sum(1).to(H.dtype)  # [T, R + NI]
         part = F.silu(dsum[:, :R] / n).contiguous()
         c = 2 * torch.sigmoid(dsum[:, R:] / n) if NI else dsum[:, R:]
-        c_buf = x  # unused
-    else:
-        c_buf = torch.empty(max(T * NI, 1), dtype=H.dtype, device=dev)  # never a null pointer
-        c = c_buf[: T * NI].view(T, NI)
     BLOCK_D = B_BLOCK_D
     LAUNCHED["hc_up"] = _hc_up_kernel[(triton.cdiv(D, BLOCK_D),)](
-        H2, nw, up, rstd, part, x, c_buf, T, n_split, 1.0 / n, H2.stride(0), x.stride(0),
-        R=R, NI=NI, D=D, NS=n, R_P=triton.next_power_of_2(R), NI_P=max(2, triton.next_power_of_2(max(NI, 1))),
-        BLOCK_D=BLOCK_D, BLOCK_T=BLOCK_T, NSPLIT_P=triton.next_power_of_2(n_split), PDL=USE_PDL, A_READY=a_ready,
-        C_IN_KERNEL=(NI > 0) and not a_ready, num_warps=B_WARPS, launch_pdl=USE_PDL)
+        H2, nw, up, rstd, part, x, c_buf, T, n_split, 1.0 / n, H2.stride(0), x.stride(0), **shapes, **b_meta,
+        BLOCK_D=BLOCK_D, PDL=USE_PDL, A_READY=a_ready, C_IN_KERNEL=(NI > 0) and not a_ready, num_warps=B_WARPS,
+        launch_pdl=USE_PDL)
     return x.view(*lead, D), c.reshape(*lead, NI)
 
 
