@@ -152,6 +152,15 @@ def _qsa_score_prefill_kernel(IQ, IKV, IBT, QPOS, KEYS, Tq, Nb, r, scale, n_bt,
              mask=mmask[:, None] & (offs_n < Nb)[None, :])
 
 
+@triton.jit
+def _radix_digit(h, bins, k_rem):
+    """One radix-select pass: h [bins] = counts of the still-tied keys by digit; k_rem = the threshold's rank among
+    them. -> (the threshold's digit: the largest with >= k_rem keys at or above it, the rank left inside it)."""
+    above = tl.cumsum(h, axis=0, reverse=True)  # keys with digit >= bin
+    d = tl.max(tl.where(above >= k_rem, bins, 0), axis=0)
+    return d, k_rem - tl.sum(tl.where(bins > d, h, 0), axis=0)
+
+
 @triton.jit(do_not_specialize=['Nb', 'm', 'stride_kt', 'stride_ot'])
 def _qsa_topk_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, CH: tl.constexpr, M_P: tl.constexpr):
     """Top-m of one query's int64 sort keys, one program per query: an exact 4-pass radix select (8 bits a pass)
@@ -178,9 +187,7 @@ def _qsa_topk_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, CH: tl.constexpr, M
             if p > 0:
                 active = active & ((u >> (SHIFT + 8)).to(tl.int32) == prefix)
             h += tl.histogram(((u >> SHIFT) & 255).to(tl.int32), 256, mask=active)
-        suffix = tl.cumsum(h, axis=0, reverse=True)  # active keys with digit >= b
-        dstar = tl.max(tl.where(suffix >= k_rem, bins, -1), axis=0)
-        k_rem = k_rem - tl.sum(tl.where(bins > dstar, h, 0), axis=0)
+        dstar, k_rem = _radix_digit(h, bins, k_rem)
         prefix = prefix * 256 + dstar
     thr = prefix.to(tl.uint32, bitcast=True)
     # select: key half > thr, plus the first k_rem (by id) equal to thr
@@ -232,9 +239,7 @@ def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.const
             if p > 0:
                 active = valid & ((u >> HI) == (prefix >> HI))
             h = tl.histogram(((u >> SHIFT) & ((1 << (HI - SHIFT)) - 1)).to(tl.int32), 1 << BITS, mask=active)
-            above = tl.cumsum(h, axis=0, reverse=True)  # active keys with digit >= bin
-            d = tl.max(tl.where(above >= k_rem, bins, 0), axis=0)
-            k_rem = k_rem - tl.sum(tl.where(bins > d, h, 0), axis=0)
+            d, k_rem = _radix_digit(h, bins, k_rem)
             prefix = prefix | (d.to(tl.uint32) << SHIFT)
     thr = prefix
     gt = valid & (u > thr)
@@ -389,7 +394,7 @@ LAUNCHED = {}  # the last compiled kernels (registers / spills for the notes)
 ATTN_SLOT_BLOCK = 64  # selected-token slots per program of the attention kernel
 TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch" (torch.topk on the keys)
 TOPK_CHUNK = 8192  # keys per pass step of the radix select
-TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register binary-search select instead of the radix select
+TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register select instead of the chunked radix select
 TOPK_SMALL_MAX = 16384  # (<= 2^16: the in-register kernel packs two counts into an int32)
 TOPK_SMALL_BITS = 1  # threshold bits per search step of the in-register select: 1 (binary search), 8 or 11 (radix)
 TOPK_SMALL_WARPS = 16  # warps of the in-register select at the larger size (16: 48 vs 53 us with 32, H200 run 6)
@@ -450,7 +455,7 @@ def top_ids(keys, m: int):
     """The reference's top-m block ids per row (as a set, in id order; -1 pad), by the Triton radix select."""
     Tq, Nb = keys.shape
     out = torch.empty(Tq, m, dtype=torch.int32, device=keys.device)
-    if TOPK_SMALL and Nb <= TOPK_SMALL_MAX:  # keys in registers, binary search of counts
+    if TOPK_SMALL and Nb <= TOPK_SMALL_MAX:  # keys in registers, the threshold by TOPK_SMALL_BITS a step
         LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
             keys, out, Nb, m, keys.stride(0), out.stride(0), N_P=TOPK_SMALL_BUCKET if Nb <= TOPK_SMALL_BUCKET
             else TOPK_SMALL_MAX, M_P=triton.next_power_of_2(m), BITS=TOPK_SMALL_BITS,
