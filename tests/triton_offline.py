@@ -154,6 +154,25 @@ def check_qsa_cache_writes():
     close(a, b, 1e-3, "index_update_decode", rtol=2 ** -7)
 
 
+def hc_mix_both_ways(args, what):
+    """hc_mix_triton(*args) in two launches and in one launch with a grid barrier (the interpreter runs its two
+    phases as two launches) against the reference."""
+    from qwen4exp.ops.hyper_connection import reference as ref, triton_kernel as tk
+    xr, cr = ref.hc_mix(*args)
+    T, inj = args[0].shape[0], args[4] is not None
+    try:
+        for fused in (False, True):
+            tk.FUSED = fused
+            x, c = tk.hc_mix_triton(*args)
+            close(x, xr, 0.07, f"hc_mix {what} fused={fused}")
+            if inj:
+                close(c, cr, 0.02, f"hc_mix c {what} fused={fused}")
+            else:
+                assert c.shape == (T, 0)
+    finally:
+        tk.FUSED = False
+
+
 def check_hc():
     from qwen4exp.ops.hyper_connection import reference as ref, triton_kernel as tk
     g = torch.Generator().manual_seed(3)
@@ -163,16 +182,7 @@ def check_hc():
         Wd = (torch.randn(R, n * D, generator=g) / (n * D) ** 0.5).to(BF)
         Wu = (torch.randn(n * D, R, generator=g) / R ** 0.5).to(BF)
         Wi = (torch.randn(n, n * D, generator=g) / (n * D) ** 0.5).to(BF) if inj else None
-        xr, cr = ref.hc_mix(H, nw, Wd, Wu, Wi, n, 1e-6)
-        for fused in (False, True):  # two launches / one launch with a grid barrier (here: its two phases)
-            tk.FUSED = fused
-            x, c = tk.hc_mix_triton(H, nw, Wd, Wu, Wi, n, 1e-6)
-            close(x, xr, 0.07, f"hc_mix T={T} fused={fused}")
-            if inj:
-                close(c, cr, 0.02, f"hc_mix c T={T} fused={fused}")
-            else:
-                assert c.shape == (T, 0)
-        tk.FUSED = False
+        hc_mix_both_ways((H, nw, Wd, Wu, Wi, n, 1e-6), f"T={T}")
         y = torch.randn(T, D, generator=g).to(BF)
         cc = (torch.rand(T, n, generator=g) * 2).to(BF)
         close(tk.hc_inject_triton(H, cc, y), ref.hc_inject(H, cc, y), 0.0, "hc_inject", rtol=2 ** -7)  # 1 unit
@@ -205,7 +215,6 @@ def check_real_widths():
     """Qwen3.8-Flash-Next's widths (HC: 4 x 2560 streams, rank 320; QSA: 24 / 2 heads x 256, indexer 4 x 128,
     budget 2048 in blocks of 4, a 1,568-token page as vLLM picked on the H200) on a context past the budget, so the
     compile step also builds (and checks the shared memory of) the variants the GPU runs."""
-    from qwen4exp.ops.hyper_connection import reference as href, triton_kernel as htk
     from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
     from test_ops import paged_qsa_case, qsa_inputs
     g = torch.Generator().manual_seed(7)
@@ -215,13 +224,7 @@ def check_real_widths():
     Wd = (torch.randn(R, n * D, generator=g) * (n * D) ** -0.5 * 4).to(BF)
     Wu = (torch.randn(n * D, R, generator=g) * R ** -0.5 * 2).to(BF)
     Wi = (torch.randn(n, n * D, generator=g) * (n * D) ** -0.5 * 4).to(BF)
-    xr, cr = href.hc_mix(H, nw, Wd, Wu, Wi, n, 1e-6)
-    for fused in (False, True):
-        htk.FUSED = fused
-        x, c = htk.hc_mix_triton(H, nw, Wd, Wu, Wi, n, 1e-6)
-        close(x, xr, 0.07, f"hc_mix real widths fused={fused}")
-        close(c, cr, 0.02, f"hc_mix c real widths fused={fused}")
-    htk.FUSED = False
+    hc_mix_both_ways((H, nw, Wd, Wu, Wi, n, 1e-6), "real widths")
     r, budget, L, bs = 4, 2048, 2100, 1568
     seq = [t.to(BF) for t in qsa_inputs(L, Hq=24, Hkv=2, d=256, hi=4, di=128, seed=3)]
     kv, bt, ikv, _ = paged_qsa_case([seq], [L], r, bs, bs, shared_table=True)
