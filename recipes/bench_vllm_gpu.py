@@ -99,31 +99,62 @@ def copy_bandwidth() -> float:
 
 
 # ------------------------------------------------------------------------------------------------- one engine
-def _profile_steps(engine, n: int, path: str, row_limit: int) -> None:
+def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None) -> None:
     """Run n engine steps under the torch profiler (their outputs are dropped) and write its tables to ``path``:
-    by GPU time (CPU time without a GPU), then by CPU time."""
+    by GPU time (CPU time without a GPU), then by CPU time, then ``recipes/trace_summary.py``'s report of the
+    Chrome trace (kept beside it as ``<path>.trace.json.gz``: GPU busy vs idle per step, gaps, host annotations).
+    ``llm``: the engine core runs in its own process (``--mp``): profile it through vLLM's profiler instead
+    (``profiler_config``; its trace lands beside ``path``, named after it)."""
+    import gzip
+    import shutil
+
     import torch
 
+    from trace_summary import load, report, summarize
+
+    if llm is not None:
+        d, prefix = os.path.dirname(path), os.path.basename(path).removesuffix(".txt")
+        llm.start_profile(prefix)
+        for _ in range(n):
+            if not engine.has_unfinished_requests():  # (with --mp a step would wait for output forever)
+                break
+            engine.step()
+        llm.stop_profile()
+        traces = sorted((os.path.join(d, f) for f in os.listdir(d) if f.startswith(prefix) and ".json" in f),
+                        key=os.path.getmtime)
+        if traces:
+            with open(path, "w") as f:
+                f.write(report(summarize(load(traces[-1])), row_limit) + "\n")
+        return
     cuda = torch.cuda.is_available()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(n):
+            if not engine.has_unfinished_requests():
+                break
             engine.step()
         if cuda:
             torch.cuda.synchronize()
+    trace = path + ".trace.json"
+    prof.export_chrome_trace(trace)
+    with open(trace, "rb") as fi, gzip.open(trace + ".gz", "wb") as fo:
+        shutil.copyfileobj(fi, fo)
+    os.remove(trace)
     with open(path, "w") as f:
         f.write(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
                                           row_limit=row_limit))
         f.write("\n\n")
         f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+        f.write("\n\n")
+        f.write(report(summarize(load(trace + ".gz")), row_limit) + "\n")
 
 
 def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, prefill_steps: list | None = None,
-           profile_prefill: int = 0):
+           profile_prefill: int = 0, llm=None):
     """Add the prompts, step until done. Returns (t_first_all, t_end, step_times_while_all_decoding, tokens).
     ``profile_to``: write a torch-profiler table of decode steps 32..39 there (the steps stay out of the timings),
     or with ``profile_prefill`` = k of the first k steps (prefill chunks). ``prefill_steps``: gets the wall time
-    of every step before all first tokens."""
+    of every step before all first tokens. ``llm``: profile through vLLM's profiler (``--mp``)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -135,11 +166,11 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
     steps = []
     profiled = not profile_to
     if profile_to and profile_prefill:
-        _profile_steps(engine, profile_prefill, profile_to, 45)
+        _profile_steps(engine, profile_prefill, profile_to, 45, llm)
         profiled = True
     while engine.has_unfinished_requests():
         if not profiled and len(steps) == 32:
-            _profile_steps(engine, 8, profile_to, 40)
+            _profile_steps(engine, 8, profile_to, 40, llm)
             profiled = True
             continue
         ts = time.perf_counter()
@@ -187,11 +218,16 @@ def worker(args) -> None:
     eng = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=args.ctx + 320,
                max_num_seqs=32, max_num_batched_tokens=16384, gpu_memory_utilization=args.gpu_util,
                enable_prefix_caching=False, seed=0)
+    if args.mp and args.profile:  # the engine core is another process: vLLM's own profiler traces it
+        eng["profiler_config"] = dict(profiler="torch", torch_profiler_dir=os.path.abspath(
+            os.path.dirname(args.result)), torch_profiler_with_stack=False)
     if args.eager:
         eng["enforce_eager"] = True
     else:
         eng["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}
     res["eager"] = bool(args.eager)
+    res["mp"] = bool(args.mp)
+    res["knobs"] = os.environ.get("QWEN4EXP_KNOBS", "")
     t0 = time.perf_counter()
     llm = LLM(model=args.model, **eng)
     res["startup_s"] = time.perf_counter() - t0
@@ -201,6 +237,7 @@ def worker(args) -> None:
         res["gpu_used_gib"] = (total - free) / 2**30
         res["torch_alloc_gib"] = torch.cuda.memory_allocated() / 2**30
     engine = llm.llm_engine
+    plm = llm if args.mp else None  # who profiles: vLLM's profiler in the engine core process, or this process
     rng = random.Random(0)
     V = cfg["vocab_size"]
 
@@ -219,15 +256,16 @@ def worker(args) -> None:
         res["bs1_prefill_warm_s"] = _drive(engine, prompts(1, args.ctx), 1, prefill_steps=chunks)[0]
         res["bs1_prefill_warm_steps_s"] = chunks
         if args.profile:
-            _drive(engine, prompts(1, args.ctx), 1,
-                   os.path.join(os.path.dirname(args.result), f"{args.impl}.profile-prefill.txt"), profile_prefill=2)
+            _drive(engine, prompts(1, args.ctx), 1, os.path.join(os.path.dirname(args.result),
+                   f"{args.impl}.profile-prefill.txt"), profile_prefill=2, llm=plm)
     print(json.dumps(res), flush=True)
     if args.profile:  # a separate request: the profiler's overhead stays out of the figures above
         _drive(engine, prompts(1, args.ctx), 48,
-               os.path.join(os.path.dirname(args.result), f"{args.impl}.profile.txt"))
+               os.path.join(os.path.dirname(args.result), f"{args.impl}.profile.txt"), llm=plm)
     if args.bs32_ctx > 0:
         prof32 = os.path.join(os.path.dirname(args.result), f"{args.impl}.profile-bs32.txt") if args.profile else None
-        t_first, t_end, steps, ntok = _drive(engine, prompts(32, args.bs32_ctx), args.bs32_tokens, prof32)
+        t_first, t_end, steps, ntok = _drive(engine, prompts(32, args.bs32_ctx), args.bs32_tokens, prof32,
+                                             llm=plm)
         step = statistics.median(steps) if steps else float("nan")
         res.update(bs32_ctx=args.bs32_ctx, bs32_prefill_s=t_first, bs32_e2e_s=t_end, bs32_step_ms=1e3 * step,
                    bs32_decode_tok_s=32 / step, bs32_e2e_out_tok_s=ntok / t_end)
@@ -252,9 +290,9 @@ def _finish(proc_lf, timeout: float) -> str | None:
     return err
 
 
-FIELDS = ["impl", "eager", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "consistency", "bs1_ctx",
+FIELDS = ["impl", "eager", "mp", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "consistency", "bs1_ctx",
           "bs1_prefill_s", "bs1_prefill_warm_s", "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s",
-          "bs32_step_ms", "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "error"]
+          "bs32_step_ms", "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "knobs", "error"]
 
 
 def main() -> None:
@@ -278,6 +316,9 @@ def main() -> None:
                     "and of 8 batch-32 decode steps (<impl>.profile-bs32.txt; left out of the batch-32 figures)")
     ap.add_argument("--warm-prefill", action="store_true", help="time the batch-1 prefill a second time (after "
                     "first-use costs); with --profile also a profiler table of its first two chunks")
+    ap.add_argument("--mp", action="store_true", help="the engine core in its own process, as `vllm serve` and "
+                    "`LLM` run it by default (and as the upstream anchor was measured): its host work (schedule, "
+                    "inputs, outputs) overlaps this process's; default: in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     ap.add_argument("--timeout", type=float, default=560, help="seconds per implementation")
     ap.add_argument("--gpus", default="", help="comma list of GPU ids, one per implementation (e.g. 0,1): all "
                     "implementations then run at the same time, each on its own GPU")
@@ -307,7 +348,7 @@ def main() -> None:
     for i, impl in enumerate(impls):
         res_path = os.path.join(args.out, f"{impl}.json")
         log = os.path.join(args.out, f"{impl}.log")
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if args.mp else "0")
         env["QWEN4EXP_VLLM"] = "0" if impl == "upstream" else "1"
         # both: vLLM's FlashInfer top-k/top-p sampler is JIT-built on a fresh machine (~2 min of start-up, seen on
         # the H200); greedy sampling does not use it
@@ -323,6 +364,8 @@ def main() -> None:
             cmd.append("--profile")
         if args.warm_prefill:
             cmd.append("--warm-prefill")
+        if args.mp:
+            cmd.append("--mp")
         if os.path.exists(res_path):
             os.remove(res_path)
         runs.append((impl, res_path, log, cmd, env))

@@ -22,6 +22,11 @@
 #                                                   # with MTP 3 == without == HF; vLLM's acceptance length
 #   bash recipes/gpu_device.sh extras               # 2 GPUs, one call: `check` of ours on GPU 0 beside upstream's
 #                                                   # on GPU 1, then recipes/bench_ops.py on GPU 1
+#   bash recipes/gpu_device.sh bg [GPU]             # detached (setsid, survives the call): the GPU kernel tests, then
+#                                                   # recipes/bench_ops.py --tune, on GPU (default 1), with the
+#                                                   # image's torch (no vLLM needed), so they run while later calls
+#                                                   # stage vLLM; results in /tmp/bg
+#   bash recipes/gpu_device.sh bgresult             # what `bg` has written so far, copied to OUT/bg and summarised
 #   bash recipes/gpu_device.sh tp2 [models]         # recipes/vllm_tp_check.py: tensor_parallel_size 2 vs 1, greedy
 #                                                   # tokens + teacher-forced top-1 + what is sharded (default fn4;
 #                                                   # 2 GPUs: kind nvidia-h200-x2); NVLink multicast kept off
@@ -97,6 +102,18 @@ case "${1:-}" in
     done
     wait
     for f in check-ours check-upstream bench_ops; do echo "== $f"; tail -12 "$OUT/$f.log"; done ;;
+  bg)
+    mkdir -p /tmp/bg
+    PYTHONPATH=$ROOT:$ROOT/tests CUDA_VISIBLE_DEVICES=${2:-1} setsid nohup bash -c '
+      timeout 300 python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_kernels.py > /tmp/bg/kernels.log 2>&1
+      echo "rc=$?" >> /tmp/bg/kernels.log
+      timeout 420 python recipes/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --tune \
+        > /tmp/bg/bench_ops.log 2>&1
+      echo "rc=$?" >> /tmp/bg/bench_ops.log' > /tmp/bg/bg.log 2>&1 < /dev/null &
+    echo "bg started (pid $!) as $(id -un) on GPU ${2:-1}" ;;
+  bgresult)
+    mkdir -p "$OUT/bg"; cp -r /tmp/bg/. "$OUT/bg/" 2>/dev/null
+    for f in kernels bench_ops; do echo "== $f"; tail -25 "/tmp/bg/$f.log" 2>/dev/null; done ;;
   tp2)
     register
     # greedy only: no FlashInfer sampler (run 6: the TP=2 engine was up after ~130 s, then stalled in FlashInfer's

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .._dispatch import apply_knobs
 from ..triton_utils import round_bf16 as _rbf
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the CPU interpreter (debugging only): no libdevice, no bf16 dot
@@ -308,6 +309,7 @@ IN_KERNEL_SILU_MAX_T = 4  # up to this many tokens kernel B finishes the down pr
 FUSED = False  # up to IN_KERNEL_SILU_MAX_T tokens: both stages in one launch with a grid barrier (not yet timed)
 MAX_T = 32  # decode / verify batches; longer inputs: cuBLAS projections + the norm and gate-mean kernels
 GATE_MEAN_BLOCK = 1024
+apply_knobs(globals(), "hc")  # QWEN4EXP_KNOBS=hc.<SETTING>=<value>,...
 
 
 def _split_for(D: int, NK: int, T: int = 1) -> int:

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dispatch import apply_knobs
 from ..triton_utils import round_bf16 as _rbf
 
 INT64_MIN = -(1 << 63)
@@ -410,6 +411,7 @@ PREFILL_KEYS_BYTES = 256 << 20  # the int64 sort keys of one query chunk of qsa_
 PREFILL_MAX_QUERIES = 16384  # and a chunk has at most this many queries
 SCORE_BLOCK_M = 64  # queries x block keys per program of the prefill score kernel
 SCORE_BLOCK_N = 64
+apply_knobs(globals(), "qsa")  # QWEN4EXP_KNOBS=qsa.<SETTING>=<value>,...
 
 
 def supported(q, k, v, q_pos, index_q, block_keys, r, budget) -> bool:

@@ -1,0 +1,133 @@
+"""Where a decode step's time goes, from a torch-profiler Chrome trace (``recipes/bench_vllm_gpu.py --profile``
+writes one per implementation): GPU busy time against the wall span of the steps, the idle gaps between kernels
+(inside graph replays: launch latency; between them: the host), the host-side annotations vLLM records (schedule,
+prepare inputs, sample, ...), and the kernels by total time.
+
+    python recipes/trace_summary.py TRACE.json[.gz] [--steps 8] [--csv kernels.csv]
+
+Prints a report; ``--csv`` also writes the kernel table. ``summarize`` returns the same figures as a dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import json
+import statistics
+from collections import defaultdict
+
+GAP_US = 2.0  # idle time between two kernels counted as a gap from this length on
+HOST_GAP_US = 20.0  # gaps from this length on are listed with the host annotations that ran during them
+
+
+def load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def summarize(events: list[dict], steps: int = 0) -> dict:
+    """Figures of the trace's GPU kernels (cat "kernel"; memcpy / memset count as GPU work too) and host
+    annotations. ``steps``: divide per-step figures by this (0: by the number of CUDA graph launches, else 1)."""
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    gpu = [e for e in xs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    launches = [e for e in xs if e.get("cat") == "cuda_runtime" and e.get("name") in ("cudaGraphLaunch",
+                                                                                       "cuGraphLaunch")]
+    n = steps or len(launches) or 1
+    res: dict = dict(steps=n, graph_launches=len(launches), kernels=len(gpu))
+    by = defaultdict(lambda: [0, 0.0])
+    for e in gpu:
+        by[e["name"]][0] += 1
+        by[e["name"]][1] += float(e["dur"])
+    res["kernel_table"] = sorted(((k, c, t) for k, (c, t) in by.items()), key=lambda r: -r[2])
+    if gpu:
+        busy = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu])
+        span = busy[-1][1] - busy[0][0]
+        busy_us = sum(e - s for s, e in busy)
+        gaps = [(busy[i][1], busy[i + 1][0] - busy[i][1]) for i in range(len(busy) - 1)]
+        gaps = [(t, g) for t, g in gaps if g >= GAP_US]
+        res.update(span_us=span, busy_us=busy_us, kernel_sum_us=sum(float(e["dur"]) for e in gpu),
+                   idle_us=span - busy_us, gaps=len(gaps), gap_us=sum(g for _, g in gaps),
+                   small_gap_us=sum(g for _, g in gaps if g < HOST_GAP_US),
+                   large_gap_us=sum(g for _, g in gaps if g >= HOST_GAP_US))
+        host = [e for e in xs if e.get("cat") in ("user_annotation", "cpu_op", "python_function")]
+        big = sorted((gg for gg in gaps if gg[1] >= HOST_GAP_US), key=lambda gg: -gg[1])[:12]
+        listed = []
+        for t, g in big:  # the host annotations that ran while the GPU was idle, in the order they began
+            on = [e for e in host if float(e["ts"]) < t + g and float(e["ts"]) + float(e["dur"]) > t]
+            on.sort(key=lambda e: float(e["ts"]))
+            names = []
+            for e in on:
+                if e["name"] not in names:
+                    names.append(e["name"])
+            listed.append((t - busy[0][0], g, names[:6]))
+        res["large_gaps"] = listed
+        if len(launches) > 1:
+            ts = sorted(float(e["ts"]) for e in launches)
+            res["launch_period_us"] = statistics.median(b - a for a, b in zip(ts, ts[1:]))
+    ann = defaultdict(lambda: [0, 0.0])
+    for e in xs:
+        if e.get("cat") == "user_annotation":
+            ann[e["name"]][0] += 1
+            ann[e["name"]][1] += float(e["dur"])
+    res["host_annotations"] = sorted(((k, c, t) for k, (c, t) in ann.items()), key=lambda r: -r[2])
+    return res
+
+
+def report(res: dict, top: int = 30) -> str:
+    n = res["steps"]
+    lines = [f"steps {n} (graph launches {res['graph_launches']}), GPU ops {res['kernels']} "
+             f"({res['kernels'] / n:.0f} per step)"]
+    if "span_us" in res:
+        lines.append(
+            f"per step: GPU span {res['span_us'] / n:.1f} us = busy {res['busy_us'] / n:.1f} us (kernel sum "
+            f"{res['kernel_sum_us'] / n:.1f}) + idle {res['idle_us'] / n:.1f} us, of which gaps under "
+            f"{HOST_GAP_US:.0f} us {res['small_gap_us'] / n:.1f} us (launch latency inside graphs) and from "
+            f"{HOST_GAP_US:.0f} us on {res['large_gap_us'] / n:.1f} us (waiting for the host); "
+            f"{res['gaps'] / n:.0f} gaps of >= {GAP_US:.0f} us a step")
+        if "launch_period_us" in res:
+            lines.append(f"median period between graph launches: {res['launch_period_us']:.1f} us")
+        lines.append("largest idle gaps (start after the first kernel, length, host annotations during the gap):")
+        for t, g, names in res["large_gaps"]:
+            lines.append(f"  +{t / 1e3:9.3f} ms  {g:8.1f} us  {', '.join(names) or '-'}")
+    lines.append(f"{'kernel':70s} {'calls/step':>10s} {'us/step':>9s} {'us/call':>8s}")
+    for name, c, t in res["kernel_table"][:top]:
+        lines.append(f"{name[:70]:70s} {c / n:10.1f} {t / n:9.1f} {t / c:8.2f}")
+    if res["host_annotations"]:
+        lines.append(f"{'host annotation':70s} {'calls/step':>10s} {'us/step':>9s} {'us/call':>8s}")
+        for name, c, t in res["host_annotations"][:top]:
+            lines.append(f"{name[:70]:70s} {c / n:10.1f} {t / n:9.1f} {t / c:8.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--steps", type=int, default=0, help="steps in the trace (default: its CUDA graph launches)")
+    ap.add_argument("--csv", help="write the kernel table here")
+    ap.add_argument("--top", type=int, default=30)
+    a = ap.parse_args()
+    res = summarize(load(a.trace), a.steps)
+    print(report(res, a.top))
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["kernel", "calls_per_step", "us_per_step", "us_per_call"])
+            for name, c, t in res["kernel_table"]:
+                w.writerow([name, c / res["steps"], t / res["steps"], t / c])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""``recipes/trace_summary.py``: GPU busy / idle time, gaps and host annotations of a torch-profiler Chrome trace
+(a synthetic one whose figures are known)."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "trace_summary.py"
+
+
+@pytest.fixture(scope="module")
+def ts():
+    spec = importlib.util.spec_from_file_location("trace_summary", RECIPE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _x(cat, name, ts, dur):
+    return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, pid=0, tid=0)
+
+
+def _trace():
+    """Two steps 200 us apart: a graph launch, kernels A (10 us), B (10 us, 1 us after A: no gap), C (10 us, 4 us
+    after B: a small gap), then the host samples (an annotation) while the GPU waits 165 us for the next step."""
+    ev = [dict(ph="M", name="process_name", pid=0, args={})]
+    for s in range(2):
+        o = 200.0 * s
+        ev += [_x("user_annotation", "execute_model", o, 95), _x("cuda_runtime", "cudaGraphLaunch", o + 90, 4),
+               _x("kernel", "A", o + 100, 10), _x("kernel", "B", o + 111, 10), _x("kernel", "C", o + 125, 10),
+               _x("user_annotation", "sample", o + 140, 50), _x("cpu_op", "aten::argmax", o + 150, 5)]
+    return ev
+
+
+def test_summary_splits_busy_small_and_large_gaps(ts):
+    r = ts.summarize(_trace())
+    assert r["steps"] == 2 and r["graph_launches"] == 2 and r["kernels"] == 6
+    assert r["span_us"] == pytest.approx(235.0)  # 100 -> 335
+    assert r["busy_us"] == pytest.approx(60.0) and r["kernel_sum_us"] == pytest.approx(60.0)
+    assert r["idle_us"] == pytest.approx(175.0)  # 1 + 4 + 165 + 1 + 4
+    assert r["gaps"] == 3 and r["small_gap_us"] == pytest.approx(8.0) and r["large_gap_us"] == pytest.approx(165.0)
+    assert r["launch_period_us"] == pytest.approx(200.0)
+    (t, g, names), = r["large_gaps"]
+    assert g == pytest.approx(165.0) and names == ["sample", "aten::argmax", "execute_model"]
+    assert [k[0] for k in r["kernel_table"]] and r["kernel_table"][0][1:] == (2, 20.0)
+    assert dict((k, (c, t)) for k, c, t in r["host_annotations"]) == {"execute_model": (2, 190.0),
+                                                                       "sample": (2, 100.0)}
+
+
+def test_cli_reads_gzip_and_writes_csv(tmp_path):
+    p = tmp_path / "t.json.gz"
+    with gzip.open(p, "wt") as f:
+        json.dump({"traceEvents": _trace()}, f)
+    out = subprocess.run([sys.executable, str(RECIPE), str(p), "--csv", str(tmp_path / "k.csv")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "per step: GPU span 117.5 us" in out and "sample" in out
+    rows = (tmp_path / "k.csv").read_text().splitlines()
+    assert rows[0] == "kernel,calls_per_step,us_per_step,us_per_call" and len(rows) == 4
