@@ -80,6 +80,25 @@ def runs(setup, tmp_path_factory):
     return out
 
 
+def _cache_kind(layer_name: str) -> str:
+    """model.layers.<i>.<kind>...: linear_attn (GDN state), ple_state (and its pads), self_attn (QSA cache)."""
+    kind = layer_name.split(".")[3]
+    return "ple_state" if kind.startswith("ple_state") else kind
+
+
+def test_kv_cache_groups_one_per_cache_kind(runs):
+    """vLLM groups cache layers of equal spec into groups of one common size, the smallest layer count of any spec;
+    a lone PLE state made that 1 (a group, with its metadata build, block table and slot mapping per step, for
+    every layer: 5 groups here, 13 on FN-12L). The PLE pads keep it at the QSA layer count: the tiny model's
+    2 GDN, 1 PLE and 2 QSA cache layers make 3 groups of 2, one per cache kind."""
+    for name, r in runs.items():
+        groups = r["kv_cache_groups"]
+        kinds = [{_cache_kind(n) for n in g} for g in groups]
+        assert all(len(k) == 1 for k in kinds), (name, groups)
+        assert sorted(k.pop() for k in kinds) == ["linear_attn", "ple_state", "self_attn"], (name, groups)
+        assert {len(g) for g in groups} == {2}, (name, groups)
+
+
 def _centered(lp):
     return lp - lp.mean(-1, keepdim=True)
 
@@ -189,8 +208,10 @@ def test_prefix_caching_same_tokens(setup, tmp_path_factory):
 
 
 def test_preemption_same_tokens(setup, tmp_path_factory):
-    """A KV pool that admits four 378-token prompts but has no room for them to grow past the 384-token block
-    forces recompute-preemption; tokens must equal those of an engine with a large pool."""
+    """A KV pool that admits several 378-token prompts but has no room for them to grow past the 384-token block
+    forces recompute-preemption; tokens must equal those of an engine with a large pool. A request holds one block
+    per cache group (3: GDN, PLE, QSA) until it grows into a second QSA block: 10 blocks less vLLM's null block
+    admit three requests and leave none to grow into."""
     from qwen4exp.vllm.offline import run_offline
 
     V, eos = setup["V"], setup["eos"]
@@ -200,7 +221,7 @@ def test_preemption_same_tokens(setup, tmp_path_factory):
     ref = run_offline(dict(model=setup["ckpt"], prompts=prompts, sampling=sampling, engine=_engine(**common)),
                       str(tmp_path_factory.mktemp("no_preempt")))
     res = run_offline(dict(model=setup["ckpt"], prompts=prompts, sampling=sampling,
-                           engine=_engine(num_gpu_blocks_override=16, **common)),
+                           engine=_engine(num_gpu_blocks_override=10, **common)),
                       str(tmp_path_factory.mktemp("preempt")))
     print("preemptions:", res["num_preemptions"], "(large pool:", ref["num_preemptions"], ")")
     assert res["num_preemptions"], "the small KV pool did not force a preemption"

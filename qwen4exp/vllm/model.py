@@ -82,6 +82,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
                 self.ple_states[str(i)] = st
             layers.append(layer)
         self.layers = nn.ModuleList(layers)
+        self.ple_state_pads = nn.ModuleList(_ple_state_pads(config, vllm_config, self.ple_states, prefix, dtype))
         self.hyper_connection_mixer = HyperConnection(config, inject=False, linear=vllm_linear,
                                                       prefix=f"{prefix}.hyper_connection_mixer")
         sc = vllm_config.speculative_config
@@ -132,6 +133,36 @@ def decoder_layer(config, i: int, prefix: str, mixer: nn.Module, layer_type: str
                          experts=_LazyExperts(), **kw)
     layer.mlp.experts = fused_experts(config, f"{prefix}.mlp.experts", layer.mlp.gate)
     return layer
+
+
+def _ple_step_unused(*_):
+    raise RuntimeError("qwen4exp: a PLE state pad was run (it only holds cache-group places)")
+
+
+def _ple_state_pads(config, vllm_config, ple_states, prefix: str, dtype) -> list:
+    """Unused PLE-shaped state layers that keep vLLM's KV cache groups few.
+
+    vLLM's hybrid cache manager puts layers of equal cache spec into groups of one common size, the size being the
+    smallest number of layers any spec has (``kv_cache_utils._get_kv_cache_groups_uniform_page_size``). With one
+    PLE state beside n GDN and m QSA layers that size is 1: one group per layer (13 on FN-12L, 49 on the full
+    model), and every step builds attention metadata, a block table and slot mappings for each. Padding the PLE
+    spec up to the QSA layer count (with the MTP head's, when it drafts) restores groups of that size (5 on FN-12L:
+    3 GDN, 1 PLE, 1 QSA). The pads share the PLE group's blocks, which vLLM would pad to the group size anyway,
+    so they cost no cache memory; nothing ever reads them. ``QWEN4EXP_PLE_PADS=0`` leaves them out (A/B runs)."""
+    if not ple_states or os.environ.get("QWEN4EXP_PLE_PADS", "1") == "0":
+        return []
+    n_attn = sum(_layer_type(config, i) != LINEAR for i in range(config.num_hidden_layers))
+    sc = vllm_config.speculative_config
+    if sc is not None and sc.method == "mtp":
+        n_attn += getattr(config, "mtp_num_hidden_layers", 1) or 1
+    first = min(ple_states, key=int)
+    pads = []
+    for j in range(1, n_attn - len(ple_states) + 1):
+        st = StateSlots(ple_state_shapes(config), (dtype, torch.int32),
+                        f"{prefix}.layers.{first}.ple_state_pad{j}")
+        st.step = _ple_step_unused
+        pads.append(st)
+    return pads
 
 
 def _ple_step(ple, st: StateSlots, H: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

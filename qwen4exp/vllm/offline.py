@@ -95,6 +95,13 @@ def tp_layout(model) -> dict:
             "partitions": parts, "sums": sums}
 
 
+def kv_cache_groups(llm) -> list[list[str]] | None:
+    """The layer names of each KV cache group of an in-process engine (None where the engine core runs elsewhere)."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    cfg = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
+    return None if cfg is None else [list(g.layer_names) for g in cfg.kv_cache_groups]
+
+
 def _main(spec_path: str, out_path: str, tensor_parallel_size: int | None = None) -> None:
     from ..serve import cpu_env
 
@@ -156,7 +163,7 @@ def _main(spec_path: str, out_path: str, tensor_parallel_size: int | None = None
         layout = llm.apply_model(fn)
     torch.save({"tokens": tokens, "logprobs": lps, "prompt_logprobs": plps, "prompt_top1": top1, "startup_s": startup,
                 "run_s": run, "metrics": metrics, "num_preemptions": metrics.get("vllm:num_preemptions"),
-                "tp_layout": layout}, out_path)
+                "tp_layout": layout, "kv_cache_groups": kv_cache_groups(llm)}, out_path)
 
 
 if __name__ == "__main__":
