@@ -31,11 +31,11 @@ venv: $(VENV)/.stamp
 
 # Triton (the GPU image's 3.6.0) BESIDE the venv, for tests/test_triton_offline.py: the GPU kernels run under Triton's
 # CPU interpreter against their references and are compiled for sm_90, with no GPU. Not in the venv: vLLM's CPU build
-# must not see Triton.
+# must not see Triton. fla-core (the GPU GDN kernels of the HF path) beside it, for the same kind of check.
 TRITON_DIR := .cache/triton
 $(TRITON_DIR)/.stamp: | $(VENV)/.stamp
 	@mkdir -p .cache .tmp
-	$(PIP) install -q --no-deps --target $(TRITON_DIR) triton==3.6.0
+	$(PIP) install -q --no-deps --target $(TRITON_DIR) triton==3.6.0 fla-core==0.6.0 einops==0.8.2
 	touch $@
 
 test: venv $(TRITON_DIR)/.stamp

@@ -194,6 +194,22 @@ def ple_case(T, where, R=2_000_000, dg=160, G=16):
     return sets, by, T * G * dg
 
 
+def gdn_case(lens, hk=16, hv=48, d=128):
+    """GDN at the real widths: packed sequences of ``lens`` tokens with carried fp32 states. Bytes: the states read
+    and written, q / k / v / g / beta read and the output written."""
+    T, N = sum(lens), len(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    by = 2 * N * hv * d * d * 4 + T * (2 * hk * d + 2 * hv * d) * 2 + T * hv * 6
+    sets = []
+    for _ in range(4):  # drawn on the host: an aborted graph capture (a reference's host sync) upsets CUDA's RNG
+        q, k = (torch.randn(T, hk, d).to("cuda", torch.bfloat16) for _ in range(2))
+        v = torch.randn(T, hv, d).to("cuda", torch.bfloat16)
+        g = -torch.nn.functional.softplus(torch.randn(T, hv)).cuda()
+        beta = torch.sigmoid(torch.randn(T, hv)).to("cuda", torch.bfloat16)
+        sets.append((q, k, v, g, beta, cu, (torch.randn(N, hv, d, d) * 0.1).cuda()))
+    return sets, by, T * hv * d * d * 6
+
+
 def ple_ref_host(table, rows, scale, out_dtype):
     """What the model does with a host table and no kernel: rows to the host, gather there, result back."""
     return ple_ref.ple_lookup(table, rows.cpu(), scale.cpu(), out_dtype).to(rows.device, non_blocking=True)
@@ -395,6 +411,14 @@ def main():
                       ple_ref_host))
         cases.append(("ple_lookup", f"T={T},fp8,gpu", lambda T=T: ple_case(T, "gpu"), cuda.ple_lookup,
                       ple_ref.ple_lookup))
+    if cuda._FLA is not None:  # GDN through flash-linear-attention (the HF path's kernels; vLLM has its own copy)
+        from qwen4exp.ops.gated_delta_rule import reference as gdn_ref
+
+        for B in (1, 32):
+            cases.append(("gdn_recurrent", f"B={B},16/48x128", lambda B=B: gdn_case([1] * B),
+                          cuda.recurrent_gated_delta_rule, gdn_ref.recurrent_gated_delta_rule))
+        cases.append(("gdn_chunk", "T=16384,16/48x128", lambda: gdn_case([16384]), cuda.chunk_gated_delta_rule,
+                      gdn_ref.chunk_gated_delta_rule))
     rows = []
     for op, case, make, kern, ref in cases:
         if only and op not in only:
@@ -402,11 +426,12 @@ def main():
         print(f"-- {op} {case}", flush=True)
         sets, by, fl = make()
         tk, mk = time_calls(kern, sets)
-        host_sync = op in ("qsa_attention", "qsa_prefill_paged")  # these QSA references sync with the host
+        host_sync = op in ("qsa_attention", "qsa_prefill_paged", "gdn_chunk")  # these references sync with the host
         ref_graph = not host_sync and "pinned" not in case
         tr, mr = time_calls(ref, sets, graph=ref_graph)
         tc, mc = float("nan"), "-"
-        if not args.no_compile and "pinned" not in case and "no-L2" not in case and op != "qsa_prefill_paged":
+        if (not args.no_compile and "pinned" not in case and "no-L2" not in case
+                and op not in ("qsa_prefill_paged", "gdn_chunk")):
             try:
                 comp = torch.compile(ref, dynamic=False)
                 tc, mc = time_calls(comp, sets, graph=ref_graph)

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import register_kernel
+from .gated_delta_rule import fla_kernel as gdn_fla
+from .gated_delta_rule import reference as gdn_ref
 from .hyper_connection import reference as hc_ref
 from .hyper_connection import triton_kernel as hc_tk
 from .norm import reference as norm_ref
@@ -237,6 +239,44 @@ def apply_rope(x, cos, sin):
     return apply_rope_op(x, cos, sin)
 
 
+# ------------------------------------------------------------------------------------ gated delta rule (fla-core)
+_FLA = gdn_fla.load()
+
+
+@torch.library.custom_op("qwen4exp::gdn_chunk", mutates_args=())
+def gdn_chunk_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
+                 initial_state: Optional[Tensor], scale: Optional[float], use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
+    return gdn_fla.run(_FLA[0], q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+
+
+@torch.library.custom_op("qwen4exp::gdn_recurrent", mutates_args=())
+def gdn_recurrent_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
+                     initial_state: Optional[Tensor], scale: Optional[float],
+                     use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
+    return gdn_fla.run(_FLA[1], q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+
+
+@gdn_chunk_op.register_fake
+@gdn_recurrent_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
+    N = cu_seqlens.shape[0] - 1
+    return v.new_empty(v.shape), v.new_empty(N, v.shape[-2], q.shape[-1], v.shape[-1], dtype=torch.float32)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, use_qk_l2norm=True):
+    if _FLA is None or not gdn_fla.supported(q, k, v, g, beta):
+        return gdn_ref.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+    return gdn_chunk_op(q, k, v, g, beta, cu_seqlens, initial_state, scale, bool(use_qk_l2norm))
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, use_qk_l2norm=True):
+    if _FLA is None or not gdn_fla.supported(q, k, v, g, beta):
+        return gdn_ref.recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+    return gdn_recurrent_op(q, k, v, g, beta, cu_seqlens, initial_state, scale, bool(use_qk_l2norm))
+
+
+register_kernel("chunk_gated_delta_rule", "cuda", chunk_gated_delta_rule)
+register_kernel("recurrent_gated_delta_rule", "cuda", recurrent_gated_delta_rule)
 register_kernel("hc_mix", "cuda", hc_mix)
 register_kernel("hc_inject", "cuda", hc_inject)
 register_kernel("qsa_attention", "cuda", qsa_attention)
