@@ -28,7 +28,7 @@
 #                                                   # stage vLLM; results in /tmp/bg
 #   bash recipes/gpu_device.sh bgresult             # what `bg` has written so far, copied to OUT/bg and summarised
 #   bash recipes/gpu_device.sh tp2 [models]         # recipes/vllm_tp_check.py: tensor_parallel_size 2 vs 1, greedy
-#                                                   # tokens + teacher-forced top-1 + what is sharded (default fn4;
+#                                                   # tokens + teacher-forced top-1 + what is sharded (default coder,fn4;
 #                                                   # 2 GPUs: kind nvidia-h200-x2); NVLink multicast kept off
 #
 # Each job is bounded (timeout) and writes to files, never through a pipe that an engine process could hold open.
@@ -120,7 +120,7 @@ case "${1:-}" in
     # first-use JIT build of its sampling module until the 200 s limit)
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0 \
       VLLM_USE_FLASHINFER_SAMPLER=0 QWEN4EXP_CHECK_TIMEOUT=${QWEN4EXP_CHECK_TIMEOUT:-300} timeout 590 python recipes/vllm_tp_check.py \
-      --out "$OUT/tp2" --models "${2:-fn4}" --tp 2 > "$OUT/tp2.log" 2>&1
+      --out "$OUT/tp2" --models "${2:-coder,fn4}" --tp 2 > "$OUT/tp2.log" 2>&1
     echo "rc=$?"; tail -30 "$OUT/tp2.log" ;;
   *) sed -n '2,/^set /{/^#/p}' "$0"; exit 2 ;;
 esac

@@ -12,7 +12,8 @@ at every prompt position (teacher-forced) and the top-2 logprobs of every genera
 Printed per model: the TP=N ranks' partition sizes that differ from TP=1 (what is sharded), whether the greedy
 tokens are identical (else the first mismatch and both runs' top-2 logprobs there: a near-tie or not), and the
 teacher-forced top-1 agreement between the two runs. ``results.json`` in --out. Exit status 1 when greedy tokens
-differ or a layer that must be sharded is not.
+differ other than at a one-step bf16 tie (``near_tie``: both tokens within one bf16 logit step of each other in both
+runs, the mark of another reduction order) or a layer that must be sharded is not.
 """
 
 from __future__ import annotations
@@ -39,9 +40,27 @@ def run(d: str, prompts, eng: dict, tp: int, graphs: bool, work: str) -> dict:
                   gpu_memory_utilization=0.5, seed=0, tensor_parallel_size=tp)
     engine.update(eng)
     spec = dict(model=d, engine=engine, prompts=prompts, prompt_top1=True, tp_layout=True,
-                sampling=dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, prompt_logprobs=1, logprobs=2,
+                sampling=dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, prompt_logprobs=1, logprobs=TOPK,
                               detokenize=False))
     return run_offline(spec, work, timeout=float(os.environ.get("QWEN4EXP_CHECK_TIMEOUT", 240)))
+
+
+TOPK = 20  # logprobs kept per generated token (enough to find both runs' tokens at a greedy difference)
+
+
+def near_tie(row_one: dict, row_many: dict, a: int, b: int) -> bool:
+    """At a greedy difference (TP=1 picked a, TP=N picked b): are a and b within one quantum of each other in both
+    runs? Logits are bf16, so logprobs in one binade move in steps of one bf16 spacing (the quantum: the smallest
+    gap between distinct values of the row's top logprobs); another reduction order (TP's all-reduce) moves a logit
+    at a rounding boundary by one step. A difference of more than one step in either run is not such a tie."""
+    if not all(t in r for t in (a, b) for r in (row_one, row_many)):
+        return False
+    vals = sorted(set(row_one.values()), reverse=True)
+    gaps = [x - y for x, y in zip(vals, vals[1:]) if x - y > 1e-6]
+    if not gaps:
+        return False
+    q = min(gaps) * 1.001
+    return abs(row_one[a] - row_one[b]) <= q and abs(row_many[a] - row_many[b]) <= q
 
 
 def compare(one: dict, many: dict) -> dict:
@@ -60,14 +79,19 @@ def compare(one: dict, many: dict) -> dict:
         j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if j is not None:
             top = [sorted(r["logprobs"][i][j].items(), key=lambda t: -t[1])[:2] for r in (one, many)]
-            mism.append(dict(prompt=i, position=j, tp1=a[j], tpn=b[j], top2_tp1=top[0], top2_tpn=top[1]))
+            tie = near_tie(one["logprobs"][i][j], many["logprobs"][i][j], a[j], b[j])
+            mism.append(dict(prompt=i, position=j, tp1=a[j], tpn=b[j], top2_tp1=top[0], top2_tpn=top[1],
+                             near_tie=tie))
     out["greedy_mismatches"] = mism
     agree = total = 0
     for a, b in zip(one["prompt_top1"], many["prompt_top1"]):
         agree += sum(x == y for x, y in zip(a, b))
         total += len(a)
     out["teacher_forced_top1_agree"] = f"{agree}/{total}"
-    out["ok"] = not mism and not out["not_sharded"] and len(ranks) == many["tp_layout"][0]["tp_size"]
+    # greedy streams must agree up to their first difference, and that difference must be a one-step bf16 tie
+    # (random-weight checkpoints have nearly flat logits: such ties are common there, rare on trained ones)
+    out["ok"] = (all(m["near_tie"] for m in mism) and not out["not_sharded"]
+                 and len(ranks) == many["tp_layout"][0]["tp_size"])
     return out
 
 
