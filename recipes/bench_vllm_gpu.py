@@ -99,12 +99,13 @@ def copy_bandwidth() -> float:
 
 
 # ------------------------------------------------------------------------------------------------- one engine
-def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None) -> None:
+def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None, gpu_only: bool = False) -> None:
     """Run n engine steps under the torch profiler (their outputs are dropped) and write its tables to ``path``:
     by GPU time (CPU time without a GPU), then by CPU time, then ``recipes/trace_summary.py``'s report of the
     Chrome trace (kept beside it as ``<path>.trace.json.gz``: GPU busy vs idle per step, gaps, host annotations).
     ``llm``: the engine core runs in its own process (``--mp``): profile it through vLLM's profiler instead
-    (``profiler_config``; its trace lands beside ``path``, named after it)."""
+    (``profiler_config``; its trace lands beside ``path``, named after it). ``gpu_only``: record GPU activity only
+    (in-process; ``--mp`` sets it in the engine's profiler config), so the host is not slowed by op recording."""
     import gzip
     import shutil
 
@@ -127,7 +128,8 @@ def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None) -> None:
                 f.write(report(summarize(load(traces[-1])), row_limit) + "\n")
         return
     cuda = torch.cuda.is_available()
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    acts = ([] if cuda and gpu_only else [torch.profiler.ProfilerActivity.CPU]) + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(n):
             if not engine.has_unfinished_requests():
@@ -150,7 +152,7 @@ def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None) -> None:
 
 
 def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, prefill_steps: list | None = None,
-           profile_prefill: int = 0, llm=None):
+           profile_prefill: int = 0, llm=None, gpu_only: bool = False):
     """Add the prompts, step until done. Returns (t_first_all, t_end, step_times_while_all_decoding, tokens).
     ``profile_to``: write a torch-profiler table of decode steps 32..39 there (the steps stay out of the timings),
     or with ``profile_prefill`` = k of the first k steps (prefill chunks). ``prefill_steps``: gets the wall time
@@ -166,11 +168,11 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
     steps = []
     profiled = not profile_to
     if profile_to and profile_prefill:
-        _profile_steps(engine, profile_prefill, profile_to, 45, llm)
+        _profile_steps(engine, profile_prefill, profile_to, 45, llm, gpu_only)
         profiled = True
     while engine.has_unfinished_requests():
         if not profiled and len(steps) == 32:
-            _profile_steps(engine, 8, profile_to, 40, llm)
+            _profile_steps(engine, 8, profile_to, 40, llm, gpu_only)
             profiled = True
             continue
         ts = time.perf_counter()
@@ -221,6 +223,8 @@ def worker(args) -> None:
     if args.mp and args.profile:  # the engine core is another process: vLLM's own profiler traces it
         eng["profiler_config"] = dict(profiler="torch", torch_profiler_dir=os.path.abspath(
             os.path.dirname(args.result)), torch_profiler_with_stack=False)
+        if args.profile_gpu_only:  # no host-op recording: the host runs at (nearly) its unprofiled speed
+            eng["profiler_config"]["torch_profiler_activities"] = ["CUDA"]
     if args.eager:
         eng["enforce_eager"] = True
     else:
@@ -257,15 +261,17 @@ def worker(args) -> None:
         res["bs1_prefill_warm_steps_s"] = chunks
         if args.profile:
             _drive(engine, prompts(1, args.ctx), 1, os.path.join(os.path.dirname(args.result),
-                   f"{args.impl}.profile-prefill.txt"), profile_prefill=2, llm=plm)
+                   f"{args.impl}.profile-prefill.txt"), profile_prefill=2, llm=plm,
+                   gpu_only=args.profile_gpu_only)
     print(json.dumps(res), flush=True)
     if args.profile:  # a separate request: the profiler's overhead stays out of the figures above
         _drive(engine, prompts(1, args.ctx), 48,
-               os.path.join(os.path.dirname(args.result), f"{args.impl}.profile.txt"), llm=plm)
+               os.path.join(os.path.dirname(args.result), f"{args.impl}.profile.txt"), llm=plm,
+               gpu_only=args.profile_gpu_only)
     if args.bs32_ctx > 0:
         prof32 = os.path.join(os.path.dirname(args.result), f"{args.impl}.profile-bs32.txt") if args.profile else None
         t_first, t_end, steps, ntok = _drive(engine, prompts(32, args.bs32_ctx), args.bs32_tokens, prof32,
-                                             llm=plm)
+                                             llm=plm, gpu_only=args.profile_gpu_only)
         step = statistics.median(steps) if steps else float("nan")
         res.update(bs32_ctx=args.bs32_ctx, bs32_prefill_s=t_first, bs32_e2e_s=t_end, bs32_step_ms=1e3 * step,
                    bs32_decode_tok_s=32 / step, bs32_e2e_out_tok_s=ntok / t_end)
@@ -316,6 +322,8 @@ def main() -> None:
                     "and of 8 batch-32 decode steps (<impl>.profile-bs32.txt; left out of the batch-32 figures)")
     ap.add_argument("--warm-prefill", action="store_true", help="time the batch-1 prefill a second time (after "
                     "first-use costs); with --profile also a profiler table of its first two chunks")
+    ap.add_argument("--profile-gpu-only", action="store_true", help="with --profile: record GPU activity only (no "
+                    "host ops: the host keeps its unprofiled speed, so GPU idle time per step is the real one)")
     ap.add_argument("--mp", action="store_true", help="the engine core in its own process, as `vllm serve` and "
                     "`LLM` run it by default (and as the upstream anchor was measured): its host work (schedule, "
                     "inputs, outputs) overlaps this process's; default: in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
@@ -366,6 +374,8 @@ def main() -> None:
             cmd.append("--warm-prefill")
         if args.mp:
             cmd.append("--mp")
+        if args.profile_gpu_only:
+            cmd.append("--profile-gpu-only")
         if os.path.exists(res_path):
             os.remove(res_path)
         runs.append((impl, res_path, log, cmd, env))
