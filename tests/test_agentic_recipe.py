@@ -5,13 +5,13 @@ workload at concurrency 1 and 8)."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from recipe_loader import load_recipe
 from test_bench import _write_csv
 
 from qwen4exp.bench import metrics as M
@@ -23,10 +23,7 @@ RECIPE = ROOT / "recipes" / "agentic_gpu.py"
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("agentic_gpu", RECIPE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_recipe("agentic_gpu")
 
 
 def _summary_rows(ttft: float) -> list[dict[str, str]]:

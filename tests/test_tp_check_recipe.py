@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from recipe_loader import load_recipe
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "vllm_tp_check.py"
 Q = 2.0 ** -6  # one bf16 step of logits in [2, 4)
 
 
 @pytest.fixture(scope="module")
 def tp():
-    spec = importlib.util.spec_from_file_location("vllm_tp_check", RECIPE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_recipe("vllm_tp_check")
 
 
 def _row(base: float, steps: dict[int, int]) -> dict[int, float]:

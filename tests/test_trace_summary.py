@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from recipe_loader import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "trace_summary.py"
@@ -18,10 +18,7 @@ RECIPE = ROOT / "recipes" / "trace_summary.py"
 
 @pytest.fixture(scope="module")
 def ts():
-    spec = importlib.util.spec_from_file_location("trace_summary", RECIPE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_recipe("trace_summary")
 
 
 def _x(cat, name, ts, dur):
