@@ -384,9 +384,10 @@ def main():
         stages += prefill_breakdown()
     only = set(filter(None, args.only.split(",")))
     cases = []
-    for T in (1, 8, 32, 16384):  # 16384: a prefill chunk (cuBLAS projections + norm and gate-mean kernels)
+    for T in (1, 8, 16, 32, 16384):  # as dispatched (16384: a prefill chunk: cuBLAS projections + norm / gate-mean)
         cases.append(("hc_mix", f"T={T}", lambda T=T: hc_mix_case(T), cuda.hc_mix, hc_ref.hc_mix))
-    for T in (8, 32):  # the many-token path (cuBLAS + norm and gate-mean kernels) at decode sizes, beside the fused
+    for T in (8, 16, 32):  # decode / verify sizes both ways: the two fused launches and the many-token path
+        cases.append(("hc_mix", f"T={T},fused", lambda T=T: hc_mix_case(T), cuda.hc_mix_op, hc_ref.hc_mix))
         cases.append(("hc_mix", f"T={T},gemm-path", lambda T=T: hc_mix_case(T), cuda._hc_mix_many_tokens,
                       hc_ref.hc_mix))
     for T in (1, 32):

@@ -1,5 +1,5 @@
-"""Triton kernels for the HC mixer (decode sizes, T <= 32 tokens) and the HC write-back. Imported only on the CUDA
-path (``qwen4exp.ops.cuda``).
+"""Triton kernels for the HC mixer (decode sizes, T <= MAX_T = 16 tokens) and the HC write-back. Imported only on
+the CUDA path (``qwen4exp.ops.cuda``).
 
 ``hc_mix`` runs as two launches (a single kernel would need a grid-wide barrier between the down- and the
 up-projection, since every output needs all r down-projected values):
@@ -307,7 +307,8 @@ B_BLOCK_D = 16  # output columns per program of kernel B ([n * B_BLOCK_D, r] W_u
 B_WARPS = 8
 IN_KERNEL_SILU_MAX_T = 4  # up to this many tokens kernel B finishes the down projection itself (per program)
 FUSED = False  # up to IN_KERNEL_SILU_MAX_T tokens: both stages in one launch with a grid barrier (not yet timed)
-MAX_T = 32  # decode / verify batches; longer inputs: cuBLAS projections + the norm and gate-mean kernels
+MAX_T = 16  # up to here the two fused launches; more tokens: cuBLAS projections + the norm and gate-mean kernels
+# (H200, run 7, same bench_ops run: T=8 fused 29.0 vs 33.1 us, T=32 fused 41.6 vs 34.6 us; T=16 not timed)
 GATE_MEAN_BLOCK = 1024
 apply_knobs(globals(), "hc")  # QWEN4EXP_KNOBS=hc.<SETTING>=<value>,...
 
