@@ -49,6 +49,22 @@ def _kv_cache(attn: Attention) -> torch.Tensor:
     return kv
 
 
+def _host_lengths(m) -> tuple[list[int], list[int]]:
+    """The step's query starts and sequence lengths as host lists: one device-to-host copy (a sync) per step and
+    metadata object, not per QSA layer (all QSA layers share one KV-cache group, so one metadata object). Kept on the
+    forward context, which vLLM makes anew for every forward pass (metadata objects or their tensors may be reused
+    across steps, so they cannot carry it)."""
+    fc = get_forward_context()
+    memo = getattr(fc, "_qwen4exp_host_lengths", None)
+    if memo is None or memo[0] is not m:
+        memo = (m, m.query_start_loc.tolist(), m.seq_lens.tolist())
+        try:
+            fc._qwen4exp_host_lengths = memo
+        except AttributeError:  # (a context class with __slots__: no memo)
+            pass
+    return memo[1], memo[2]
+
+
 def _rows(cache: torch.Tensor, block_row: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype | None = None):
     """``paged_rows`` of one request (its block-table row, positions [N]) -> [N, heads, 2 * width], widened to
     ``dtype`` if given (FP8 caches)."""
@@ -151,8 +167,7 @@ class QSAMixer(QSAAttention):
         d_i = ikv.shape[3] // 2
         raw = index_k_raw[:n]
         bk_rows = torch.zeros_like(raw)
-        qsl = m.query_start_loc.tolist()
-        seq_lens = m.seq_lens.tolist()
+        qsl, seq_lens = _host_lengths(m)
         nreq = len(seq_lens)
         for b in range(nreq):
             s, e = qsl[b], qsl[b + 1]
