@@ -106,49 +106,42 @@ def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None, gpu_only
     ``llm``: the engine core runs in its own process (``--mp``): profile it through vLLM's profiler instead
     (``profiler_config``; its trace lands beside ``path``, named after it). ``gpu_only``: record GPU activity only
     (in-process; ``--mp`` sets it in the engine's profiler config), so the host is not slowed by op recording."""
-    import gzip
-    import shutil
-
     import torch
 
     from trace_summary import load, report, summarize
 
-    if llm is not None:
-        d, prefix = os.path.dirname(path), os.path.basename(path).removesuffix(".txt")
-        llm.start_profile(prefix)
+    def steps():
         for _ in range(n):
             if not engine.has_unfinished_requests():  # (with --mp a step would wait for output forever)
                 break
             engine.step()
+
+    tables = ""
+    if llm is not None:
+        d, prefix = os.path.dirname(path), os.path.basename(path).removesuffix(".txt")
+        llm.start_profile(prefix)
+        steps()
         llm.stop_profile()
         traces = sorted((os.path.join(d, f) for f in os.listdir(d) if f.startswith(prefix) and ".json" in f),
                         key=os.path.getmtime)
-        if traces:
-            with open(path, "w") as f:
-                f.write(report(summarize(load(traces[-1])), row_limit) + "\n")
-        return
-    cuda = torch.cuda.is_available()
-    acts = ([] if cuda and gpu_only else [torch.profiler.ProfilerActivity.CPU]) + (
-        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(n):
-            if not engine.has_unfinished_requests():
-                break
-            engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-    trace = path + ".trace.json"
-    prof.export_chrome_trace(trace)
-    with open(trace, "rb") as fi, gzip.open(trace + ".gz", "wb") as fo:
-        shutil.copyfileobj(fi, fo)
-    os.remove(trace)
+        if not traces:
+            return
+        trace = traces[-1]
+    else:
+        cuda = torch.cuda.is_available()
+        acts = ([] if cuda and gpu_only else [torch.profiler.ProfilerActivity.CPU]) + (
+            [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            steps()
+            if cuda:
+                torch.cuda.synchronize()
+        trace = path + ".trace.json.gz"
+        prof.export_chrome_trace(trace)  # (gzipped: the suffix says so)
+        tables = (prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
+                                            row_limit=row_limit) + "\n\n"
+                  + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25) + "\n\n")
     with open(path, "w") as f:
-        f.write(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
-                                          row_limit=row_limit))
-        f.write("\n\n")
-        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
-        f.write("\n\n")
-        f.write(report(summarize(load(trace + ".gz")), row_limit) + "\n")
+        f.write(tables + report(summarize(load(trace)), row_limit) + "\n")
 
 
 def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, prefill_steps: list | None = None,
