@@ -7,7 +7,7 @@ Checkpoints and prompts are ``recipes/vllm_gpu_check.py``'s: ``fn4`` (random, FN
 wide, so on GPUs vLLM's GDN layer runs and its heads are sharded), ``tiny`` (the tests' checkpoint; a CPU smoke run,
 where ``qwen4exp.vllm.offline`` binds one share of the cores per rank). Both engines: bf16, eager (``--graphs``:
 vLLM's default CUDA graphs), chunked prefill with all prompts batched, greedy with ``ignore_eos``, the rank-1 token
-at every prompt position (teacher-forced) and the top-2 logprobs of every generated token.
+at every prompt position (teacher-forced) and the top-20 logprobs of every generated token.
 
 Printed per model: the TP=N ranks' partition sizes that differ from TP=1 (what is sharded), whether the greedy
 tokens are identical (else the first mismatch and both runs' top-2 logprobs there: a near-tie or not), and the
@@ -30,6 +30,9 @@ sys.path.insert(0, os.path.join(ROOT, "recipes"))
 from vllm_gpu_check import GEN, _prompts, build  # noqa: E402  (also puts the repo root and tests/ on sys.path)
 
 
+TOPK = 20  # logprobs kept per generated token (enough to find both runs' tokens at a greedy difference)
+
+
 def run(d: str, prompts, eng: dict, tp: int, graphs: bool, work: str) -> dict:
     import torch
 
@@ -43,9 +46,6 @@ def run(d: str, prompts, eng: dict, tp: int, graphs: bool, work: str) -> dict:
                 sampling=dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, prompt_logprobs=1, logprobs=TOPK,
                               detokenize=False))
     return run_offline(spec, work, timeout=float(os.environ.get("QWEN4EXP_CHECK_TIMEOUT", 240)))
-
-
-TOPK = 20  # logprobs kept per generated token (enough to find both runs' tokens at a greedy difference)
 
 
 def near_tie(row_one: dict, row_many: dict, a: int, b: int) -> bool:
