@@ -29,6 +29,8 @@ def main() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from qwen4exp.vllm.offline import kv_cache_groups
+
     spent = defaultdict(float)
     calls = defaultdict(int)
 
@@ -59,9 +61,8 @@ def main() -> None:
     llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t
     steps = calls["Scheduler.schedule"]
-    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
-    groups = len(core.scheduler.kv_cache_config.kv_cache_groups) if core is not None else None
-    res = dict(groups=groups, steps=steps, wall_ms_per_step=1e3 * wall / max(steps, 1),
+    groups = kv_cache_groups(llm)
+    res = dict(groups=None if groups is None else len(groups), steps=steps, wall_ms_per_step=1e3 * wall / max(steps, 1),
                **{k: round(1e6 * v / max(steps, 1), 1) for k, v in sorted(spent.items())})
     print(json.dumps(res))
 

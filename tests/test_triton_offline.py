@@ -18,14 +18,19 @@ pytestmark = pytest.mark.skipif(
     reason=f"no Triton for the offline kernel checks in {TRITON_DIR} (`make test` installs it there)")
 
 
-def _run(step: str, path: str, interpret: bool, tmp) -> str:
+def _python(args: list[str], interpret: bool, tmp, what: str, timeout: float = 1200) -> str:
+    """Python with the Triton beside the venv (under its CPU interpreter or not) -> stdout; fails naming ``what``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TRITON_DIR, ROOT]), TRITON_CACHE_DIR=str(tmp / "cache"))
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    p = subprocess.run([sys.executable, SCRIPT, step, path], env=env, capture_output=True, text=True, timeout=1200)
-    assert p.returncode == 0, f"{step} failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    p = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{what} failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return p.stdout
+
+
+def _run(step: str, path: str, interpret: bool, tmp) -> str:
+    return _python([SCRIPT, step, path], interpret, tmp, step)
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +84,5 @@ def test_gdn_through_fla_matches_reference_under_the_interpreter(tmp_path):
     under the CPU interpreter, fp32, against our reference (grouped value heads, L2-normalised q / k, carried and
     zero states). This pins the call's conventions without a GPU; the chunked kernels need one (the interpreter has
     no driver for their autotuner): ``tests/test_gpu_kernels.py``."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TRITON_DIR, ROOT]), TRITON_CACHE_DIR=str(tmp_path / "cache"),
-               TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, "-c", _FLA_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    assert p.stdout.count("rel err") == 2
+    out = _python(["-c", _FLA_CHECK], True, tmp_path, "the fla check", timeout=600)
+    assert out.count("rel err") == 2
