@@ -40,6 +40,11 @@ def rnd(shape, g, scale=1.0, dtype=BF):
     return (torch.randn(shape, generator=g, device="cuda") * scale).to(dtype)
 
 
+def _rel(a, b):
+    """Relative L2 error of a against b (fp32)."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
 # ---------------------------------------------------------------------------------------------------- dispatcher
 def test_dispatcher_picks_the_kernels_for_cuda():
     from qwen4exp.ops import _dispatch
@@ -75,10 +80,6 @@ def gdn_case(lens, hk, hv, dk, dv, seed, with_state):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
     h0 = torch.randn((len(lens), hv, dk, dv), generator=g, device="cuda") * 0.1 if with_state else None
     return q, k, v, gate, beta, cu, h0
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.parametrize("lens, hk, hv, dk, dv, with_state", [
@@ -338,7 +339,7 @@ def test_qsa_attention_matches_reference(L, Tq):
     want = ref.qsa_attention(q, k, v, q_pos, iq, bk, R_QSA, BUDGET, scale, iscale)
     assert out.shape == want.shape and out.dtype == want.dtype
     assert not torch.isnan(out).any()
-    err = (out.float() - want.float()).norm() / want.float().norm()
+    err = _rel(out, want)
     assert err < 1e-2, err
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=5e-2)
 
@@ -503,7 +504,7 @@ def test_qsa_decode_paged_matches_reference(lens, bs, ibs, padded):
     assert out.shape == want.shape and out.dtype == want.dtype
     assert not torch.isnan(out).any()
     for b in range(len(lens)):
-        err = (out[b].float() - want[b].float()).norm() / want[b].float().norm()
+        err = _rel(out[b], want[b])
         assert err < 1e-2, (lens[b], err)
 
 
