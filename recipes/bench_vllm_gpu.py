@@ -215,7 +215,7 @@ def worker(args) -> None:
                enable_prefix_caching=False, seed=0)
     if args.mp and args.profile:  # the engine core is another process: vLLM's own profiler traces it
         eng["profiler_config"] = dict(profiler="torch", torch_profiler_dir=os.path.abspath(
-            os.path.dirname(args.result)), torch_profiler_with_stack=False)
+            os.path.dirname(args.result)), torch_profiler_with_stack=bool(args.profile_host_stacks))
         if args.profile_gpu_only:  # no host-op recording: the host runs at (nearly) its unprofiled speed
             eng["profiler_config"]["torch_profiler_activities"] = ["CUDA"]
     if args.eager:
@@ -317,6 +317,9 @@ def main() -> None:
                     "first-use costs); with --profile also a profiler table of its first two chunks")
     ap.add_argument("--profile-gpu-only", action="store_true", help="with --profile: record GPU activity only (no "
                     "host ops: the host keeps its unprofiled speed, so GPU idle time per step is the real one)")
+    ap.add_argument("--profile-host-stacks", action="store_true", help="with --profile --mp: record Python stacks "
+                    "in the engine core's traces (trace_summary.py then tables host time by Python function; the "
+                    "profiled steps' host runs several times slower, so read its shares, not its absolute times)")
     ap.add_argument("--mp", action="store_true", help="the engine core in its own process, as `vllm serve` and "
                     "`LLM` run it by default (and as the upstream anchor was measured): its host work (schedule, "
                     "inputs, outputs) overlaps this process's; default: in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
@@ -369,6 +372,8 @@ def main() -> None:
             cmd.append("--mp")
         if args.profile_gpu_only:
             cmd.append("--profile-gpu-only")
+        if args.profile_host_stacks:
+            cmd.append("--profile-host-stacks")
         if os.path.exists(res_path):
             os.remove(res_path)
         runs.append((impl, res_path, log, cmd, env))

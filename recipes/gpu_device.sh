@@ -104,7 +104,9 @@ case "${1:-}" in
     for f in check-ours check-upstream bench_ops; do echo "== $f"; tail -12 "$OUT/$f.log"; done ;;
   bg)
     mkdir -p /tmp/bg
-    PYTHONPATH=$ROOT:$ROOT/tests CUDA_VISIBLE_DEVICES=${2:-1} setsid nohup bash -c '
+    # .whl/fla (flash-linear-attention, `pip install --target .whl/fla --no-deps fla-core==0.6.0 einops`, carried
+    # with the call) for the GDN-through-fla tests; without it they skip
+    PYTHONPATH=$ROOT:$ROOT/tests:$ROOT/.whl/fla CUDA_VISIBLE_DEVICES=${2:-1} setsid nohup bash -c '
       timeout 300 python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_kernels.py > /tmp/bg/kernels.log 2>&1
       echo "rc=$?" >> /tmp/bg/kernels.log
       timeout 420 python recipes/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --tune \

@@ -83,7 +83,38 @@ def summarize(events: list[dict], steps: int = 0) -> dict:
             ann[e["name"]][0] += 1
             ann[e["name"]][1] += float(e["dur"])
     res["host_annotations"] = sorted(((k, c, t) for k, (c, t) in ann.items()), key=lambda r: -r[2])
+    res["host_functions"] = python_functions(xs)
     return res
+
+
+def python_functions(xs: list[dict]) -> list[tuple[str, int, float, float]]:
+    """Host time by Python function (the profiler's ``python_function`` events, recorded with
+    ``with_stack=True``): (name, calls, self us, inclusive us), by self time. Self time = the event's duration less
+    its direct children's on the same thread; inclusive time counts a function once where it is nested in itself."""
+    by = defaultdict(lambda: [0, 0.0, 0.0])
+    threads = defaultdict(list)
+    for e in xs:
+        if e.get("cat") == "python_function":
+            threads[(e.get("pid"), e.get("tid"))].append(e)
+    for evs in threads.values():
+        evs.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        stack: list[list] = []  # [end, name, child time]
+        for e in evs:
+            t0, d = float(e["ts"]), float(e["dur"])
+            while stack and stack[-1][0] <= t0:
+                end, name, child, start = stack.pop()
+                by[name][1] += (end - start) - child
+            nested = any(f[1] == e["name"] for f in stack)
+            if stack:
+                stack[-1][2] += d
+            by[e["name"]][0] += 1
+            if not nested:
+                by[e["name"]][2] += d
+            stack.append([t0 + d, e["name"], 0.0, t0])
+        while stack:
+            end, name, child, start = stack.pop()
+            by[name][1] += (end - start) - child
+    return sorted(((k, c, st, inc) for k, (c, st, inc) in by.items()), key=lambda r: -r[2])
 
 
 def report(res: dict, top: int = 30) -> str:
@@ -109,6 +140,12 @@ def report(res: dict, top: int = 30) -> str:
         lines.append(f"{'host annotation':70s} {'calls/step':>10s} {'us/step':>9s} {'us/call':>8s}")
         for name, c, t in res["host_annotations"][:top]:
             lines.append(f"{name[:70]:70s} {c / n:10.1f} {t / n:9.1f} {t / c:8.2f}")
+    if res.get("host_functions"):
+        for what, key in (("self", 2), ("inclusive", 3)):
+            lines.append(f"{'python functions by ' + what + ' time (host; with_stack traces)':70s} "
+                         f"{'calls/step':>10s} {'self us/st':>10s} {'incl us/st':>10s}")
+            for name, c, st, inc in sorted(res["host_functions"], key=lambda r: -r[key])[:top]:
+                lines.append(f"{name[-70:]:70s} {c / n:10.1f} {st / n:10.1f} {inc / n:10.1f}")
     return "\n".join(lines)
 
 

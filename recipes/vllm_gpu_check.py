@@ -10,6 +10,12 @@ vLLM's default CUDA graphs (``QWEN4EXP_CHECK_EAGER=1``: eager; always eager on C
 prefill + decode batches) and returns the rank-1 token of every prompt position
 (``prompt_logprobs=1``); top-1 agreement with the fp32 argmax is counted over all positions. Also reported: greedy
 tokens of vLLM vs the HF bf16 reference's greedy continuation (first mismatch). Table on stdout, ``results.csv``.
+
+Decisive positions: on random weights the top two logits are often closer than bf16 can resolve, so which run is
+"right" there is a coin flip. The HF bf16 run's own error of the fp32 top-1 vs top-2 gap (|gap_bf16 - gap_fp32|)
+sets the noise level delta (its 99th percentile over all positions); a position is decisive when its fp32 gap
+exceeds 2 * delta. A wrong top-1 there means an error twice the size of the bf16 reference's own, so
+``decisive_vllm_wrong`` is held against ``decisive_hf_bf16_wrong`` (``no_worse_decisive``).
 """
 
 from __future__ import annotations
@@ -78,19 +84,29 @@ def build(name: str, out: str):
 
 
 def hf_reference(d: str, prompts):
-    """fp32 argmax, bf16 argmax per position (positions 1..L-1 predicted from the prefix), bf16 greedy tokens."""
+    """fp32 argmax, bf16 argmax per position (positions 1..L-1 predicted from the prefix), bf16 greedy tokens; the
+    fp32 gap between the top two logits (``gap``) and the bf16 run's error of that gap (``gap_err``)."""
     import torch
 
     from qwen4exp import Qwen4ExpForCausalLM
 
-    res = {}
+    res = {"gap": [], "gap_err": []}
+    top2 = []
     for dt in (torch.float32, torch.bfloat16):
         m = Qwen4ExpForCausalLM.from_pretrained(d, dtype=dt, device=_dev()).eval()
         am, greedy = [], []
         with torch.no_grad():
-            for p in prompts:
+            for i, p in enumerate(prompts):
                 x = torch.tensor([p], device=_dev())
-                am.append(m(x).logits[0, :-1].float().argmax(-1).cpu())
+                lg = m(x).logits[0, :-1].float()
+                am.append(lg.argmax(-1).cpu())
+                if dt == torch.float32:
+                    v, ix = lg.topk(2, dim=-1)
+                    top2.append(ix)
+                    res["gap"].append((v[:, 0] - v[:, 1]).cpu())
+                else:
+                    g16 = lg.gather(1, top2[i])
+                    res["gap_err"].append(((g16[:, 0] - g16[:, 1]).cpu() - res["gap"][i]).abs())
                 if dt == torch.bfloat16:
                     g = m.generate(x, max_new_tokens=GEN, do_sample=False) if hasattr(m, "generate") else None
                     greedy.append(g[0, len(p):].tolist() if g is not None else None)
@@ -118,6 +134,15 @@ def run_vllm(impl: str, d: str, prompts, eng: dict, work: str):
     return run_offline(spec, work, timeout=float(os.environ.get("QWEN4EXP_CHECK_TIMEOUT", 300)))
 
 
+def decisive_mask(gap: list, gap_err: list) -> tuple[list, float]:
+    """Per prompt, the positions whose fp32 top-2 gap exceeds twice the bf16 reference's 99th-percentile gap error
+    (see the module doc), and that threshold."""
+    import torch
+
+    delta = float(torch.quantile(torch.cat(gap_err).float(), 0.99)) if gap_err else 0.0
+    return [g > 2 * delta for g in gap], 2 * delta
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_out/vllm_gpu_check")
@@ -141,23 +166,29 @@ def main() -> None:
         f32, b16 = ref["float32"], ref["bfloat16"]
         total = sum(len(a) for a in f32)
         agree_b = sum(int((a == b).sum()) for a, b in zip(f32, b16))
+        dec, thr = decisive_mask(ref["gap"], ref["gap_err"])
+        n_dec = sum(int(m.sum()) for m in dec)
+        b_dec_wrong = sum(int(((a != b) & m).sum()) for a, b, m in zip(f32, b16, dec))
         print(f"[{name}] HF reference done in {time.perf_counter() - t0:.0f}s: bf16 top-1 {agree_b}/{total}",
               flush=True)
         for impl in args.impls.split(","):
-            row = dict(model=name, impl=impl, positions=total, hf_bf16_agree=agree_b)
+            row = dict(model=name, impl=impl, positions=total, hf_bf16_agree=agree_b, decisive=n_dec,
+                       decisive_gap=round(thr, 4), decisive_hf_bf16_wrong=b_dec_wrong)
             try:
                 out = run_vllm(impl, d, prompts, eng, os.path.join(args.out, f"{name}-{impl}"))
-                agree_v = v_only = b_only = 0
-                for a, b, t in zip(f32, b16, out["prompt_top1"]):
+                agree_v = v_only = b_only = v_dec_wrong = 0
+                for a, b, t, m in zip(f32, b16, out["prompt_top1"], dec):
                     t = torch.tensor(t)
                     ok_v, ok_b = t == a, b == a
                     agree_v += int(ok_v.sum())
                     v_only += int((~ok_v & ok_b).sum())
                     b_only += int((ok_v & ~ok_b).sum())
+                    v_dec_wrong += int((~ok_v & m).sum())
                 gm = [next((i for i, (x, y) in enumerate(zip(g, h)) if x != y), len(g)) if h else None
                       for g, h in zip(out["tokens"], ref["greedy_bf16"])]
                 row.update(vllm_agree=agree_v, only_vllm_wrong=v_only, only_hf_bf16_wrong=b_only,
-                           no_worse=agree_v >= agree_b, startup_s=round(out["startup_s"], 1),
+                           no_worse=agree_v >= agree_b, decisive_vllm_wrong=v_dec_wrong,
+                           no_worse_decisive=v_dec_wrong <= b_dec_wrong, startup_s=round(out["startup_s"], 1),
                            greedy_match_len_vs_hf_bf16=gm)
             except Exception as e:  # an implementation that refuses the checkpoint: say what it said
                 msg = [ln.split("] ", 1)[-1].strip() for ln in str(e).strip().splitlines()]
@@ -166,7 +197,8 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     fields = ["model", "impl", "positions", "vllm_agree", "hf_bf16_agree", "only_vllm_wrong", "only_hf_bf16_wrong",
-              "no_worse", "startup_s", "greedy_match_len_vs_hf_bf16", "error"]
+              "no_worse", "decisive", "decisive_gap", "decisive_vllm_wrong", "decisive_hf_bf16_wrong",
+              "no_worse_decisive", "startup_s", "greedy_match_len_vs_hf_bf16", "error"]
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fields, extrasaction="ignore")
         w.writeheader()

@@ -61,3 +61,20 @@ def test_cli_reads_gzip_and_writes_csv(tmp_path):
     assert "per step: GPU span 117.5 us" in out and "sample" in out
     rows = (tmp_path / "k.csv").read_text().splitlines()
     assert rows[0] == "kernel,calls_per_step,us_per_step,us_per_call" and len(rows) == 4
+
+
+def test_python_functions_self_and_inclusive_time(ts):
+    """step (100 us) calls prep (30, which calls build 10) and prep again (20); another thread runs out (40);
+    a recursive f (outer 50, inner 20) counts its inclusive time once."""
+    ev = [_x("python_function", "step", 0, 100), _x("python_function", "prep", 5, 30),
+          _x("python_function", "build", 10, 10), _x("python_function", "prep", 50, 20),
+          dict(_x("python_function", "out", 0, 40), tid=1),
+          _x("python_function", "f", 200, 50), _x("python_function", "f", 210, 20)]
+    got = {k: (c, st, inc) for k, c, st, inc in ts.python_functions(ev)}
+    assert got["step"] == (1, 50.0, 100.0)
+    assert got["prep"] == (2, 40.0, 50.0)
+    assert got["build"] == (1, 10.0, 10.0)
+    assert got["out"] == (1, 40.0, 40.0)
+    assert got["f"] == (2, 50.0, 50.0)
+    r = ts.summarize(_trace() + ev)
+    assert "python functions by inclusive time" in ts.report(r)
