@@ -105,8 +105,9 @@ case "${1:-}" in
   bg)
     mkdir -p /tmp/bg
     # .whl/fla (flash-linear-attention, `pip install --target .whl/fla --no-deps fla-core==0.6.0 einops`, carried
-    # with the call) for the GDN-through-fla tests; without it they skip
-    PYTHONPATH=$ROOT:$ROOT/tests:$ROOT/.whl/fla CUDA_VISIBLE_DEVICES=${2:-1} setsid nohup bash -c '
+    # with the call, or FLA_PATH: a copy outside the tree that later calls do not remove) for the GDN-through-fla
+    # tests; without it they skip
+    PYTHONPATH=$ROOT:$ROOT/tests:${FLA_PATH:-$ROOT/.whl/fla} CUDA_VISIBLE_DEVICES=${2:-1} setsid nohup bash -c '
       timeout 300 python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_kernels.py > /tmp/bg/kernels.log 2>&1
       echo "rc=$?" >> /tmp/bg/kernels.log
       timeout 420 python recipes/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --tune \
