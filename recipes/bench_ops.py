@@ -269,7 +269,7 @@ def tune_and_breakdown():
         o = qsa_tk.qsa_attention_triton(*sets[0])
         return bool(((o.float() - want.float()).norm() / want.float().norm()) < 1e-2)
 
-    sweep("qsa", qsa_tk, sets, [("TOPK_SMALL", (True, False)), ("TOPK_SMALL_BITS", (1, 8, 11)),
+    sweep("qsa", qsa_tk, sets, [("TOPK_SMALL", (True, False)), ("TOPK_SMALL_BITS", (0, 1, 8, 11)),
                                 ("TOPK_SMALL_WARPS", (32, 16)),
                                 ("ATTN_SLOT_BLOCK", (64, 32))],
           qsa_tk.qsa_attention_triton, qsa_ok)
@@ -318,11 +318,13 @@ def prefill_breakdown(Tq=4096):
               lambda: tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc))
     tk.SCORE_BLOCK_M, tk.SCORE_BLOCK_N, tk.SCORE_WARPS = 64, 64, 4
     keys = tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc)
-    for small, bits in ((True, 1), (True, 8), (True, 11), (False, 1)):  # the in-register select's search steps, radix
+    steps = {0: "1 bit a step, differing bits only, early exit", 1: "1 bit a step", 8: "8 bits a step",
+             11: "11 bits a step"}
+    for small, bits in ((True, 0), (True, 1), (True, 8), (True, 11), (False, 1)):  # in-register search, radix
         tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = small, bits
-        timed(f"top-k ({f'in-register select, {bits} bit(s) a step' if small else 'radix select'})",
+        timed(f"top-k ({f'in-register select, {steps[bits]}' if small else 'radix select'})",
               lambda: tk.top_ids(keys, m))
-    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = True, 1
+    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = True, 0
     sel = tk.top_ids(keys, m)
     same = sel[:1].expand(Tq, -1).contiguous()
     kc, vc = kv[..., :HD], kv[..., HD:]

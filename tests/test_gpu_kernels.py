@@ -345,13 +345,13 @@ def test_qsa_attention_matches_reference(L, Tq):
 
 
 def select_each_way(q_pos, iq, bk, index_scale):
-    """``select_block_ids`` by each top-k variant: the in-register select (1, 8 and 11 threshold bits a step), the
+    """``select_block_ids`` by each top-k variant: the in-register select (0, 1, 8 and 11 threshold bits a step), the
     radix select, torch.topk on the sort keys. -> [(variant, ids)]."""
     from qwen4exp.ops.qsa import triton_kernel as tk
     saved = tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS
     out = []
-    for way in (("triton", True, 1), ("triton", True, 8), ("triton", True, 11), ("triton", False, 1),
-                ("torch", True, 1)):
+    for way in (("triton", True, 0), ("triton", True, 1), ("triton", True, 8), ("triton", True, 11),
+                ("triton", False, 1), ("torch", True, 1)):
         tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = way
         try:
             out.append((way[0], tk.select_block_ids(q_pos, iq, bk, R_QSA, BUDGET, index_scale)))

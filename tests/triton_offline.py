@@ -47,22 +47,32 @@ def check_qsa_topk():
     from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
     torch.manual_seed(0)
     m = 16
-    for Nb, Tq, ties in ((10, 3, False), (17, 2, True), (300, 4, False), (300, 4, True), (2049, 2, True)):
+    cases = ((10, 3, False), (17, 2, True), (300, 4, False), (300, 4, True), (2049, 2, True),
+             (300, 3, "narrow"), (300, 3, "bf16"), (300, 3, "equal"), (40, 2, "none"))
+    for Nb, Tq, ties in cases:
         sc = torch.randn(Tq, Nb)
-        if ties:
+        if ties is True:
             sc = sc.round().clamp(min=0)  # many exact ties (zeros and small integers)
+        elif ties == "narrow":  # all in [1, 2): sign and exponent bits shared (the search starts past them)
+            sc = torch.rand(Tq, Nb) + 1.0
+        elif ties == "bf16":  # bf16 values: the low 16 bits shared by every key (the search stops above them)
+            sc = (torch.rand(Tq, Nb) * 3).to(torch.bfloat16).float()
+        elif ties == "equal":  # every key the same score: the ids decide
+            sc = torch.full((Tq, Nb), 0.75)
         nc = torch.randint(0, Nb + 1, (Tq,))
         nc[0] = Nb
+        if ties == "none":  # no visible block at all (nothing selected)
+            nc[:] = 0
         keys = ref._order_keys(sc, torch.arange(Nb)[None] < nc[:, None])
         want = ref.select_blocks(sc, nc, m)
-        for small, bits in ((True, 1), (True, 8), (True, 11), (False, 1)):
+        for small, bits in ((True, 0), (True, 1), (True, 8), (True, 11), (False, 1)):
             tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = small, bits
             got = tk.top_ids(keys, m)
             for t in range(Tq):
                 a = sorted(x for x in got[t].tolist() if x >= 0)
                 b = sorted(x for x in want[t].tolist() if x >= 0)
                 assert a == b and (got[t] >= 0).sum() == (want[t] >= 0).sum(), (Nb, ties, small, bits, t)
-    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = True, 1
+    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = True, 0
 
 
 def _paged(lens, seed, shared_table):

@@ -209,11 +209,17 @@ def _qsa_topk_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, CH: tl.constexpr, M
     tl.store(OUT + t * stride_ot + slots, tl.full([M_P], -1, tl.int32), mask=(slots >= n_sel) & (slots < m))
 
 
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
 @triton.jit(do_not_specialize=['Nb', 'm', 'stride_kt', 'stride_ot'])
 def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.constexpr, M_P: tl.constexpr,
                            BITS: tl.constexpr):
     """Same selection as ``_qsa_topk_kernel`` for Nb <= N_P keys held in registers: the threshold (the m-th
-    largest score half of the keys) by a search of counts, one bit a step (BITS = 1: 32 block-wide counts) or one
+    largest score half of the keys) by a search of counts, one bit a step (BITS = 1: 32 block-wide counts; BITS = 0:
+    from the first bit where the keys differ, stopping once exactly k keys are at or above the candidate) or one
     digit a step (BITS = 8 or 11: 2^BITS-bin histograms of the keys still tied with the threshold so far), then ties by
     block id; the output positions come out of ONE prefix sum (the counts of "above the threshold" and "at it"
     packed into the two halves of an int32)."""
@@ -224,7 +230,28 @@ def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.const
     u = ((kv >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order = key order
     k = tl.minimum(m, tl.sum(valid.to(tl.int32), axis=0))
     prefix = tl.zeros([], dtype=tl.uint32)  # invariant: at least k valid keys are >= prefix
-    if BITS == 1:
+    if BITS == 0:  # one bit a step as BITS = 1, but only over the bits where the valid keys differ, and no further
+        # once exactly k keys are >= the candidate (then every key at or above it is selected: no tie to split)
+        umax = tl.max(tl.where(valid, u, tl.zeros([N_P], dtype=tl.uint32)), axis=0)
+        differ = tl.reduce(tl.where(valid, u ^ umax, tl.zeros([N_P], dtype=tl.uint32)), 0, _bit_or)
+        lz = tl.zeros([], dtype=tl.int32)  # leading bits every valid key shares (32: all equal)
+        tz = tl.zeros([], dtype=tl.int32)  # trailing bits every valid key shares
+        d64 = differ.to(tl.int64)
+        for j in tl.static_range(32):
+            lz += ((d64 >> (31 - j)) == 0).to(tl.int32)
+            tz += ((d64 & ((2 << j) - 1)) == 0).to(tl.int32)
+        low = tl.maximum(32 - lz, 1).to(tl.uint32)  # (shift counts stay below 32)
+        prefix = tl.where(lz == 0, prefix, tl.where(lz >= 32, umax, (umax >> low) << low))
+        b = lz
+        while b < 32 - tz:
+            cand = prefix | (tl.full([], 1, tl.uint32) << (31 - b).to(tl.uint32))
+            cnt = tl.sum((valid & (u >= cand)).to(tl.int32), axis=0)
+            prefix = tl.where(cnt >= k, cand, prefix)
+            b = tl.where(cnt == k, 32, b + 1)
+        # the shared trailing bits (every key has them: the threshold too)
+        tail = (tl.full([], 1, tl.int64) << tz.to(tl.int64)) - 1
+        prefix = prefix | (umax.to(tl.int64) & tail).to(tl.uint32)
+    elif BITS == 1:
         for b in tl.static_range(32):
             cand = prefix | (1 << (31 - b))
             cnt = tl.sum((valid & (u >= cand)).to(tl.int32), axis=0)
@@ -397,7 +424,11 @@ TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch
 TOPK_CHUNK = 8192  # keys per pass step of the radix select
 TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register select instead of the chunked radix select
 TOPK_SMALL_MAX = 16384  # (<= 2^16: the in-register kernel packs two counts into an int32)
-TOPK_SMALL_BITS = 1  # threshold bits per search step of the in-register select: 1 (binary search), 8 or 11 (radix)
+# threshold bits per search step of the in-register select: 1 (binary search over all 32 bits), 0 (binary search
+# from the first bit where the keys differ, stopping once exactly m keys are at or above the candidate: at most as
+# many block-wide counts as 1, plus a max and a min), 8 or 11 (radix). Not yet timed on the H200 (bench_ops --tune
+# sweeps it); default 0 as it does a subset of 1's counts.
+TOPK_SMALL_BITS = 0
 TOPK_SMALL_WARPS = 16  # warps of the in-register select at the larger size (16: 48 vs 53 us with 32, H200 run 6)
 TOPK_SMALL_BUCKET = 2048  # the in-register select is compiled for two sizes only (N_P 2048 or TOPK_SMALL_MAX), and
 # the kernels' integer sizes are not specialised: new context lengths never JIT-compile a new variant mid-request
