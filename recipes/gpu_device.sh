@@ -32,6 +32,8 @@
 #                                                   # 2 GPUs: kind nvidia-h200-x2); NVLink multicast kept off
 #
 # Each job is bounded (timeout) and writes to files, never through a pipe that an engine process could hold open.
+# PACK=1: afterwards everything under OUT but checkpoints goes into ONE archive, OUT/results.tgz (the device tool
+# returns at most 8 files a call; run 8 lost ours' batch-1 profile to that limit).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${OUT:-$ROOT/bench_out/gpu}
@@ -127,3 +129,9 @@ case "${1:-}" in
     echo "rc=$?"; tail -30 "$OUT/tp2.log" ;;
   *) sed -n '2,/^set /{/^#/p}' "$0"; exit 2 ;;
 esac
+
+if [ "${PACK:-0}" = 1 ]; then
+  tmp=$(mktemp /tmp/pack.XXXX.tgz)
+  tar czf "$tmp" -C "$OUT" --exclude='*.safetensors' --exclude='*.bin' --exclude='*/cache/*' . 2>/dev/null
+  find "$OUT" -mindepth 1 -delete && mv "$tmp" "$OUT/results.tgz" && echo "packed: $OUT/results.tgz ($(du -h "$OUT/results.tgz" | cut -f1))"
+fi
