@@ -144,3 +144,47 @@ def test_cuda_graphs_without_breakable_graphs_are_refused_with_a_message():
     assert p.stdout.strip().splitlines()[-1] == "refused:named ok ok"
 
 
+
+
+_SWIGLU = """
+import socket, torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+cfg = VllmConfig()
+with set_current_vllm_config(cfg):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    initialize_model_parallel(1, 1)
+from qwen4exp.vllm.layers import MergedSwiGLU
+from qwen4exp.vllm.weights import _SWIGLU_MERGED
+torch.manual_seed(0)
+with set_current_vllm_config(cfg):
+    m = MergedSwiGLU(64, 48, "x").to(torch.bfloat16)
+ck = {"gate_proj": torch.randn(48, 64), "up_proj": torch.randn(48, 64), "down_proj": torch.randn(64, 48) / 8}
+w = m.gate_up_proj.weight
+for leaf, half in _SWIGLU_MERGED.items():
+    w.weight_loader(w, ck[leaf].to(torch.bfloat16), half)
+halves = torch.equal(w.data[:48], ck["gate_proj"].bfloat16()) and torch.equal(w.data[48:], ck["up_proj"].bfloat16())
+m.down_proj.weight.data.copy_(ck["down_proj"])
+for lin in (m.gate_up_proj, m.down_proj):  # as vLLM's loader does (on CPU: its packed GEMM)
+    lin.quant_method.process_weights_after_loading(lin)
+x = torch.randn(5, 64, dtype=torch.bfloat16)
+with set_current_vllm_config(cfg):
+    y = m(x).float()
+q = {k: v.bfloat16().float() for k, v in ck.items()}
+xf = x.float()
+want = (torch.nn.functional.silu(xf @ q["gate_proj"].T) * (xf @ q["up_proj"].T)) @ q["down_proj"].T
+print(halves, w.shape[0], round(float((y - want).norm() / want.norm()), 4))
+"""
+
+
+def test_merged_shared_expert_equals_reference_swiglu():
+    """The shared expert's gate and up as one GEMM (``MergedSwiGLU``): the checkpoint's gate_proj / up_proj land in
+    the right halves (a swap would fail), and after vLLM's post-load processing the output is the SwiGLU of the
+    fp32 reference up to bf16 rounding."""
+    p = subprocess.run([sys.executable, "-c", _SWIGLU], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    halves, rows, err = p.stdout.strip().splitlines()[-1].split()
+    assert halves == "True" and rows == "96"
+    assert float(err) < 2e-2, err

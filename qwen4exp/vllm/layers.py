@@ -70,6 +70,31 @@ def vllm_linear(in_features: int, out_features: int, *, prefix: str = "") -> nn.
     return Linear(in_features, out_features, bias=False, prefix=prefix)
 
 
+class MergedSwiGLU(nn.Module):
+    """The shared expert (``qwen4exp.layers.moe.SwiGLU``: down(silu(gate(x)) * up(x))) with gate and up in ONE
+    replicated GEMM (the checkpoint's ``gate_proj`` / ``up_proj`` load into the two halves of ``gate_up_proj``).
+    On GPUs the SiLU-and-multiply is vLLM's fused kernel (fp32 inside, one bf16 rounding); elsewhere the reference's
+    ops (SiLU rounded, then the product), so CPU output stays the HF reference's bit for bit."""
+
+    def __init__(self, D: int, I: int, prefix: str = ""):
+        super().__init__()
+        from vllm.model_executor.layers.activation import SiluAndMul
+        from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+        from vllm.platforms import current_platform
+
+        self.gate_up_proj = MergedColumnParallelLinear(D, [I, I], bias=False, disable_tp=True,
+                                                       prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = vllm_linear(I, D, prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul() if current_platform.is_cuda_alike() else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gate_up_proj(x)[0]
+        if self.act_fn is not None:
+            return self.down_proj(self.act_fn(h))
+        g, u = h.chunk(2, dim=-1)
+        return self.down_proj(torch.nn.functional.silu(g) * u)
+
+
 def fused_experts(config, prefix: str, router) -> nn.Module:
     """vLLM FusedMoE (CPU: ``cpu_fused_moe``, bf16 weights, fp32 accumulation and top-k combine: the numerics of
     ``qwen4exp.layers.moe.Experts``) fed with our router's logits. Top-k selection: on CPU our ``Router.select``

@@ -37,8 +37,8 @@ from ..configuration import _INDEXED_ALIASES, INDEXED, LINEAR
 from ..layers.hyper_connection import HyperConnection
 from ..layers.rope import RotaryEmbedding
 from ..modeling import DecoderLayer, embed_streams
-from .layers import (StateSlots, check_cudagraph_mode, fused_experts, gdn_mixer, our_gdn, ple_state_shapes,
-                     vllm_linear)
+from .layers import (MergedSwiGLU, StateSlots, check_cudagraph_mode, fused_experts, gdn_mixer, our_gdn,
+                     ple_state_shapes, vllm_linear)
 from .qsa import QSAMixer
 from .weights import load_qwen4exp_weights
 
@@ -127,11 +127,14 @@ class _LazyExperts(nn.Module):
 
 
 def decoder_layer(config, i: int, prefix: str, mixer: nn.Module, layer_type: str, **kw) -> DecoderLayer:
-    """The shared ``DecoderLayer`` with vLLM linears and vLLM's FusedMoE routed experts (fed by our router); used by
-    the target model and the MTP draft head."""
+    """The shared ``DecoderLayer`` with vLLM linears, vLLM's FusedMoE routed experts (fed by our router) and the
+    shared expert's gate and up projections as one GEMM (``MergedSwiGLU``); used by the target model and the MTP
+    draft head."""
     layer = DecoderLayer(config, i, linear=vllm_linear, prefix=prefix, mixer=mixer, layer_type=layer_type,
                          experts=_LazyExperts(), **kw)
     layer.mlp.experts = fused_experts(config, f"{prefix}.mlp.experts", layer.mlp.gate)
+    layer.mlp.shared_expert = MergedSwiGLU(config.hidden_size, config.shared_expert_intermediate_size,
+                                           f"{prefix}.mlp.shared_expert")
     return layer
 
 

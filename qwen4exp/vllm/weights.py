@@ -22,6 +22,7 @@ from ..hf.loading import _EXPERT, _SHARD, CheckpointError, canonical_name
 
 _GDN_FUSED = {"in_proj_qkv": ("in_proj_qkvz", None), "in_proj_z": ("in_proj_qkvz", 3),
               "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
+_SWIGLU_MERGED = {"gate_proj": 0, "up_proj": 1}  # vllm.layers.MergedSwiGLU
 _BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 
 
@@ -134,6 +135,9 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
         seen.add(name)
         if pmod.endswith(".mlp.experts") and leaf in ("gate_up_proj", "down_proj"):
             load_experts(pmod, [(leaf, t)])
+        elif pmod.rsplit(".", 1)[-1] in _SWIGLU_MERGED and hasattr(modules[pmod.rsplit(".", 1)[0]], "gate_up_proj"):
+            owner, leafmod = pmod.rsplit(".", 1)  # the shared expert's gate / up -> halves 0 / 1 of gate_up_proj
+            load_param(f"{owner}.gate_up_proj.weight", t, _SWIGLU_MERGED[leafmod])
         elif (pmod.rsplit(".", 1)[-1] in _GDN_FUSED and ".linear_attn." in pmod
               and hasattr(modules[pmod.rsplit(".", 1)[0]], "in_proj_qkvz")):  # vLLM's fused GDN projections
             owner, leafmod = pmod.rsplit(".", 1)
