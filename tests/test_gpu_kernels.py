@@ -619,6 +619,25 @@ def test_apply_rope_matches_reference(T, H, D, R, dtype):
         torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("T,D", [(1, 2560), (32, 2560), (5, 640), (3, 100)])
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_shared_gate_combine_matches_reference(T, D, dtype):
+    """The MoE output routed + sigmoid(x . w) * shared in one kernel (the kernel is taken: checked) = the reference's
+    op-by-op rounding, up to a one-unit difference of the gate where the dot product sums in another order."""
+    from qwen4exp.ops.moe_combine import reference as ref, triton_kernel as tk
+    cuda = cuda_ops()
+    g = gen(T * D)
+    x, s, r = rnd((T, D), g, 1.0, dtype), rnd((T, D), g, 1.0, dtype), rnd((T, D), g, 1.0, dtype)
+    w = rnd((1, D), g, D ** -0.5, dtype)
+    assert tk.supported(x, w, s, r)
+    poison()
+    out, want = cuda.shared_gate_combine(x, w, s, r), ref.shared_gate_combine(x, w, s, r)
+    if dtype == BF:
+        bf16_close(out, want, min_equal=0.98)
+    else:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [BF, torch.float32])
 def test_write_paged_matches_reference(dtype):
     """The paged K|V write (padding slots store nothing) equals the reference, main cache and index cache shapes."""

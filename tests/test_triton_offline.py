@@ -44,7 +44,7 @@ def launches(tmp_path_factory):
 def test_kernels_match_references_under_the_interpreter(launches):
     _, out, _ = launches
     for check in ("qsa_topk", "qsa_decode", "qsa_prefill", "qsa_fp8_caches", "qsa_cache_writes", "hc", "norm_rope_ple",
-                  "real_widths"):
+                  "moe_combine", "real_widths"):
         assert f"ok check_{check}" in out, out
 
 
@@ -52,7 +52,8 @@ def test_every_launch_compiles_for_hopper(launches):
     path, _, tmp = launches
     out = _run("compile", path, False, tmp)
     for kernel in ("_qsa_topk_small_kernel", "_qsa_attn_loop_kernel", "_qsa_score_prefill_kernel", "_hc_up_kernel",
-                   "_hc_down_kernel", "_ple_gather_kernel", "_index_update_kernel", "_write_paged_kernel"):
+                   "_hc_down_kernel", "_ple_gather_kernel", "_index_update_kernel", "_write_paged_kernel",
+                   "_shared_gate_combine_kernel"):
         assert kernel in out, out
     assert "parameters not specialised on alignment" in out, out  # positions / block-table rows: no JIT mid-serving
 

@@ -221,6 +221,18 @@ def check_norm_rope_ple():
     close(ptk.ple_lookup_triton(table, rows, scale), pref.ple_lookup(table, rows, scale), 0.0, "ple", rtol=2 ** -7)
 
 
+def check_moe_combine():
+    from qwen4exp.ops.moe_combine import reference as ref, triton_kernel as tk
+    g = torch.Generator().manual_seed(9)
+    for T, D, dt in ((1, 2560, BF), (3, 640, BF), (4, 100, torch.float32)):
+        x, s, r = (torch.randn(T, D, generator=g).to(dt) for _ in range(3))
+        w = (torch.randn(1, D, generator=g) * D ** -0.5).to(dt)
+        want = ref.shared_gate_combine(x, w, s, r)
+        # bf16: one unit of the gate (2^-8 relative) times |shared| can move an element by a unit or two
+        close(tk.shared_gate_combine_triton(x, w, s, r), want, 0.02 if dt == BF else 1e-5, "shared_gate_combine",
+              rtol=2 ** -7 if dt == BF else 0.0)
+
+
 def check_real_widths():
     """Qwen3.8-Flash-Next's widths (HC: 4 x 2560 streams, rank 320; QSA: 24 / 2 heads x 256, indexer 4 x 128,
     budget 2048 in blocks of 4, a 1,568-token page as vLLM picked on the H200) on a context past the budget, so the
@@ -254,7 +266,7 @@ def check_real_widths():
 
 
 CHECKS = [check_qsa_topk, check_qsa_decode, check_qsa_prefill, check_qsa_fp8_caches, check_qsa_cache_writes, check_hc,
-          check_norm_rope_ple, check_real_widths]
+          check_norm_rope_ple, check_moe_combine, check_real_widths]
 
 
 # ------------------------------------------------------------------------------------------ record / compile

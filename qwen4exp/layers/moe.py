@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import LinearFactory, default_linear
+from ..ops.moe_combine import shared_gate_combine
+from .linear import LinearFactory, default_linear, linear_weight
 
 
 class Router(nn.Module):
@@ -102,4 +103,7 @@ class MoE(nn.Module):
         else:
             _, w, ids = self.gate(x)
             routed = self.experts(x, w, ids)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        w = linear_weight(self.shared_expert_gate)
+        if w is not None and w.dtype == x.dtype:  # a plain linear: gate, sigmoid, product, sum in one kernel on GPUs
+            return shared_gate_combine(x, w, shared, routed)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared  # e.g. a quantized gate

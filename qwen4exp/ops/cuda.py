@@ -18,6 +18,8 @@ from .gated_delta_rule import fla_kernel as gdn_fla
 from .gated_delta_rule import reference as gdn_ref
 from .hyper_connection import reference as hc_ref
 from .hyper_connection import triton_kernel as hc_tk
+from .moe_combine import reference as moe_ref
+from .moe_combine import triton_kernel as moe_tk
 from .norm import reference as norm_ref
 from .norm import triton_kernel as norm_tk
 from .ple import reference as ple_ref
@@ -206,6 +208,23 @@ def index_update_decode(index_kv, slots, block_table, pos, valid, raw, norm_weig
     index_update_op(index_kv, slots, block_table, pos, valid, raw, norm_weight, float(eps), cos, sin, int(r))
 
 
+# ------------------------------------------------------------------------------------------------- MoE output
+@torch.library.custom_op("qwen4exp::shared_gate_combine", mutates_args=())
+def shared_gate_combine_op(x: Tensor, gate_weight: Tensor, shared: Tensor, routed: Tensor) -> Tensor:
+    return moe_tk.shared_gate_combine_triton(x, gate_weight, shared, routed)
+
+
+@shared_gate_combine_op.register_fake
+def _(x, gate_weight, shared, routed):
+    return torch.empty_like(routed)
+
+
+def shared_gate_combine(x, gate_weight, shared, routed):
+    if not moe_tk.supported(x, gate_weight, shared, routed):
+        return moe_ref.shared_gate_combine(x, gate_weight, shared, routed)
+    return shared_gate_combine_op(x, gate_weight, shared, routed)
+
+
 # ------------------------------------------------------------------------------------------------- norm, RoPE
 @torch.library.custom_op("qwen4exp::rms_norm", mutates_args=())
 def rms_norm_op(x: Tensor, weight: Tensor, group: int, eps: float) -> Tensor:
@@ -286,4 +305,5 @@ register_kernel("qsa_write_paged", "cuda", write_paged)
 register_kernel("qsa_index_update_decode", "cuda", index_update_decode)
 register_kernel("ple_lookup", "cuda", ple_lookup)
 register_kernel("rms_norm", "cuda", rms_norm)
+register_kernel("shared_gate_combine", "cuda", shared_gate_combine)
 register_kernel("apply_rope", "cuda", apply_rope)
