@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from qwen4exp.ops.cuda_graph import capture  # noqa: E402
 from qwen4exp.ops.hyper_connection import reference as hc_ref  # noqa: E402
+from qwen4exp.ops.moe_combine import reference as moe_ref  # noqa: E402
 from qwen4exp.ops.norm import reference as norm_ref  # noqa: E402
 from qwen4exp.ops.ple import reference as ple_ref  # noqa: E402
 from qwen4exp.ops.qsa import reference as qsa_ref  # noqa: E402
@@ -168,6 +169,14 @@ def rms_norm_case(shape, group):
     sets = [(torch.randn(*shape, device="cuda").to(BF), (torch.randn(shape[-1], device="cuda") * 0.1).to(BF), group,
              1e-6) for _ in range(n_sets(by, hi=256))]
     return sets, by, 4 * n
+
+
+def moe_combine_case(T, D=2560):
+    """routed + sigmoid(x . w_gate) * shared: reads x, shared, routed [T, D] and w_gate [1, D], writes [T, D]."""
+    by = T * D * 2 * 4 + D * 2
+    sets = [tuple(torch.randn(T, D, device="cuda").to(BF) for _ in range(3)) for _ in range(n_sets(by, hi=256))]
+    sets = [(x, (torch.randn(1, D, device="cuda") * D ** -0.5).to(BF), s, r) for x, s, r in sets]
+    return sets, by, T * D * 5
 
 
 def rope_case(T, H=24, d=256, R=64):
@@ -406,6 +415,9 @@ def main():
     for shape, group in (((1, 24, 256), 256), ((32, 24, 256), 256), ((32, 10240), 2560)):
         cases.append(("rms_norm", "x".join(map(str, shape)) + f"/{group}", lambda a=shape, g=group: rms_norm_case(a, g),
                       cuda.rms_norm, norm_ref.grouped_rms_norm))
+    for T in (1, 32):
+        cases.append(("shared_gate_combine", f"T={T},D=2560", lambda T=T: moe_combine_case(T),
+                      cuda.shared_gate_combine, moe_ref.shared_gate_combine))
     for T in (1, 32):
         cases.append(("apply_rope", f"T={T},24x256,R=64", lambda T=T: rope_case(T), cuda.apply_rope,
                       rope_ref.apply_rope))
