@@ -329,11 +329,12 @@ def prefill_breakdown(Tq=4096):
     keys = tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc)
     steps = {0: "1 bit a step, differing bits only, early exit", 1: "1 bit a step", 8: "8 bits a step",
              11: "11 bits a step"}
-    for small, bits in ((True, 0), (True, 1), (True, 8), (True, 11), (False, 1)):  # in-register search, radix
+    saved = tk.TOPK_SMALL, tk.TOPK_SMALL_BITS
+    for small, bits in tk.TOPK_SELECTS:  # the in-register select's search steps, the radix select
         tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = small, bits
         timed(f"top-k ({f'in-register select, {steps[bits]}' if small else 'radix select'})",
               lambda: tk.top_ids(keys, m))
-    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = True, 0
+    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = saved
     sel = tk.top_ids(keys, m)
     same = sel[:1].expand(Tq, -1).contiguous()
     kc, vc = kv[..., :HD], kv[..., HD:]

@@ -98,7 +98,7 @@ def python_functions(xs: list[dict]) -> list[tuple[str, int, float, float]]:
             threads[(e.get("pid"), e.get("tid"))].append(e)
     for evs in threads.values():
         evs.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
-        stack: list[list] = []  # [end, name, child time]
+        stack: list[list] = []  # [end, name, children's time, start]
         for e in evs:
             t0, d = float(e["ts"]), float(e["dur"])
             while stack and stack[-1][0] <= t0:

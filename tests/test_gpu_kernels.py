@@ -350,8 +350,7 @@ def select_each_way(q_pos, iq, bk, index_scale):
     from qwen4exp.ops.qsa import triton_kernel as tk
     saved = tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS
     out = []
-    for way in (("triton", True, 0), ("triton", True, 1), ("triton", True, 8), ("triton", True, 11),
-                ("triton", False, 1), ("torch", True, 1)):
+    for way in [("triton", *v) for v in tk.TOPK_SELECTS] + [("torch", True, 1)]:
         tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = way
         try:
             out.append((way[0], tk.select_block_ids(q_pos, iq, bk, R_QSA, BUDGET, index_scale)))

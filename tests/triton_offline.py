@@ -47,6 +47,7 @@ def check_qsa_topk():
     from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
     torch.manual_seed(0)
     m = 16
+    saved = tk.TOPK_SMALL, tk.TOPK_SMALL_BITS
     cases = ((10, 3, False), (17, 2, True), (300, 4, False), (300, 4, True), (2049, 2, True),
              (300, 3, "narrow"), (300, 3, "bf16"), (300, 3, "equal"), (40, 2, "none"))
     for Nb, Tq, ties in cases:
@@ -65,14 +66,14 @@ def check_qsa_topk():
             nc[:] = 0
         keys = ref._order_keys(sc, torch.arange(Nb)[None] < nc[:, None])
         want = ref.select_blocks(sc, nc, m)
-        for small, bits in ((True, 0), (True, 1), (True, 8), (True, 11), (False, 1)):
+        for small, bits in tk.TOPK_SELECTS:
             tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = small, bits
             got = tk.top_ids(keys, m)
             for t in range(Tq):
                 a = sorted(x for x in got[t].tolist() if x >= 0)
                 b = sorted(x for x in want[t].tolist() if x >= 0)
                 assert a == b and (got[t] >= 0).sum() == (want[t] >= 0).sum(), (Nb, ties, small, bits, t)
-    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = True, 0
+    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = saved
 
 
 def _paged(lens, seed, shared_table):

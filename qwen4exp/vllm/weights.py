@@ -126,6 +126,7 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
             per_expert.setdefault(base, set()).add((e, proj))
             continue
         pmod, leaf = pname.rsplit(".", 1)
+        owner, _, leafmod = pmod.rpartition(".")  # (the fused projections' module and leaf names)
         if name.endswith(tuple(f".ple_embedding.{b}" for b in _BUFFERS)):
             ours = getattr(modules[pmod], leaf)
             if tuple(t.shape) != tuple(ours.shape) or not torch.equal(t.to(ours.dtype).cpu(), ours.cpu()):
@@ -135,12 +136,11 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
         seen.add(name)
         if pmod.endswith(".mlp.experts") and leaf in ("gate_up_proj", "down_proj"):
             load_experts(pmod, [(leaf, t)])
-        elif pmod.rsplit(".", 1)[-1] in _SWIGLU_MERGED and hasattr(modules[pmod.rsplit(".", 1)[0]], "gate_up_proj"):
-            owner, leafmod = pmod.rsplit(".", 1)  # the shared expert's gate / up -> halves 0 / 1 of gate_up_proj
+        elif leafmod in _SWIGLU_MERGED and hasattr(modules[owner], "gate_up_proj"):
+            # the shared expert's gate / up -> halves 0 / 1 of gate_up_proj
             load_param(f"{owner}.gate_up_proj.weight", t, _SWIGLU_MERGED[leafmod])
-        elif (pmod.rsplit(".", 1)[-1] in _GDN_FUSED and ".linear_attn." in pmod
-              and hasattr(modules[pmod.rsplit(".", 1)[0]], "in_proj_qkvz")):  # vLLM's fused GDN projections
-            owner, leafmod = pmod.rsplit(".", 1)
+        elif (leafmod in _GDN_FUSED and ".linear_attn." in pmod
+              and hasattr(modules[owner], "in_proj_qkvz")):  # vLLM's fused GDN projections
             target, shard = _GDN_FUSED[leafmod]
             fused = f"{owner}.{target}.weight"
             if shard is None:  # [q | k | v] rows -> shards 0, 1, 2

@@ -426,9 +426,10 @@ TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register select instead
 TOPK_SMALL_MAX = 16384  # (<= 2^16: the in-register kernel packs two counts into an int32)
 # threshold bits per search step of the in-register select: 1 (binary search over all 32 bits), 0 (binary search
 # from the first bit where the keys differ, stopping once exactly m keys are at or above the candidate: at most as
-# many block-wide counts as 1, plus a max and a min), 8 or 11 (radix). Not yet timed on the H200 (bench_ops --tune
-# sweeps it); default 0 as it does a subset of 1's counts.
+# many block-wide counts as 1, plus a max and a bitwise OR), 8 or 11 (radix). Not yet timed on the H200
+# (bench_ops --tune sweeps it); default 0 as it does a subset of 1's counts.
 TOPK_SMALL_BITS = 0
+TOPK_SELECTS = ((True, 0), (True, 1), (True, 8), (True, 11), (False, 1))  # every (TOPK_SMALL, TOPK_SMALL_BITS)
 TOPK_SMALL_WARPS = 16  # warps of the in-register select at the larger size (16: 48 vs 53 us with 32, H200 run 6)
 TOPK_SMALL_BUCKET = 2048  # the in-register select is compiled for two sizes only (N_P 2048 or TOPK_SMALL_MAX), and
 # the kernels' integer sizes are not specialised: new context lengths never JIT-compile a new variant mid-request
