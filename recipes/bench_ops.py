@@ -278,7 +278,7 @@ def tune_and_breakdown():
         o = qsa_tk.qsa_attention_triton(*sets[0])
         return bool(((o.float() - want.float()).norm() / want.float().norm()) < 1e-2)
 
-    sweep("qsa", qsa_tk, sets, [("TOPK_SMALL", (True, False)), ("TOPK_SMALL_BITS", (0, 1, 8, 11)),
+    sweep("qsa", qsa_tk, sets, [("TOPK_SMALL", (True, False)), ("TOPK_SMALL_BITS", (0, 2, 1, 8)),
                                 ("TOPK_SMALL_WARPS", (32, 16)),
                                 ("ATTN_SLOT_BLOCK", (64, 32))],
           qsa_tk.qsa_attention_triton, qsa_ok)

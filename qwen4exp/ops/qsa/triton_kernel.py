@@ -219,7 +219,8 @@ def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.const
                            BITS: tl.constexpr):
     """Same selection as ``_qsa_topk_kernel`` for Nb <= N_P keys held in registers: the threshold (the m-th
     largest score half of the keys) by a search of counts, one bit a step (BITS = 1: 32 block-wide counts; BITS = 0:
-    from the first bit where the keys differ, stopping once exactly k keys are at or above the candidate) or one
+    from the first bit where the keys differ, stopping once exactly k keys are at or above the candidate; BITS = 2:
+    as 0 with two bits a step, three counts packed into one block-wide sum) or one
     digit a step (BITS = 8 or 11: 2^BITS-bin histograms of the keys still tied with the threshold so far), then ties by
     block id; the output positions come out of ONE prefix sum (the counts of "above the threshold" and "at it"
     packed into the two halves of an int32)."""
@@ -230,8 +231,9 @@ def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.const
     u = ((kv >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order = key order
     k = tl.minimum(m, tl.sum(valid.to(tl.int32), axis=0))
     prefix = tl.zeros([], dtype=tl.uint32)  # invariant: at least k valid keys are >= prefix
-    if BITS == 0:  # one bit a step as BITS = 1, but only over the bits where the valid keys differ, and no further
-        # once exactly k keys are >= the candidate (then every key at or above it is selected: no tie to split)
+    if (BITS == 0) | (BITS == 2):  # one bit a step as BITS = 1 (or two: BITS = 2), but only over the bits where
+        # the valid keys differ, and no further once exactly k keys are >= the candidate (then every key at or above
+        # it is selected: no tie to split)
         umax = tl.max(tl.where(valid, u, tl.zeros([N_P], dtype=tl.uint32)), axis=0)
         differ = tl.reduce(tl.where(valid, u ^ umax, tl.zeros([N_P], dtype=tl.uint32)), 0, _bit_or)
         lz = tl.zeros([], dtype=tl.int32)  # leading bits every valid key shares (32: all equal)
@@ -242,12 +244,32 @@ def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.const
             tz += ((d64 & ((2 << j) - 1)) == 0).to(tl.int32)
         low = tl.maximum(32 - lz, 1).to(tl.uint32)  # (shift counts stay below 32)
         prefix = tl.where(lz == 0, prefix, tl.where(lz >= 32, umax, (umax >> low) << low))
-        b = lz
-        while b < 32 - tz:
-            cand = prefix | (tl.full([], 1, tl.uint32) << (31 - b).to(tl.uint32))
-            cnt = tl.sum((valid & (u >= cand)).to(tl.int32), axis=0)
-            prefix = tl.where(cnt >= k, cand, prefix)
-            b = tl.where(cnt == k, 32, b + 1)
+        if BITS == 0:
+            b = lz
+            while b < 32 - tz:
+                cand = prefix | (tl.full([], 1, tl.uint32) << (31 - b).to(tl.uint32))
+                cnt = tl.sum((valid & (u >= cand)).to(tl.int32), axis=0)
+                prefix = tl.where(cnt >= k, cand, prefix)
+                b = tl.where(cnt == k, 32, b + 1)
+        else:  # two bits a step: the counts of keys >= prefix | d for the digits d = 1, 2, 3 in ONE block-wide sum
+            # (16-bit fields of an int64, as in the final prefix sum below); the pairs are aligned to even bit numbers
+            # (a pair reaching into the shared leading bits re-decides a shared bit: harmless)
+            uv = tl.where(valid, u, tl.zeros([N_P], dtype=tl.uint32))  # candidates are >= 1: invalid keys never count
+            b = lz - lz % 2
+            while b < 32 - tz:
+                sh = (30 - b).to(tl.uint32)
+                c1 = prefix | (tl.full([], 1, tl.uint32) << sh)
+                c2 = prefix | (tl.full([], 2, tl.uint32) << sh)
+                c3 = prefix | (tl.full([], 3, tl.uint32) << sh)
+                packed = tl.sum((uv >= c1).to(tl.int64) + ((uv >= c2).to(tl.int64) << 16)
+                                + ((uv >= c3).to(tl.int64) << 32), axis=0)
+                n1 = packed & 0xFFFF
+                n2 = (packed >> 16) & 0xFFFF
+                n3 = packed >> 32
+                d = tl.where(n3 >= k, 3, tl.where(n2 >= k, 2, tl.where(n1 >= k, 1, 0)))
+                cnt = tl.where(d == 3, n3, tl.where(d == 2, n2, tl.where(d == 1, n1, -1)))
+                prefix = prefix | (d.to(tl.uint32) << sh)
+                b = tl.where(cnt == k, 32, b + 2)
         # the shared trailing bits (every key has them: the threshold too)
         tail = (tl.full([], 1, tl.int64) << tz.to(tl.int64)) - 1
         prefix = prefix | (umax.to(tl.int64) & tail).to(tl.uint32)
@@ -426,10 +448,11 @@ TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register select instead
 TOPK_SMALL_MAX = 16384  # (<= 2^16: the in-register kernel packs two counts into an int32)
 # threshold bits per search step of the in-register select: 1 (binary search over all 32 bits), 0 (binary search
 # from the first bit where the keys differ, stopping once exactly m keys are at or above the candidate: at most as
-# many block-wide counts as 1, plus a max and a bitwise OR), 8 or 11 (radix). Not yet timed on the H200
-# (bench_ops --tune sweeps it); default 0 as it does a subset of 1's counts.
+# many block-wide counts as 1, plus a max and a bitwise OR), 2 (as 0, two bits a step: about half the block-wide
+# sums, each of three counts packed in an int64), 8 or 11 (radix). 0 and 2 not yet timed on the H200
+# (bench_ops --tune sweeps them); default 0 as it does a subset of 1's counts.
 TOPK_SMALL_BITS = 0
-TOPK_SELECTS = ((True, 0), (True, 1), (True, 8), (True, 11), (False, 1))  # every (TOPK_SMALL, TOPK_SMALL_BITS)
+TOPK_SELECTS = ((True, 0), (True, 1), (True, 2), (True, 8), (True, 11), (False, 1))  # every (TOPK_SMALL, TOPK_SMALL_BITS)
 TOPK_SMALL_WARPS = 16  # warps of the in-register select at the larger size (16: 48 vs 53 us with 32, H200 run 6)
 TOPK_SMALL_BUCKET = 2048  # the in-register select is compiled for two sizes only (N_P 2048 or TOPK_SMALL_MAX), and
 # the kernels' integer sizes are not specialised: new context lengths never JIT-compile a new variant mid-request
