@@ -11,7 +11,10 @@ with the same engine arguments as the upstream anchor (``load_format="dummy"``, 
 * engine start-up (``LLM(...)`` wall time) and GPU memory (weights, and all the engine holds after start-up);
 * batch 1, ``--ctx``-token prompt: time to the first token (prefill), then ``--out-tokens`` tokens: TPOT as the
   anchor defines it ((end to end - first token) / (n - 1)) and the median single decode step;
-* batch 32, ``--bs32-ctx``-token prompts: the median decode step once every request is decoding, and tokens/s.
+* batch 32, ``--bs32-ctx``-token prompts: the median decode step over the steps in which all 32 requests decode
+  (none still prefilling, none finished: ``--bs32-tokens`` outlasts the batch's prefill), and tokens/s. Before
+  2026-12-01 this default was 64 tokens and steps counted once the last request had started, when the first ones
+  had finished: those "batch-32" figures were steps of 8-16 decoding requests (run 9's kernel grids show it).
 
 Printed beside them: the batch-1 bandwidth roofline = bytes one decode step must read (active weights: everything
 but the 502 idle experts per layer, the LM head, the PLE rows; the GDN states; the QSA keys a query reads at this
@@ -146,7 +149,10 @@ def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None, gpu_only
 
 def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, prefill_steps: list | None = None,
            profile_prefill: int = 0, llm=None, gpu_only: bool = False):
-    """Add the prompts, step until done. Returns (t_first_all, t_end, step_times_while_all_decoding, tokens).
+    """Add the prompts, step until done. Returns (t_first_all, t_end, step_times_while_all_decoding, tokens):
+    the step times are of steps in which every request is decoding and none has finished (all of the batch in the
+    step; with long prompts the first requests decode while later ones prefill, so max_tokens must outlast the
+    batch's prefill for there to be such steps)
     ``profile_to``: write a torch-profiler table of decode steps 32..39 there (the steps stay out of the timings),
     or with ``profile_prefill`` = k of the first k steps (prefill chunks). ``prefill_steps``: gets the wall time
     of every step before all first tokens. ``llm``: profile through vLLM's profiler (``--mp``)."""
@@ -178,7 +184,7 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
         all_started = len(got) == len(prompts) and min(got.values()) >= 1
         if all_started and t_first is None:
             t_first = te - t0
-        elif all_started and outs and min(got.values()) < max_tokens:
+        elif all_started and outs and max(got.values()) < max_tokens:  # every request decoding, none done
             steps.append(te - ts)
     return t_first, time.perf_counter() - t0, steps, sum(got.values())
 
@@ -267,7 +273,7 @@ def worker(args) -> None:
                                              llm=plm, gpu_only=args.profile_gpu_only)
         step = statistics.median(steps) if steps else float("nan")
         res.update(bs32_ctx=args.bs32_ctx, bs32_prefill_s=t_first, bs32_e2e_s=t_end, bs32_step_ms=1e3 * step,
-                   bs32_decode_tok_s=32 / step, bs32_e2e_out_tok_s=ntok / t_end)
+                   bs32_steps=len(steps), bs32_decode_tok_s=32 / step, bs32_e2e_out_tok_s=ntok / t_end)
     with open(args.result, "w") as f:
         json.dump(res, f)
     print(json.dumps(res), flush=True)
@@ -291,7 +297,7 @@ def _finish(proc_lf, timeout: float) -> str | None:
 
 FIELDS = ["impl", "eager", "mp", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "consistency", "bs1_ctx",
           "bs1_prefill_s", "bs1_prefill_warm_s", "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s",
-          "bs32_step_ms", "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "knobs", "error"]
+          "bs32_step_ms", "bs32_steps", "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "knobs", "error"]
 
 
 def main() -> None:
@@ -304,7 +310,10 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=50_000, help="batch-1 prompt length")
     ap.add_argument("--out-tokens", type=int, default=256, help="batch-1 output tokens")
     ap.add_argument("--bs32-ctx", type=int, default=50_000, help="batch-32 prompt length (0: skip batch 32)")
-    ap.add_argument("--bs32-tokens", type=int, default=64, help="batch-32 output tokens per request")
+    ap.add_argument("--bs32-tokens", type=int, default=192,
+                    help="batch-32 output tokens per request: enough to outlast the batch's prefill (32 x 50k "
+                         "tokens at 16,384 a step: ~100 steps, during which the first requests already decode), so "
+                         "that there are steps with all 32 decoding; only those are timed (bs32_steps: how many)")
     ap.add_argument("--eager", default="", help="comma list of impls run with enforce_eager (default none: vLLM's "
                     "defaults, i.e. CUDA graphs; for Qwen4Exp vLLM uses breakable graphs, see qwen4exp/vllm/README.md)")
     ap.add_argument("--gpu-util", type=float, default=0.85, help="upstream's gpu_memory_utilization")

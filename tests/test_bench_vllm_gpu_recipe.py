@@ -1,0 +1,59 @@
+"""``recipes/bench_vllm_gpu.py``'s step timing (CPU, with a scripted engine; the script itself runs on the GPU
+machine): only steps in which the whole batch decodes count. Long prompts are prefilled one after another, so the
+first requests decode (and may finish) while later ones still prefill; timing those steps measured a smaller batch
+than the name says (run 9: the "batch-32" steps had 8-16 requests)."""
+
+import types
+
+from recipe_loader import load_recipe
+
+bench = load_recipe("bench_vllm_gpu")
+
+
+class ScriptedEngine:
+    """Prefills one request per ``prefill_steps`` steps (in arrival order); every prefilled, unfinished request
+    gets one token per step. Records how many requests decoded in each step."""
+
+    def __init__(self, prefill_steps: int):
+        self.prefill_steps = prefill_steps
+        self.reqs = []  # [id, max_tokens, tokens, prefill steps left]
+        self.decoding = []
+
+    def add_request(self, rid, prompt, sp):
+        self.reqs.append([rid, sp.max_tokens, 0, self.prefill_steps])
+
+    def has_unfinished_requests(self):
+        return any(r[2] < r[1] for r in self.reqs)
+
+    def step(self):
+        outs, n_dec = [], 0
+        pending = next((r for r in self.reqs if r[3] > 0), None)
+        for r in self.reqs:
+            if r[3] == 0 and r[2] < r[1]:
+                r[2] += 1
+                n_dec += 1
+                outs.append(types.SimpleNamespace(request_id=r[0], outputs=[types.SimpleNamespace(
+                    token_ids=[0] * r[2])]))
+        if pending is not None:
+            pending[3] -= 1
+            if pending[3] == 0:  # the prefill's last chunk samples the first token
+                pending[2] = 1
+                outs.append(types.SimpleNamespace(request_id=pending[0], outputs=[types.SimpleNamespace(
+                    token_ids=[0])]))
+        self.decoding.append(n_dec)
+        return outs
+
+
+def test_only_steps_with_the_whole_batch_decoding_are_timed():
+    eng = ScriptedEngine(prefill_steps=3)
+    t_first, t_end, steps, ntok = bench._drive(eng, [[1, 2, 3]] * 8, 40)
+    assert ntok == 8 * 40 and t_first is not None and t_end >= t_first
+    full = sum(1 for n in eng.decoding if n == 8)
+    # the last request starts decoding after 8 x 3 steps; the first finishes 40 tokens after its own prefill
+    assert len(steps) == full - 1 and len(steps) > 0  # (the step that finishes the first request is left out)
+
+
+def test_too_few_tokens_to_outlast_the_prefill_times_nothing():
+    eng = ScriptedEngine(prefill_steps=3)
+    _, _, steps, _ = bench._drive(eng, [[1, 2, 3]] * 8, 10)  # the first is done before the last starts
+    assert steps == [] and max(eng.decoding) < 8
