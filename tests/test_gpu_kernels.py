@@ -200,14 +200,17 @@ def test_hc_mix_many_tokens_matches_reference(T, with_inj):
     assert torch.equal(cuda.hc_gate_mean_op(g, Hn, 4), want)
 
 
-@pytest.mark.parametrize("pdl,prefetch,block_d", [(False, True, 8), (True, True, 32), (True, False, 16)])
-def test_hc_mix_launch_variants(pdl, prefetch, block_d):
+@pytest.mark.parametrize("pdl,prefetch,block_d,finish", [(False, True, 8, True), (True, True, 32, True),
+                                                          (True, False, 16, True), (True, False, 16, False)])
+def test_hc_mix_launch_variants(pdl, prefetch, block_d, finish):
+    """Launch knobs; ``finish``: past IN_KERNEL_SILU_MAX_T tokens the down projection finished by the small
+    kernel between A and B, or by torch ops (T = 8, 16)."""
     from qwen4exp.ops.hyper_connection import reference as ref
     from qwen4exp.ops.hyper_connection import triton_kernel as tk
-    saved = tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D
-    tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D = pdl, prefetch, block_d
+    saved = tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D, tk.FINISH_KERNEL
+    tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D, tk.FINISH_KERNEL = pdl, prefetch, block_d, finish
     try:
-        for T in (1, 2, 3, 8):
+        for T in (1, 2, 3, 8, 16):
             H, nw, Wd, Wu, Wi = hc_case(T, 4, 2560, 320, True, seed=77 + T)
             poison()
             x, c = tk.hc_mix_triton(H, nw, Wd, Wu, Wi, 4, 1e-6)
@@ -215,7 +218,7 @@ def test_hc_mix_launch_variants(pdl, prefetch, block_d):
             bf16_close(x, xr, 0.95)
             bf16_close(c, cr, 0.5)
     finally:
-        tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D = saved
+        tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D, tk.FINISH_KERNEL = saved
 
 
 def test_hc_mix_single_launch_with_grid_barrier():
@@ -263,10 +266,11 @@ def test_hc_inject_is_bit_exact(T, n, D):
     assert torch.equal(out, ref.hc_inject(H, c, y))
 
 
-def test_hc_ops_in_cuda_graph_and_compile():
+@pytest.mark.parametrize("T", [1, 8])  # 8: kernels A, finish and B chained by programmatic dependent launch
+def test_hc_ops_in_cuda_graph_and_compile(T):
     cuda = cuda_ops()
-    H, nw, Wd, Wu, Wi = hc_case(1, 4, 2560, 320, True, seed=3)
-    y = rnd((1, 2560), gen(4))
+    H, nw, Wd, Wu, Wi = hc_case(T, 4, 2560, 320, True, seed=3)
+    y = rnd((T, 2560), gen(4))
     x0, c0 = cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)
 
     def step(H):

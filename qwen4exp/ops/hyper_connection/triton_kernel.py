@@ -11,15 +11,15 @@ up-projection, since every output needs all r down-projected values):
   B  ``_hc_up_kernel``    grid (D / B_BLOCK_D), launched with programmatic dependent launch: it starts while A runs,
      loads its [n * B_BLOCK_D, r] slice of W_up, then waits for A.  For each real token row it sums the partials and
      rounds like the reference (bf16 linear output, /n, SiLU in fp32, bf16); past IN_KERNEL_SILU_MAX_T tokens that
-     step runs once in torch instead (the reference's own ops).  Then bf16(W_up a), sigmoid (bf16), the gated
-     re-normalised Hn columns (bf16 product) and the mean over the n streams (fp32 sum, * 1/n, bf16).  Program 0
-     also finishes c = 2*sigmoid(bf16(bf16(W_inj Hn) / n)).
+     step runs once per token in ``_hc_finish_kernel``, a small launch between A and B (chained by PDL too).
+     Then bf16(W_up a), sigmoid (bf16), the gated re-normalised Hn columns (bf16 product) and the mean over the n
+     streams (fp32 sum, * 1/n, bf16).  Program 0 also finishes c = 2*sigmoid(bf16(bf16(W_inj Hn) / n)).
 
-``FUSED`` (off until timed on the H200: ``bench_ops.py --tune`` sweeps it): ``_hc_fused_kernel`` does both stages in
-ONE launch for up to IN_KERNEL_SILU_MAX_T tokens: program p runs stage A's tile p, issues its stage-B loads of W_up,
-waits at a grid barrier (atomics on a per-device pair of words; the grid, one program per (row block, K chunk),
-must fit on the SMs at once) and finishes stage B's column block p. The bodies of both stages are shared helpers
-(``_hc_down_part``, ``_hc_up_load``, ``_hc_up_finish``) of the two-launch kernels and this one.
+``FUSED`` (off: 16.5 against 13.3 us on the H200, run 7; ``bench_ops.py --tune`` sweeps it): ``_hc_fused_kernel``
+does both stages in ONE launch for up to IN_KERNEL_SILU_MAX_T tokens: program p runs stage A's tile p, issues its
+stage-B loads of W_up, waits at a grid barrier (atomics on a per-device pair of words; the grid, one program per
+(row block, K chunk), must fit on the SMs at once) and finishes stage B's column block p. The bodies of both stages
+are shared helpers (``_hc_down_part``, ``_hc_up_load``, ``_hc_up_finish``) of the two-launch kernels and this one.
 
 Rounding points are the reference's (``_rbf`` makes each one explicit: the compiler folded plain
 ``x.to(bf16).to(fp32)`` round trips away); exp / rsqrt are CUDA's expf / rsqrtf as in PyTorch's kernels.  The dot
@@ -218,6 +218,38 @@ def _hc_up_kernel(
 
 
 @triton.jit
+def _hc_finish_kernel(PART, A, C, n_split, inv_n, R: tl.constexpr, NI: tl.constexpr, R_P: tl.constexpr,
+                      NI_P: tl.constexpr, NSPLIT_P: tl.constexpr, PDL: tl.constexpr):
+    """Between stages A and B past IN_KERNEL_SILU_MAX_T tokens: one program per token sums its split-K partials
+    PART [T, n_split, R + NI] once and writes a = bf16(silu(bf16(bf16(d) / n))) [T, R] for kernel B (A_READY) and
+    c = 2 * bf16(sigmoid(bf16(bf16(W_inj Hn) / n))) [T, NI] -- the reference's rounding points, as kernel B does
+    per program for few tokens (there, each of its programs re-reading every token's partials costs more than this
+    launch once the tokens are many). With PDL it lets kernel B start at once (B loads W_up, then waits for this
+    kernel), and waits for kernel A itself."""
+    t = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    RT: tl.constexpr = R + NI
+    offs_k = tl.arange(0, NSPLIT_P)
+    kmask = offs_k < n_split
+    offs_r = tl.arange(0, R_P)
+    rmask = offs_r < R
+    blk = tl.load(PART + t * (n_split * RT) + offs_k[:, None] * RT + offs_r[None, :],
+                  mask=kmask[:, None] & rmask[None, :], other=0.0)
+    q = _rbf(_rbf(tl.sum(blk, axis=0)) * inv_n)
+    tl.store(A + t * R + offs_r, tl.div_rn(q, 1.0 + _exp(-q)).to(tl.bfloat16), mask=rmask)
+    if NI > 0:
+        offs_c = tl.arange(0, NI_P)
+        cmask = offs_c < NI
+        blk = tl.load(PART + t * (n_split * RT) + offs_k[:, None] * RT + R + offs_c[None, :],
+                      mask=kmask[:, None] & cmask[None, :], other=0.0)
+        z = _rbf(_rbf(tl.sum(blk, axis=0)) * inv_n)
+        sg = _rbf(tl.div_rn(1.0, 1.0 + _exp(-z)))
+        tl.store(C + t * NI + offs_c, (2.0 * sg).to(tl.bfloat16), mask=cmask)
+
+
+@triton.jit
 def _grid_barrier(SYNC, n_prog):
     """Every program of the grid waits here until all have arrived (they must all be resident: grid <= SMs). SYNC
     [2] int32: arrivals, generation; the last to arrive resets the count and bumps the generation, so the buffer is
@@ -306,6 +338,8 @@ A_WARPS = 8
 B_BLOCK_D = 16  # output columns per program of kernel B ([n * B_BLOCK_D, r] W_up tile)
 B_WARPS = 8
 IN_KERNEL_SILU_MAX_T = 4  # up to this many tokens kernel B finishes the down projection itself (per program)
+FINISH_KERNEL = True  # past that: one small kernel between A and B finishes it (False: the reference's torch ops,
+# ~8 launches: a sum over the splits, casts, division, SiLU, sigmoid -- 12 us a mix at 8-16 tokens, H200 run 9)
 FUSED = False  # up to IN_KERNEL_SILU_MAX_T tokens: both stages in one launch with a grid barrier (not yet timed)
 MAX_T = 16  # up to here the two fused launches; more tokens: cuBLAS projections + the norm and gate-mean kernels
 # (H200, run 7, same bench_ops run: T=8 fused 29.0 vs 33.1 us, T=32 fused 41.6 vs 34.6 us; T=16 not timed)
@@ -399,13 +433,21 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, _stop_after
         return x.view(*lead, D), c.reshape(*lead, NI)
     pf_lines = triton.cdiv(up.numel() * up.element_size(), 128)  # 128-byte lines of W_up
     pf_per = triton.cdiv(pf_lines, P)
+    finish = a_ready and FINISH_KERNEL and not _stop_after_down
     LAUNCHED["hc_down"] = _hc_down_kernel[grid](
         H2, nw, down, wi, rstd, part, up, T, float(eps), 1.0 / D, pf_lines, pf_per, H2.stride(0), **shapes, **a_meta,
         PREFETCH=PREFETCH_UP and up.element_size() == 2, PF_BLOCK=triton.next_power_of_2(pf_per),
-        PDL=USE_PDL and not a_ready, num_warps=A_WARPS)
+        PDL=USE_PDL and (finish or not a_ready), num_warps=A_WARPS)
     if _stop_after_down:  # (benchmark breakdown)
         return rstd, part
-    if a_ready:  # finish the down projection once, in torch (the reference's ops and rounding)
+    if finish:  # finish the down projection once per token, in one launch
+        a = torch.empty(T, R, dtype=H.dtype, device=dev)
+        c = torch.empty(T, NI, dtype=H.dtype, device=dev)
+        LAUNCHED["hc_finish"] = _hc_finish_kernel[(T,)](
+            part, a, c if NI else a, n_split, 1.0 / n, R=R, NI=NI, R_P=b_meta["R_P"], NI_P=b_meta["NI_P"],
+            NSPLIT_P=b_meta["NSPLIT_P"], PDL=USE_PDL, num_warps=8, launch_pdl=USE_PDL)
+        part = a
+    elif a_ready:  # or in torch (the reference's ops and rounding)
         dsum = part.sum(1).to(H.dtype)  # [T, R + NI]
         part = F.silu(dsum[:, :R] / n).contiguous()
         c = 2 * torch.sigmoid(dsum[:, R:] / n) if NI else dsum[:, R:]

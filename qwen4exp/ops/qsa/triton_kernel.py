@@ -449,10 +449,11 @@ TOPK_SMALL_MAX = 16384  # (<= 2^16: the in-register kernel packs two counts into
 # threshold bits per search step of the in-register select: 1 (binary search over all 32 bits), 0 (binary search
 # from the first bit where the keys differ, stopping once exactly m keys are at or above the candidate: at most as
 # many block-wide counts as 1, plus a max and a bitwise OR), 2 (as 0, two bits a step: about half the block-wide
-# sums, each of three counts packed in an int64), 8 or 11 (radix). 0 and 2 not yet timed on the H200
-# (bench_ops --tune sweeps them); default 0 as it does a subset of 1's counts.
+# sums, each of three counts packed in an int64), 8 or 11 (radix). H200 run 9 (bench_ops --tune, QSA decode of one
+# query at 50k context): 0 -> 40.5 us, 2 -> 43.0, 1 -> 48.3, 8 -> 69.4 (the select alone 26.5 us with 0)
 TOPK_SMALL_BITS = 0
-TOPK_SELECTS = ((True, 0), (True, 1), (True, 2), (True, 8), (True, 11), (False, 1))  # every (TOPK_SMALL, TOPK_SMALL_BITS)
+# every (TOPK_SMALL, TOPK_SMALL_BITS) variant, for the checks and the benchmark
+TOPK_SELECTS = ((True, 0), (True, 1), (True, 2), (True, 8), (True, 11), (False, 1))
 TOPK_SMALL_WARPS = 16  # warps of the in-register select at the larger size (16: 48 vs 53 us with 32, H200 run 6)
 TOPK_SMALL_BUCKET = 2048  # the in-register select is compiled for two sizes only (N_P 2048 or TOPK_SMALL_MAX), and
 # the kernels' integer sizes are not specialised: new context lengths never JIT-compile a new variant mid-request
