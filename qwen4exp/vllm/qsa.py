@@ -65,11 +65,16 @@ def _host_lengths(m) -> tuple[list[int], list[int]]:
     return memo[1], memo[2]
 
 
-def _rows(cache: torch.Tensor, block_row: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype | None = None):
-    """``paged_rows`` of one request (its block-table row, positions [N]) -> [N, heads, 2 * width], widened to
-    ``dtype`` if given (FP8 caches)."""
-    rows = paged_rows(cache, block_row.unsqueeze(0), pos.unsqueeze(0))[0]
-    return rows if dtype is None or rows.dtype == dtype else rows.to(dtype)
+def _to_device(lists: list[list[int]], device) -> list[torch.Tensor]:
+    """Host index lists -> int64 tensors on ``device`` with ONE copy (through pinned memory on GPUs, queued on the
+    stream without waiting for it: a plain tensor(..., device=cuda) from pageable memory can block the host)."""
+    sizes = [len(x) for x in lists]
+    flat = torch.tensor([v for x in lists for v in x], dtype=torch.long)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return list(torch.split(flat, sizes))
 
 
 class _CacheView:
@@ -158,7 +163,6 @@ class QSAMixer(QSAAttention):
         pos1 = positions[0] if positions.dim() == 2 else positions
         pos1 = pos1[:n].long()
         r = self.r
-        device = q.device
         # 1. main K/V into the paged cache
         kv = _kv_cache(self.attn)
         write_paged(kv, m.slot_mapping[:n].long(), k[:n], v[:n])
@@ -166,27 +170,9 @@ class QSAMixer(QSAAttention):
         ikv = _kv_cache(self.index_cache)
         d_i = ikv.shape[3] // 2
         raw = index_k_raw[:n]
-        bk_rows = torch.zeros_like(raw)
         qsl, seq_lens = _host_lengths(m)
         nreq = len(seq_lens)
-        for b in range(nreq):
-            s, e = qsl[b], qsl[b + 1]
-            if e <= s:
-                continue
-            start = seq_lens[b] - (e - s)
-            base = (start // r) * r
-            chunk = raw[s:e]
-            if base < start:
-                prev_pos = torch.arange(base, start, device=device)
-                prev = _rows(ikv, m.block_table[b], prev_pos)[:, 0, :d_i]
-                chunk = torch.cat([prev.to(chunk.dtype), chunk], 0)
-            nfull = chunk.shape[0] // r
-            if nfull:
-                first = base + r * torch.arange(nfull, device=device)
-                cb, sb = self.rotary[0](first, raw.dtype)
-                keys = self.block_keys(block_mean(chunk[: nfull * r], r), cb, sb)
-                last_idx = s + (first + r - 1 - start)
-                bk_rows[last_idx] = keys.to(bk_rows.dtype)
+        bk_rows = self._completed_block_keys(raw, qsl, seq_lens, m, ikv, d_i)
         write_paged(ikv, m.slot_mapping[:n].long(), raw.unsqueeze(1), bk_rows.unsqueeze(1))
         # 3. selection + attention: the queries of requests with few of them (decodes, MTP verifications, short
         #    chunks) in one batched call, each longer chunk through the paged prefill op (Triton on GPUs)
@@ -200,6 +186,48 @@ class QSAMixer(QSAAttention):
                 continue
             out[s:e] = qsa_prefill_paged(q[s:e], pos1[s:e], index_q[s:e], kv, m.block_table[b], ikv, seq_lens[b],
                                          r, self.budget, self.scale, self.index_scale).to(out.dtype)
+
+    def _completed_block_keys(self, raw, qsl, seq_lens, m, ikv, d_i: int) -> torch.Tensor:
+        """Index-cache block-key column of this step's rows [n, d_i]: at the row of each block's last position, the
+        key of every block completed by this step's tokens (zeros elsewhere). All requests at once: which blocks
+        complete and where each of their r raw keys comes from (this step's rows, or the index cache for positions
+        of earlier steps) is worked out on the host from the step's lengths, then ONE gather of the earlier raw
+        keys, one mean-pool and one norm + RoPE for all blocks."""
+        r = self.r
+        n = raw.shape[0]
+        prev_owner, prev_pos = [], []  # earlier positions of blocks completed now: request, position
+        src, first, last = [], [], []  # per block: r source rows (< n: this step; n + i: prev row i), start, last row
+        for b in range(len(seq_lens)):
+            s, e = qsl[b], qsl[b + 1]
+            if e <= s:
+                continue
+            start = seq_lens[b] - (e - s)  # position of row s
+            base = (start // r) * r
+            nfull = (seq_lens[b] - base) // r  # blocks from base on that end within this step
+            if not nfull:
+                continue
+            for p in range(base, start):
+                src.append(n + len(prev_pos))  # (only the first block reaches back)
+                prev_owner.append(b)
+                prev_pos.append(p)
+            src.extend(range(s, s + base + nfull * r - start))
+            for j in range(nfull):
+                first.append(base + j * r)
+                last.append(s + base + j * r + r - 1 - start)
+        bk_rows = torch.zeros_like(raw)
+        if not first:
+            return bk_rows
+        idx = _to_device([src, first, last, prev_owner, prev_pos], raw.device)
+        src_t, first_t, last_t = idx[0], idx[1], idx[2]
+        rows = raw
+        if prev_pos:
+            owner_t, pos_t = idx[3], idx[4]
+            prev = paged_rows(ikv, m.block_table[owner_t], pos_t.unsqueeze(1))[:, 0, 0, :d_i]
+            rows = torch.cat([raw, prev.to(raw.dtype)], 0)
+        cb, sb = self.rotary[0](first_t, raw.dtype)
+        keys = self.block_keys(block_mean(rows[src_t], r), cb, sb)
+        bk_rows[last_t] = keys.to(bk_rows.dtype)
+        return bk_rows
 
     def _decode_step(self, out, q, k, v, index_q, index_k_raw, m) -> None:
         """A pure decode batch (one query per request): cache writes, the block key of any block this token
@@ -226,9 +254,8 @@ class QSAMixer(QSAAttention):
     def _decode_batch(self, out, q, index_q, pos1, reqs, qsl, seq_lens, m, kv, ikv) -> None:
         """Every query of the requests ``reqs`` of a mixed step in one batched call, one row per query with its own
         position and its request's block-table row (no per-request loop)."""
-        device = q.device
-        rows = torch.tensor([i for b in reqs for i in range(qsl[b], qsl[b + 1])], device=device)
-        owner = torch.tensor([b for b in reqs for _ in range(qsl[b], qsl[b + 1])], device=device)
+        rows, owner = _to_device([[i for b in reqs for i in range(qsl[b], qsl[b + 1])],
+                                  [b for b in reqs for _ in range(qsl[b], qsl[b + 1])]], q.device)
         n_blocks = max(1, max(seq_lens[b] for b in reqs) // self.r)
         out[rows] = self._attend_decodes(q[rows], index_q[rows], pos1[rows], m.block_table[owner], kv, ikv, n_blocks)
 
