@@ -177,14 +177,21 @@ def test_hc_mix_lead_dims_fp32_weight_and_fallback():
     assert torch.equal(x, xr) and torch.equal(c, cr)
 
 
-@pytest.mark.parametrize("T,with_inj", [(17, False), (32, True), (33, True), (64, False), (16_384, True)])
-def test_hc_mix_many_tokens_matches_reference(T, with_inj):
-    """Past MAX_T (prefill): cuBLAS projections + the Triton grouped norm and gate-mean kernels, against the
-    reference; the gate-mean kernel alone is bit-exact (same rounding points, fp32 mean of four bf16 products)."""
+@pytest.mark.parametrize("T,with_inj,adjacent", [(17, False, False), (32, True, False), (32, True, True),
+                                                 (33, True, False), (64, False, False), (16_384, True, True)])
+def test_hc_mix_many_tokens_matches_reference(T, with_inj, adjacent):
+    """Past MAX_T (prefill): cuBLAS projections (``adjacent``: W_down and W_inj as row ranges of one buffer, one
+    GEMM) + the Triton grouped norm, activation and gate-mean kernels, against the reference; the gate-mean kernel
+    alone is bit-exact (same rounding points, fp32 mean of four bf16 products)."""
+    from qwen4exp.ops.hyper_connection import adjacent_rows
     from qwen4exp.ops.hyper_connection import reference as ref
     from qwen4exp.ops.hyper_connection import triton_kernel as tk
     cuda = cuda_ops()
     H, nw, Wd, Wu, Wi = hc_case(T, 4, 2560, 320, with_inj, seed=T)
+    if adjacent:
+        buf = torch.cat([Wd, Wi])
+        Wd, Wi = buf[:320], buf[320:]
+        assert adjacent_rows(Wd, Wi) is not None
     assert not tk.supported(H, nw, Wd, Wu, Wi, 4) and tk.gemm_path_supported(H, nw, Wd, Wu, Wi, 4)
     poison()
     x, c = cuda.hc_mix(H.view(1, T, -1), nw, Wd, Wu, Wi, 4, 1e-6)

@@ -188,3 +188,30 @@ def test_merged_shared_expert_equals_reference_swiglu():
     halves, rows, err = p.stdout.strip().splitlines()[-1].split()
     assert halves == "True" and rows == "96"
     assert float(err) < 2e-2, err
+
+
+def test_hc_down_and_inject_weights_colocated_for_one_gemm():
+    """``colocate_hc_projections``: each mixer's W_down and W_inj become the two row ranges of one buffer (so the
+    many-token GPU path runs one GEMM), same values, same output; a loader's in-place copy into either parameter
+    lands in that buffer; the final mixer (no W_inj) is left alone."""
+    from qwen4exp import presets
+    from qwen4exp.layers.hyper_connection import HyperConnection
+    from qwen4exp.ops.hyper_connection import adjacent_rows
+    from qwen4exp.vllm.layers import colocate_hc_projections
+
+    cfg = presets.tiny_text()
+    torch.manual_seed(0)
+    mods = torch.nn.ModuleList([HyperConnection(cfg), HyperConnection(cfg), HyperConnection(cfg, inject=False)])
+    H = torch.randn(5, cfg.hc_count * cfg.hidden_size)
+    before = [m(H) for m in mods]
+    assert adjacent_rows(mods[0].input_mix_weight_down.weight, mods[0].block_inject_weight.weight) is None
+    assert colocate_hc_projections(mods) == 2
+    for m, (x0, c0) in zip(mods, before):
+        x, c = m(H)
+        assert torch.equal(x, x0) and (c is None) == (c0 is None) and (c is None or torch.equal(c, c0))
+    wd, wi = mods[0].input_mix_weight_down.weight, mods[0].block_inject_weight.weight
+    both = adjacent_rows(wd, wi)
+    assert both is not None and torch.equal(both, torch.cat([wd, wi]))
+    wi.data.copy_(torch.full_like(wi, 3.0))  # (what a weight loader does)
+    assert torch.equal(both[wd.shape[0]:], torch.full_like(wi, 3.0))
+    assert adjacent_rows(wd, mods[1].block_inject_weight.weight) is None  # another mixer's rows: not adjacent

@@ -23,6 +23,7 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -203,6 +204,13 @@ def check_hc():
         cc = (torch.rand(T, n, generator=g) * 2).to(BF)
         close(tk.hc_inject_triton(H, cc, y), ref.hc_inject(H, cc, y), 0.0, "hc_inject", rtol=2 ** -7)  # 1 unit
         # (the interpreter truncates the final fp32 -> bf16 store; on the GPU it is bit-exact)
+        d = (torch.randn(T, R + n, generator=g) * 4).to(BF)  # the many-token path's activation step
+        a, c = tk.hc_finish_triton(d, R, n)
+        close(a, F.silu(d[:, :R] / n), 0.0, "hc_finish a", rtol=2 ** -7)
+        close(c, 2 * torch.sigmoid(d[:, R:] / n), 0.0, "hc_finish c", rtol=2 ** -7)
+        a, c = tk.hc_finish_triton(d[:, :R], R, n)  # (no injection: the final mixer)
+        close(a, F.silu(d[:, :R] / n), 0.0, "hc_finish a (no c)", rtol=2 ** -7)
+        assert c.shape == (T, 0)
         gg = (torch.randn(T, n * D, generator=g) * 3).to(BF)
         want = (torch.sigmoid(gg).unflatten(-1, (n, D)) * H.unflatten(-1, (n, D))).mean(-2)
         close(tk.hc_gate_mean_triton(gg, H, n), want, 0.02, "hc_gate_mean")
@@ -280,7 +288,7 @@ def check_op_registration():
 
     from qwen4exp.ops import cuda
     ops = {k: v for k, v in vars(cuda).items() if isinstance(v, cuda._CustomOp)}
-    assert len(ops) == 14, sorted(ops)
+    assert len(ops) == 15, sorted(ops)
     for name, op in ops.items():
         schema = str(getattr(torch.ops.qwen4exp, op.name).default._schema)
         assert ("(a0!)" in schema) == (op.name in ("qsa_write_paged", "qsa_index_update_decode")), (name, schema)
@@ -292,6 +300,8 @@ def check_op_registration():
         x, c = cuda.hc_mix_op(t(3, 256), t(256), t(16, 256), t(256, 16), None, 4, 1e-6)
         assert c.shape == (3, 0)
         assert cuda.hc_gate_mean_op(t(5, 256), t(5, 256), 4).shape == (5, 64)
+        a, c = cuda.hc_finish_op(t(5, 20), 16, 4)
+        assert a.shape == (5, 16) and c.shape == (5, 4)
         assert cuda.hc_inject_op(t(2, 256), t(2, 4), t(2, 64)).shape == (2, 256)
         assert cuda.rms_norm_op(t(2, 24, 256), t(256), 256, 1e-6).shape == (2, 24, 256)
         assert cuda.apply_rope_op(t(2, 24, 64), t(2, 64), t(2, 64)).shape == (2, 24, 64)

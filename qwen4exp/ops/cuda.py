@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ._dispatch import register_kernel
 from .gated_delta_rule import fla_kernel as gdn_fla
 from .gated_delta_rule import reference as gdn_ref
+from .hyper_connection import adjacent_rows as hc_adjacent_rows
 from .hyper_connection import reference as hc_ref
 from .hyper_connection import triton_kernel as hc_tk
 from .moe_combine import reference as moe_ref
@@ -95,19 +96,37 @@ def hc_mix(H, norm_weight, down, up, inj, n, eps):
     return hc_ref.hc_mix(H, norm_weight, down, up, inj, n, eps)
 
 
+@_custom_op("qwen4exp::hc_finish", mutates_args=())
+def hc_finish_op(d: Tensor, R: int, n: int) -> tuple[Tensor, Tensor]:
+    return hc_tk.hc_finish_triton(d, R, n)
+
+
+@hc_finish_op.register_fake
+def _(d, R, n):
+    return d.new_empty(d.shape[0], R), d.new_empty(d.shape[0], d.shape[1] - R)
+
+
 def _hc_mix_many_tokens(H, norm_weight, down, up, inj, n, eps):
-    """``hc_mix`` past the fused kernel's token count: the reference's three projections on cuBLAS, its grouped norm
-    and its gated stream mean as one Triton pass each (in the reference those are fp32 elementwise passes over
-    [T, nD]: most of its time at prefill sizes)."""
+    """``hc_mix`` past the fused kernel's token count: the reference's projections on cuBLAS (W_down and W_inj as
+    one GEMM where they sit together in memory), its grouped norm, its activations (SiLU of the low-rank
+    projection, sigmoid of the injection logits) and its gated stream mean as one Triton pass each (in the reference
+    the norm and the mean are fp32 elementwise passes over [T, nD]: most of its time at prefill sizes, and the
+    activations ~7 small launches)."""
     NK = H.shape[-1]
-    D = NK // n
+    D, R = NK // n, down.shape[0]
     H2 = H.reshape(-1, NK)
     Hn = rms_norm(H2, norm_weight, D, eps)
-    a = F.silu(F.linear(Hn, down) / n)
+    both = hc_adjacent_rows(down, inj)
+    if inj is None:
+        d = F.linear(Hn, down)
+    elif both is not None:
+        d = F.linear(Hn, both)
+    else:
+        d = torch.cat([F.linear(Hn, down), F.linear(Hn, inj)], -1)
+    a, c = hc_finish_op(d, R, n)
     x = hc_gate_mean_op(F.linear(a, up), Hn, n)
-    c = None if inj is None else 2 * torch.sigmoid(F.linear(Hn, inj) / n)
     lead = H.shape[:-1]
-    return x.view(*lead, D), (None if c is None else c.view(*lead, n))
+    return x.view(*lead, D), (None if inj is None else c.view(*lead, n))
 
 
 @_custom_op("qwen4exp::hc_inject", mutates_args=())

@@ -70,6 +70,31 @@ def vllm_linear(in_features: int, out_features: int, *, prefix: str = "") -> nn.
     return Linear(in_features, out_features, bias=False, prefix=prefix)
 
 
+def colocate_hc_projections(model: nn.Module) -> int:
+    """Lay out each hyper-connection's W_down and W_inj (plain weights) as the two row ranges of ONE buffer, so that
+    the many-token HC path (prefill, batches past 16 tokens) runs both projections as one GEMM
+    (``ops.hyper_connection.adjacent_rows``). The parameters stay separate (checkpoint names; weight loaders and the
+    dummy initialisation write into their views). Returns how many mixers were joined."""
+    from ..layers.hyper_connection import HyperConnection
+
+    joined = 0
+    for m in model.modules():
+        if not isinstance(m, HyperConnection) or m.block_inject_weight is None:
+            continue
+        wd = getattr(m.input_mix_weight_down, "weight", None)
+        wi = getattr(m.block_inject_weight, "weight", None)
+        if not (isinstance(wd, nn.Parameter) and isinstance(wi, nn.Parameter) and wd.dim() == wi.dim() == 2
+                and wd.dtype == wi.dtype and wd.device == wi.device and wd.shape[1] == wi.shape[1]):
+            continue
+        R = wd.shape[0]
+        buf = torch.empty(R + wi.shape[0], wd.shape[1], dtype=wd.dtype, device=wd.device)
+        buf[:R].copy_(wd.data)
+        buf[R:].copy_(wi.data)
+        wd.data, wi.data = buf[:R], buf[R:]
+        joined += 1
+    return joined
+
+
 class MergedSwiGLU(nn.Module):
     """The shared expert (``qwen4exp.layers.moe.SwiGLU``: down(silu(gate(x)) * up(x))) with gate and up in ONE
     replicated GEMM (the checkpoint's ``gate_proj`` / ``up_proj`` load into the two halves of ``gate_up_proj``).

@@ -15,8 +15,25 @@ def hc_mix(H, norm_weight, down, up, inj, n, eps):
     return fn(H, norm_weight, down, up, inj, n, eps)
 
 
+def adjacent_rows(down, inj):
+    """[W_down; W_inj] as ONE [R + n, nD] view when W_inj's rows follow W_down's in memory (the vLLM model lays
+    them out so: ``qwen4exp.vllm.layers.colocate_hc_projections``), else None: the many-token GPU path then runs
+    both projections as one GEMM."""
+    if not (isinstance(down, torch.Tensor) and isinstance(inj, torch.Tensor)) or down.dim() != 2 or inj.dim() != 2:
+        return None
+    R, NK = down.shape
+    if inj.dtype != down.dtype or inj.device != down.device or inj.shape[1] != NK:
+        return None
+    if down.stride() != (NK, 1) or inj.stride() != (NK, 1):
+        return None
+    if (inj.untyped_storage().data_ptr() != down.untyped_storage().data_ptr()
+            or inj.storage_offset() != down.storage_offset() + R * NK):
+        return None
+    return down.as_strided((R + inj.shape[0], NK), (NK, 1))
+
+
 def hc_inject(H, c, y):
     return pick("hc_inject", H.device, reference.hc_inject)(H, c, y)
 
 
-__all__ = ["hc_mix", "hc_inject", "grouped_rms_norm", "reference"]
+__all__ = ["hc_mix", "hc_inject", "adjacent_rows", "grouped_rms_norm", "reference"]

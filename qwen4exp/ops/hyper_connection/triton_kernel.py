@@ -221,7 +221,8 @@ def _hc_up_kernel(
 def _hc_finish_kernel(PART, A, C, n_split, inv_n, R: tl.constexpr, NI: tl.constexpr, R_P: tl.constexpr,
                       NI_P: tl.constexpr, NSPLIT_P: tl.constexpr, PDL: tl.constexpr):
     """Between stages A and B past IN_KERNEL_SILU_MAX_T tokens: one program per token sums its split-K partials
-    PART [T, n_split, R + NI] once and writes a = bf16(silu(bf16(bf16(d) / n))) [T, R] for kernel B (A_READY) and
+    PART [T, n_split, R + NI] (fp32; or n_split = 1 and bf16: the many-token path's one GEMM of W_down | W_inj)
+    once and writes a = bf16(silu(bf16(bf16(d) / n))) [T, R] for kernel B (A_READY) and
     c = 2 * bf16(sigmoid(bf16(bf16(W_inj Hn) / n))) [T, NI] -- the reference's rounding points, as kernel B does
     per program for few tokens (there, each of its programs re-reading every token's partials costs more than this
     launch once the tokens are many). With PDL it lets kernel B start at once (B loads W_up, then waits for this
@@ -236,14 +237,14 @@ def _hc_finish_kernel(PART, A, C, n_split, inv_n, R: tl.constexpr, NI: tl.conste
     offs_r = tl.arange(0, R_P)
     rmask = offs_r < R
     blk = tl.load(PART + t * (n_split * RT) + offs_k[:, None] * RT + offs_r[None, :],
-                  mask=kmask[:, None] & rmask[None, :], other=0.0)
+                  mask=kmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
     q = _rbf(_rbf(tl.sum(blk, axis=0)) * inv_n)
     tl.store(A + t * R + offs_r, tl.div_rn(q, 1.0 + _exp(-q)).to(tl.bfloat16), mask=rmask)
     if NI > 0:
         offs_c = tl.arange(0, NI_P)
         cmask = offs_c < NI
         blk = tl.load(PART + t * (n_split * RT) + offs_k[:, None] * RT + R + offs_c[None, :],
-                      mask=kmask[:, None] & cmask[None, :], other=0.0)
+                      mask=kmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
         z = _rbf(_rbf(tl.sum(blk, axis=0)) * inv_n)
         sg = _rbf(tl.div_rn(1.0, 1.0 + _exp(-z)))
         tl.store(C + t * NI + offs_c, (2.0 * sg).to(tl.bfloat16), mask=cmask)
@@ -480,6 +481,22 @@ def hc_gate_mean_triton(g, Hn, n: int):
         _hc_gate_mean_kernel[(T, triton.cdiv(D, GATE_MEAN_BLOCK))](
             g, Hn, x, D, g.stride(0), Hn.stride(0), x.stride(0), 1.0 / n, NS=n, BLOCK=GATE_MEAN_BLOCK, num_warps=4)
     return x
+
+
+def hc_finish_triton(d, R: int, n: int):
+    """The many-token path's activation step: d [T, R + NI] = bf16(Hn @ [W_down | W_inj]^T) ->
+    a = bf16(silu(bf16(d[:, :R] / n))) [T, R], c = 2 * bf16(sigmoid(bf16(d[:, R:] / n))) [T, NI] (the reference's
+    ops and rounding), one launch (``_hc_finish_kernel`` with one "split")."""
+    T, RT = d.shape
+    NI = RT - R
+    d = d if d.stride(-1) == 1 and d.stride(0) == RT else d.contiguous()
+    a = torch.empty(T, R, dtype=d.dtype, device=d.device)
+    c = torch.empty(T, NI, dtype=d.dtype, device=d.device)
+    if T:
+        _hc_finish_kernel[(T,)](d, a, c if NI else a, 1, 1.0 / n, R=R, NI=NI, R_P=triton.next_power_of_2(R),
+                                NI_P=max(2, triton.next_power_of_2(max(NI, 1))), NSPLIT_P=1, PDL=False,
+                                num_warps=4)
+    return a, c
 
 
 def hc_inject_supported(H, c, y) -> bool:
