@@ -338,7 +338,8 @@ def check_selection(q_pos, iq, bk, scale):
 
 
 @pytest.mark.parametrize("L,Tq", [(1, 1), (7, 3), (100, 4), (2051, 1), (2052, 1), (2053, 2), (2056, 4),
-                                  (4099, 3), (50_003, 4), (50_000, 1), (65_536 * 4 + 3, 1)])
+                                  (4099, 3), (10_240, 2), (30_001, 1), (50_003, 4), (50_000, 1),
+                                  (65_536 * 4 + 3, 1)])  # (10,240 / 30,001: the 4096 / 8192-key top-k variants)
 def test_qsa_attention_matches_reference(L, Tq):
     from qwen4exp.ops.qsa import reference as ref
     cuda = cuda_ops()

@@ -50,7 +50,8 @@ def check_qsa_topk():
     m = 16
     saved = tk.TOPK_SMALL, tk.TOPK_SMALL_BITS
     cases = ((10, 3, False), (17, 2, True), (300, 4, False), (300, 4, True), (2049, 2, True),
-             (300, 3, "narrow"), (300, 3, "bf16"), (300, 3, "equal"), (40, 2, "none"))
+             (300, 3, "narrow"), (300, 3, "bf16"), (300, 3, "equal"), (40, 2, "none"),
+             (5000, 1, False), (9000, 1, "bf16"))  # (the 4096 / 8192 / 16384-key variants too)
     for Nb, Tq, ties in cases:
         sc = torch.randn(Tq, Nb)
         if ties is True:

@@ -113,18 +113,30 @@ class PLE(nn.Module):
     def conv_state_len(self) -> int:
         return (self.kernel - 1) * self.dilation
 
-    def forward(
+    def embed(
         self,
-        H: torch.Tensor,  # [T, nD]
         ids: torch.Tensor,  # [T] raw token ids
         cu_seqlens: torch.Tensor | None,  # None: one token per sequence (decode, graph-capturable)
         ctx_state: torch.Tensor,  # [N, n-1] int64
-        conv_state: torch.Tensor | None,  # [N, nD, (K-1)*n]
+        dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The part that needs only the token ids: n-gram rows, table gather, key and value projections ->
+        (normed keys [T, nD], values [T, D], the new n-gram context). A runtime may run it ahead of the layer (the
+        table gather reads host memory: the vLLM model can overlap it with the layers before this one)."""
+        emb, ctx_state = self.ple_embedding(ids, cu_seqlens, ctx_state, dtype)
+        return self.norm_key(self.key_proj(emb)), self.value_proj(emb), ctx_state
+
+    def mix(
+        self,
+        H: torch.Tensor,  # [T, nD]
+        k: torch.Tensor,  # [T, nD] and
+        v: torch.Tensor,  # [T, D] from ``embed``
+        cu_seqlens: torch.Tensor | None,
+        conv_state: torch.Tensor | None,  # [N, nD, (K-1)*n]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gated, convolved injection of the embedded n-grams into the streams -> (PLE(H), new conv state)."""
         T = H.shape[0]
-        emb, ctx_state = self.ple_embedding(ids, cu_seqlens, ctx_state, H.dtype)
-        k = self.norm_key(self.key_proj(emb)).view(T, self.n, self.D)
-        v = self.value_proj(emb)
+        k = k.view(T, self.n, self.D)
         q = self.norm_query(H).view(T, self.n, self.D)
         d = (k * q).sum(-1, keepdim=True) / math.sqrt(self.D)
         d = d.abs().clamp_min(1e-6).sqrt() * d.sign()
@@ -136,4 +148,16 @@ class PLE(nn.Module):
         else:
             z, conv_state = causal_conv1d(un, self.conv1d.weight.squeeze(1), cu_seqlens, conv_state,
                                           dilation=self.dilation, activation="silu")
-        return u + z, ctx_state, conv_state
+        return u + z, conv_state
+
+    def forward(
+        self,
+        H: torch.Tensor,  # [T, nD]
+        ids: torch.Tensor,  # [T] raw token ids
+        cu_seqlens: torch.Tensor | None,  # None: one token per sequence (decode, graph-capturable)
+        ctx_state: torch.Tensor,  # [N, n-1] int64
+        conv_state: torch.Tensor | None,  # [N, nD, (K-1)*n]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k, v, ctx_state = self.embed(ids, cu_seqlens, ctx_state, H.dtype)
+        out, conv_state = self.mix(H, k, v, cu_seqlens, conv_state)
+        return out, ctx_state, conv_state

@@ -199,7 +199,8 @@ class StateSlots(nn.Module, MambaBase):
         idx = md.state_indices_tensor_d[:nd, 0].long()
         out, new_states = fn(slice(0, nd), None, [st[idx] for st in self.kv_cache])
         for st, new in zip(self.kv_cache, new_states):
-            st[idx] = new.to(st.dtype)
+            if new is not None:
+                st[idx] = new.to(st.dtype)
         if nd == T:
             return out
         full = out.new_zeros(T, *out.shape[1:])
@@ -207,7 +208,8 @@ class StateSlots(nn.Module, MambaBase):
         return full
 
     def run(self, fn, T: int, device, fresh_values):
-        """Gather this step's states, call ``fn(rows, cu_seqlens, states) -> (out, new_states)``, write back.
+        """Gather this step's states, call ``fn(rows, cu_seqlens, states) -> (out, new_states)``, write back (a
+        new state of None: that state is left as it was).
         ``rows``: the step's token rows that ``fn`` processes (a slice or an index tensor), ``cu_seqlens`` their
         packed sequence starts. ``fresh_values``: per state, the fill value for requests without an initial state
         (None: zeros). Returns ``out`` padded with zero rows to T (None during profiling, where ``fn`` must handle
@@ -243,8 +245,9 @@ class StateSlots(nn.Module, MambaBase):
                 outs.append((rows, out))
                 dst = slots[act, j]
                 for s, st, new in zip(states, self.kv_cache, new_states):
-                    s[act] = new.to(s.dtype)
-                    st[dst] = new.to(st.dtype)
+                    if new is not None:
+                        s[act] = new.to(s.dtype)
+                        st[dst] = new.to(st.dtype)
             nd, first = 0, ndt
         # plain decodes (one token each, state slot 0) and prefills, packed into one call
         cu_parts, idx_parts, init_parts = [torch.arange(nd + 1, device=device, dtype=torch.long)], [], []
@@ -262,11 +265,13 @@ class StateSlots(nn.Module, MambaBase):
                 fresh = ~init
                 for st, v in zip(states, fresh_values):
                     st.masked_fill_(fresh.view(-1, *[1] * (st.dim() - 1)), 0 if v is None else v)
-            rows = slice(first, first + int(cu[-1]))
+            n_tok = nd + (int(md.num_prefill_tokens) if npf else 0)  # (= cu[-1], from the host: no sync)
+            rows = slice(first, first + n_tok)
             out, new_states = fn(rows, cu, states)
             outs.append((rows, out))
             for st, new in zip(self.kv_cache, new_states):
-                st[idx] = new.to(st.dtype)
+                if new is not None:
+                    st[idx] = new.to(st.dtype)
         if not outs:
             return None
         if len(outs) == 1 and isinstance(outs[0][0], slice) and outs[0][0] == slice(0, T):

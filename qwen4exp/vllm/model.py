@@ -37,8 +37,8 @@ from ..configuration import _INDEXED_ALIASES, INDEXED, LINEAR
 from ..layers.hyper_connection import HyperConnection
 from ..layers.rope import RotaryEmbedding
 from ..modeling import DecoderLayer, embed_streams
-from .layers import (MergedSwiGLU, StateSlots, check_cudagraph_mode, colocate_hc_projections, fused_experts,
-                     gdn_mixer, our_gdn, ple_state_shapes, vllm_linear)
+from .layers import (MergedSwiGLU, StateSlots, check_cudagraph_mode, colocate_hc_projections, eager_segment,
+                     fused_experts, gdn_mixer, our_gdn, ple_state_shapes, vllm_linear)
 from .qsa import QSAMixer
 from .weights import load_qwen4exp_weights
 
@@ -66,6 +66,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
         layers = []
         on_host = ple_table_on_host()
         self.ple_states = nn.ModuleDict()
+        self._ple_embed_steps: dict[str, _PleEmbedStep] = {}
         for i in range(config.num_hidden_layers):
             lt = _layer_type(config, i)
             lp = f"{prefix}.layers.{i}"
@@ -77,9 +78,11 @@ class Qwen4ExpVllmTextModel(nn.Module):
             layer = decoder_layer(config, i, lp, mixer, lt, ple_table_on_host=on_host)
             if layer.ple is not None:
                 st = StateSlots(ple_state_shapes(config), (dtype, torch.int32), f"{lp}.ple_state")
-                st.step = functools.partial(_ple_step, layer.ple, st)
+                embed_step = _PleEmbedStep(layer.ple, st)
+                st.step = functools.partial(_ple_mix_step, layer.ple, st, embed_step)
                 st.decode_form = True
                 self.ple_states[str(i)] = st
+                self._ple_embed_steps[str(i)] = embed_step
             layers.append(layer)
         self.layers = nn.ModuleList(layers)
         self.ple_state_pads = nn.ModuleList(_ple_state_pads(config, vllm_config, self.ple_states, prefix, dtype))
@@ -104,6 +107,11 @@ class Qwen4ExpVllmTextModel(nn.Module):
         emb = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         H = embed_streams(emb, c.hc_count)
         cos, sin = self.rotary_emb(positions, emb.dtype)
+        # PLE embeddings (n-gram rows gathered from the host table, key/value projections): they need only the
+        # token ids, so with prefetching on they start here, on a side stream, behind the layers before theirs
+        ple_kv = {}
+        for key, step in self._ple_embed_steps.items():
+            ple_kv[key] = step(input_ids, emb.dtype, ahead=ple_prefetch())
         for i, layer in enumerate(self.layers):
             mixer = layer.mixer
             if layer.layer_type == LINEAR:
@@ -113,8 +121,8 @@ class Qwen4ExpVllmTextModel(nn.Module):
                     return mixer(x, positions, cos, sin)
             ple_fn = None
             if layer.ple is not None:
-                def ple_fn(H, st=self.ple_states[str(i)]):
-                    return st(torch.empty_like(H), H, input_ids)
+                def ple_fn(H, st=self.ple_states[str(i)], kv=ple_kv[str(i)]):
+                    return st(torch.empty_like(H), H, kv)
             H = layer(H, mix, ple_fn)
         if self.keep_mtp_hidden:  # the pre-final-mixer streams [T, nD]: what the MTP draft head consumes
             self.mtp_hidden[: H.shape[0]].copy_(H)  # (vLLM never schedules more rows than the buffer has)
@@ -168,18 +176,83 @@ def _ple_state_pads(config, vllm_config, ple_states, prefix: str, dtype) -> list
     return pads
 
 
-def _ple_step(ple, st: StateSlots, H: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """PLE over the batch; conv state and n-gram context live in vLLM's per-request state slots."""
-    T = H.shape[0]
+def ple_prefetch() -> bool:
+    """``QWEN4EXP_PLE_PREFETCH=1``: the PLE embedding step (host-table gather + key/value projections) starts at the
+    top of the forward on a side CUDA stream, overlapping the layers before the PLE layer; default off until timed
+    on the H200 (with it off the same step runs on the main stream right before the layer)."""
+    v = os.environ.get("QWEN4EXP_PLE_PREFETCH", "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"QWEN4EXP_PLE_PREFETCH must be 0 or 1, got {v!r}")
+    return v == "1" and _on_gpu()
+
+
+class _PleEmbedStep:
+    """Phase 1 of a PLE layer's step (``PLE.embed`` over the batch: the n-gram context state advances here) as an
+    eager graph segment writing [T, nD + D] (keys | values) into a buffer for phase 2 (``_ple_mix_step``, another
+    eager segment: the conv state). ``ahead``: phase 1 runs on a side stream that first waits for the main one, and
+    phase 2 starts with ``join``, the main stream waiting for it. Both waits sit inside the eager segments: in a
+    FULL CUDA graph capture they are captured (a fork and a join of the graph); under breakable graphs the
+    segments run eagerly at every replay, and so do the waits."""
+
+    def __init__(self, ple, st: StateSlots):
+        self.ple, self.st = ple, st
+        self.eager_name = f"{st.prefix}.embed"
+        self.stream = None  # the side stream (created on first use)
+        self.event = None
+
+    def __call__(self, ids: torch.Tensor, dtype: torch.dtype, ahead: bool) -> torch.Tensor:
+        n, D = self.ple.n, self.ple.D
+        out = torch.empty(ids.shape[0], n * D + D, dtype=dtype, device=ids.device)
+        self.ahead = ahead and ids.is_cuda
+        return eager_segment(self, out, ids)
+
+    def eager_forward(self, out: torch.Tensor, ids: torch.Tensor) -> None:
+        if not self.ahead:
+            out.copy_(_ple_embed(self.ple, self.st, ids, out.dtype))
+            return
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=ids.device)
+        main = torch.cuda.current_stream(ids.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            out.copy_(_ple_embed(self.ple, self.st, ids, out.dtype))
+        self.event = torch.cuda.Event()
+        self.event.record(self.stream)
+
+    def join(self, device) -> None:
+        if self.ahead and self.event is not None:
+            torch.cuda.current_stream(device).wait_event(self.event)
+
+
+def _ple_embed(ple, st: StateSlots, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Phase 1 over the batch: [T, nD + D] keys | values; the n-gram context lives in vLLM's per-request state
+    slots (slot 1; the conv state, slot 0, is phase 2's)."""
+    T = ids.shape[0]
 
     def fn(rows, cu, states):
-        out, ctx, conv = ple(H[rows], ids[rows], cu, states[1].long(), states[0])
-        return out, (conv, ctx)
+        k, v, ctx = ple.embed(ids[rows], cu, states[1].long(), dtype)
+        return torch.cat([k, v], -1), (None, ctx)
+
+    kv = st.run(fn, T, ids.device, (None, ple.ple_embedding.eos))
+    if kv is None:  # profiling / warm-up: one fresh sequence, no state
+        ctx = torch.full((1, ple.context_len), ple.ple_embedding.eos, dtype=torch.long, device=ids.device)
+        k, v, _ = ple.embed(ids, torch.tensor([0, T], device=ids.device), ctx, dtype)
+        kv = torch.cat([k, v], -1)
+    return kv
+
+
+def _ple_mix_step(ple, st: StateSlots, embed_step: _PleEmbedStep, H: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Phase 2 over the batch: PLE(H) from phase 1's keys | values; the conv state in the state slots."""
+    embed_step.join(H.device)
+    T, nD = H.shape[0], H.shape[1]
+
+    def fn(rows, cu, states):
+        out, conv = ple.mix(H[rows], kv[rows, :nD], kv[rows, nD:], cu, states[0])
+        return out, (conv, None)
 
     out = st.run(fn, T, H.device, (None, ple.ple_embedding.eos))
-    if out is None:  # profiling / warm-up: one fresh sequence, no state
-        ctx = torch.full((1, ple.context_len), ple.ple_embedding.eos, dtype=torch.long, device=H.device)
-        out, _, _ = ple(H, ids, torch.tensor([0, T], device=H.device), ctx, None)
+    if out is None:  # profiling / warm-up: no state
+        out, _ = ple.mix(H, kv[:, :nD], kv[:, nD:], torch.tensor([0, T], device=H.device), None)
     return out
 
 

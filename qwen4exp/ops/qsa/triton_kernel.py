@@ -454,9 +454,11 @@ TOPK_SMALL_MAX = 16384  # (<= 2^16: the in-register kernel packs two counts into
 TOPK_SMALL_BITS = 0
 # every (TOPK_SMALL, TOPK_SMALL_BITS) variant, for the checks and the benchmark
 TOPK_SELECTS = ((True, 0), (True, 1), (True, 2), (True, 8), (True, 11), (False, 1))
-TOPK_SMALL_WARPS = 16  # warps of the in-register select at the larger size (16: 48 vs 53 us with 32, H200 run 6)
-TOPK_SMALL_BUCKET = 2048  # the in-register select is compiled for two sizes only (N_P 2048 or TOPK_SMALL_MAX), and
-# the kernels' integer sizes are not specialised: new context lengths never JIT-compile a new variant mid-request
+TOPK_SMALL_WARPS = 16  # warps of the in-register select (16: 48 vs 53 us with 32 at N_P 16384, H200 run 6)
+TOPK_SMALL_MIN = 2048  # the in-register select holds N_P = the next power of two >= the block count, at least this
+# (2048 / 4096 / 8192 / 16384: four variants, each compiled at its first use; the kernels' integer sizes are not
+# specialised, so no other length compiles anything). Until run 9 every count past 2048 took N_P = 16384: a 10k
+# context (2,560 blocks) did 6x the work, and a decode graph captured for such a max_model_len ran it every step.
 MAX_TQ = 64  # qsa_attention (unpaged K/V): decode / verify / short chunks; longer ones go to the reference
 LOOP_MIN_QUERIES = 256  # prefill chunks of this many queries on: one looping program per (query, KV head)
 LOOP_SLOT_BLOCK = 128  # slots per loop iteration of that kernel, its warps and software-pipeline stages (the
@@ -514,10 +516,10 @@ def top_ids(keys, m: int):
     Tq, Nb = keys.shape
     out = torch.empty(Tq, m, dtype=torch.int32, device=keys.device)
     if TOPK_SMALL and Nb <= TOPK_SMALL_MAX:  # keys in registers, the threshold by TOPK_SMALL_BITS a step
+        N_P = min(max(TOPK_SMALL_MIN, triton.next_power_of_2(max(Nb, 1))), TOPK_SMALL_MAX)
         LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
-            keys, out, Nb, m, keys.stride(0), out.stride(0), N_P=TOPK_SMALL_BUCKET if Nb <= TOPK_SMALL_BUCKET
-            else TOPK_SMALL_MAX, M_P=triton.next_power_of_2(m), BITS=TOPK_SMALL_BITS,
-            num_warps=16 if Nb <= TOPK_SMALL_BUCKET else TOPK_SMALL_WARPS)
+            keys, out, Nb, m, keys.stride(0), out.stride(0), N_P=N_P, M_P=triton.next_power_of_2(m),
+            BITS=TOPK_SMALL_BITS, num_warps=TOPK_SMALL_WARPS)
     else:  # radix select over chunks of keys
         LAUNCHED["qsa_topk"] = _qsa_topk_kernel[(Tq,)](keys, out, Nb, m, keys.stride(0), out.stride(0),
                                                        CH=TOPK_CHUNK, M_P=triton.next_power_of_2(m), num_warps=16)
