@@ -198,7 +198,7 @@ class _PleEmbedStep:
         self.ple, self.st = ple, st
         self.eager_name = f"{st.prefix}.embed"
         self.stream = None  # the side stream (created on first use)
-        self.event = None
+        self.ahead = False
 
     def __call__(self, ids: torch.Tensor, dtype: torch.dtype, ahead: bool) -> torch.Tensor:
         n, D = self.ple.n, self.ple.D
@@ -212,16 +212,13 @@ class _PleEmbedStep:
             return
         if self.stream is None:
             self.stream = torch.cuda.Stream(device=ids.device)
-        main = torch.cuda.current_stream(ids.device)
-        self.stream.wait_stream(main)
+        self.stream.wait_stream(torch.cuda.current_stream(ids.device))
         with torch.cuda.stream(self.stream):
             out.copy_(_ple_embed(self.ple, self.st, ids, out.dtype))
-        self.event = torch.cuda.Event()
-        self.event.record(self.stream)
 
     def join(self, device) -> None:
-        if self.ahead and self.event is not None:
-            torch.cuda.current_stream(device).wait_event(self.event)
+        if self.ahead and self.stream is not None:
+            torch.cuda.current_stream(device).wait_stream(self.stream)
 
 
 def _ple_embed(ple, st: StateSlots, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
