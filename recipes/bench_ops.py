@@ -410,6 +410,9 @@ def main():
     for B in (1, 32):
         cases.append(("qsa_decode_paged", f"B={B},L=50000,paged", lambda B=B: paged_qsa_case(B),
                       cuda.qsa_decode_paged, qsa_ref.qsa_decode_paged))
+    # a 10k-token context (the agentic benchmark's max_model_len: 2,560 blocks, the 4,096-key top-k variant)
+    cases.append(("qsa_decode_paged", "B=1,L=10240,paged", lambda: paged_qsa_case(1, L=10_240),
+                  cuda.qsa_decode_paged, qsa_ref.qsa_decode_paged))
     for Tq in (4, 4096):
         cases.append(("qsa_prefill_paged", f"Tq={Tq},L=50000,paged", lambda Tq=Tq: prefill_qsa_case(Tq),
                       cuda.qsa_prefill_paged, qsa_ref.qsa_prefill_paged))
