@@ -43,8 +43,8 @@ def launches(tmp_path_factory):
 
 def test_kernels_match_references_under_the_interpreter(launches):
     _, out, _ = launches
-    for check in ("op_registration", "qsa_topk", "qsa_decode", "qsa_prefill", "qsa_fp8_caches", "qsa_cache_writes", "hc", "norm_rope_ple",
-                  "moe_combine", "real_widths"):
+    for check in ("op_registration", "qsa_topk", "qsa_decode", "qsa_prefill", "qsa_fp8_caches", "qsa_cache_writes",
+                  "hc", "norm_rope_ple", "moe_combine", "real_widths"):
         assert f"ok check_{check}" in out, out
 
 

@@ -318,8 +318,8 @@ def check_op_registration():
         assert o.shape == (7, 4, 16) and st.shape == (2, 4, 32, 16) and st.dtype == torch.float32
 
 
-CHECKS = [check_op_registration, check_qsa_topk, check_qsa_decode, check_qsa_prefill, check_qsa_fp8_caches, check_qsa_cache_writes, check_hc,
-          check_norm_rope_ple, check_moe_combine, check_real_widths]
+CHECKS = [check_op_registration, check_qsa_topk, check_qsa_decode, check_qsa_prefill, check_qsa_fp8_caches,
+          check_qsa_cache_writes, check_hc, check_norm_rope_ple, check_moe_combine, check_real_widths]
 
 
 # ------------------------------------------------------------------------------------------ record / compile

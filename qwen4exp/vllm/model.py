@@ -111,7 +111,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
         # token ids, so with prefetching on they start here, on a side stream, behind the layers before theirs
         ple_kv = {}
         for key, step in self._ple_embed_steps.items():
-            ple_kv[key] = step(input_ids, emb.dtype, ahead=ple_prefetch())
+            ple_kv[key] = step(input_ids, emb.dtype)
         for i, layer in enumerate(self.layers):
             mixer = layer.mixer
             if layer.layer_type == LINEAR:
@@ -197,13 +197,12 @@ class _PleEmbedStep:
     def __init__(self, ple, st: StateSlots):
         self.ple, self.st = ple, st
         self.eager_name = f"{st.prefix}.embed"
+        self.ahead = ple_prefetch()  # (read once, as the PLE table's place)
         self.stream = None  # the side stream (created on first use)
-        self.ahead = False
 
-    def __call__(self, ids: torch.Tensor, dtype: torch.dtype, ahead: bool) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         n, D = self.ple.n, self.ple.D
         out = torch.empty(ids.shape[0], n * D + D, dtype=dtype, device=ids.device)
-        self.ahead = ahead and ids.is_cuda
         return eager_segment(self, out, ids)
 
     def eager_forward(self, out: torch.Tensor, ids: torch.Tensor) -> None:
@@ -217,7 +216,7 @@ class _PleEmbedStep:
             out.copy_(_ple_embed(self.ple, self.st, ids, out.dtype))
 
     def join(self, device) -> None:
-        if self.ahead and self.stream is not None:
+        if self.stream is not None:
             torch.cuda.current_stream(device).wait_stream(self.stream)
 
 
@@ -233,8 +232,7 @@ def _ple_embed(ple, st: StateSlots, ids: torch.Tensor, dtype: torch.dtype) -> to
     kv = st.run(fn, T, ids.device, (None, ple.ple_embedding.eos))
     if kv is None:  # profiling / warm-up: one fresh sequence, no state
         ctx = torch.full((1, ple.context_len), ple.ple_embedding.eos, dtype=torch.long, device=ids.device)
-        k, v, _ = ple.embed(ids, torch.tensor([0, T], device=ids.device), ctx, dtype)
-        kv = torch.cat([k, v], -1)
+        kv, _ = fn(slice(0, T), torch.tensor([0, T], device=ids.device), (None, ctx))
     return kv
 
 
@@ -249,7 +247,7 @@ def _ple_mix_step(ple, st: StateSlots, embed_step: _PleEmbedStep, H: torch.Tenso
 
     out = st.run(fn, T, H.device, (None, ple.ple_embedding.eos))
     if out is None:  # profiling / warm-up: no state
-        out, _ = ple.mix(H, kv[:, :nD], kv[:, nD:], torch.tensor([0, T], device=H.device), None)
+        out, _ = fn(slice(0, T), torch.tensor([0, T], device=H.device), (None, None))
     return out
 
 

@@ -341,7 +341,8 @@ B_WARPS = 8
 IN_KERNEL_SILU_MAX_T = 4  # up to this many tokens kernel B finishes the down projection itself (per program)
 FINISH_KERNEL = True  # past that: one small kernel between A and B finishes it (False: the reference's torch ops,
 # ~8 launches: a sum over the splits, casts, division, SiLU, sigmoid -- 12 us a mix at 8-16 tokens, H200 run 9)
-FUSED = False  # up to IN_KERNEL_SILU_MAX_T tokens: both stages in one launch with a grid barrier (not yet timed)
+FUSED = False  # up to IN_KERNEL_SILU_MAX_T tokens: both stages in one launch with a grid barrier (H200 run 7:
+# 16.5 against 13.3 us for the two launches)
 MAX_T = 16  # up to here the two fused launches; more tokens: cuBLAS projections + the norm and gate-mean kernels
 # (H200, run 7, same bench_ops run: T=8 fused 29.0 vs 33.1 us, T=32 fused 41.6 vs 34.6 us; T=16 not timed)
 GATE_MEAN_BLOCK = 1024
@@ -442,12 +443,7 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, _stop_after
     if _stop_after_down:  # (benchmark breakdown)
         return rstd, part
     if finish:  # finish the down projection once per token, in one launch
-        a = torch.empty(T, R, dtype=H.dtype, device=dev)
-        c = torch.empty(T, NI, dtype=H.dtype, device=dev)
-        LAUNCHED["hc_finish"] = _hc_finish_kernel[(T,)](
-            part, a, c if NI else a, n_split, 1.0 / n, R=R, NI=NI, R_P=b_meta["R_P"], NI_P=b_meta["NI_P"],
-            NSPLIT_P=b_meta["NSPLIT_P"], PDL=USE_PDL, num_warps=8, launch_pdl=USE_PDL)
-        part = a
+        part, c = hc_finish_triton(part, R, n, pdl=USE_PDL)
     elif a_ready:  # or in torch (the reference's ops and rounding)
         dsum = part.sum(1).to(H.dtype)  # [T, R + NI]
         part = F.silu(dsum[:, :R] / n).contiguous()
@@ -483,19 +479,23 @@ def hc_gate_mean_triton(g, Hn, n: int):
     return x
 
 
-def hc_finish_triton(d, R: int, n: int):
-    """The many-token path's activation step: d [T, R + NI] = bf16(Hn @ [W_down | W_inj]^T) ->
+def hc_finish_triton(part, R: int, n: int, pdl: bool = False):
+    """``_hc_finish_kernel``, one program per token: split-K partials [T, n_split, R + NI] (fp32, kernel A's), or
+    the many-token path's [T, R + NI] = bf16(Hn @ [W_down | W_inj]^T) as one split ->
     a = bf16(silu(bf16(d[:, :R] / n))) [T, R], c = 2 * bf16(sigmoid(bf16(d[:, R:] / n))) [T, NI] (the reference's
-    ops and rounding), one launch (``_hc_finish_kernel`` with one "split")."""
-    T, RT = d.shape
+    ops and rounding). ``pdl``: chained between kernels A and B by programmatic dependent launch."""
+    if part.dim() == 2:
+        part = part.unsqueeze(1)
+    T, n_split, RT = part.shape
     NI = RT - R
-    d = d if d.stride(-1) == 1 and d.stride(0) == RT else d.contiguous()
-    a = torch.empty(T, R, dtype=d.dtype, device=d.device)
-    c = torch.empty(T, NI, dtype=d.dtype, device=d.device)
+    part = part if part.is_contiguous() else part.contiguous()
+    a = torch.empty(T, R, dtype=torch.bfloat16, device=part.device)
+    c = torch.empty(T, NI, dtype=torch.bfloat16, device=part.device)
     if T:
-        _hc_finish_kernel[(T,)](d, a, c if NI else a, 1, 1.0 / n, R=R, NI=NI, R_P=triton.next_power_of_2(R),
-                                NI_P=max(2, triton.next_power_of_2(max(NI, 1))), NSPLIT_P=1, PDL=False,
-                                num_warps=4)
+        LAUNCHED["hc_finish"] = _hc_finish_kernel[(T,)](
+            part, a, c if NI else a, n_split, 1.0 / n, R=R, NI=NI, R_P=triton.next_power_of_2(R),
+            NI_P=max(2, triton.next_power_of_2(max(NI, 1))), NSPLIT_P=triton.next_power_of_2(n_split), PDL=pdl,
+            num_warps=8 if n_split > 1 else 4, launch_pdl=pdl)
     return a, c
 
 
