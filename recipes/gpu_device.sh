@@ -24,7 +24,7 @@
 #   bash recipes/gpu_device.sh extras               # 2 GPUs, one call: `check` of ours on GPU 0 beside upstream's
 #                                                   # on GPU 1, then recipes/bench_ops.py on GPU 1
 #   bash recipes/gpu_device.sh bg [GPU]             # detached (setsid, survives the call): the GPU kernel tests, then
-#                                                   # recipes/bench_ops.py --tune, on GPU (default 1), with the
+#                                                   # (BG_BENCH=0: not) recipes/bench_ops.py --tune, on GPU (default 1), with the
 #                                                   # image's torch (no vLLM needed), so they run while later calls
 #                                                   # stage vLLM; results in /tmp/bg
 #   bash recipes/gpu_device.sh bgresult             # what `bg` has written so far, copied to OUT/bg and summarised
@@ -114,6 +114,7 @@ case "${1:-}" in
     PYTHONPATH=$ROOT:$ROOT/tests:${FLA_PATH:-$ROOT/.whl/fla} CUDA_VISIBLE_DEVICES=${2:-1} setsid nohup bash -c '
       timeout 300 python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_kernels.py > /tmp/bg/kernels.log 2>&1
       echo "rc=$?" >> /tmp/bg/kernels.log
+      [ "${BG_BENCH:-1}" = 1 ] || exit 0
       timeout 420 python recipes/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --tune \
         > /tmp/bg/bench_ops.log 2>&1
       echo "rc=$?" >> /tmp/bg/bench_ops.log' > /tmp/bg/bg.log 2>&1 < /dev/null &
