@@ -57,3 +57,20 @@ def test_too_few_tokens_to_outlast_the_prefill_times_nothing():
     eng = ScriptedEngine(prefill_steps=3)
     _, _, steps, _ = bench._drive(eng, [[1, 2, 3]] * 8, 10)  # the first is done before the last starts
     assert steps == [] and max(eng.decoding) < 8
+
+
+def test_steps_after_a_profile_of_an_engine_in_its_own_process_are_not_timed(monkeypatch):
+    """--mp: the engine core keeps stepping while the profiler writes its trace; the outputs queue up and step()
+    returns at once afterwards, so only the steps before the profile count there (in-process: all of them)."""
+    calls = []
+    monkeypatch.setattr(bench, "_profile_steps", lambda engine, n, *a, **k: calls.append(n) or [
+        engine.step() for _ in range(n)])
+    for llm, want_at_most in ((None, None), (object(), 32)):
+        eng = ScriptedEngine(prefill_steps=1)
+        _, _, steps, _ = bench._drive(eng, [[1]] * 4, 120, profile_to="unused.txt", llm=llm)
+        full = sum(1 for n in eng.decoding if n == 4)
+        if want_at_most is None:
+            assert len(steps) == full - 1 - 8  # all but the 8 profiled steps (and the finishing one)
+        else:
+            assert len(steps) == want_at_most
+    assert calls == [8, 8]

@@ -178,7 +178,8 @@ def test_hc_mix_lead_dims_fp32_weight_and_fallback():
 
 
 @pytest.mark.parametrize("T,with_inj,adjacent", [(17, False, False), (32, True, False), (32, True, True),
-                                                 (33, True, False), (64, False, False), (16_384, True, True)])
+                                                 (32, True, "padded"), (33, True, False), (64, False, False),
+                                                 (16_384, True, True), (16_384, True, "padded")])
 def test_hc_mix_many_tokens_matches_reference(T, with_inj, adjacent):
     """Past MAX_T (prefill): cuBLAS projections (``adjacent``: W_down and W_inj as row ranges of one buffer, one
     GEMM) + the Triton grouped norm, activation and gate-mean kernels, against the reference; the gate-mean kernel
@@ -188,16 +189,19 @@ def test_hc_mix_many_tokens_matches_reference(T, with_inj, adjacent):
     from qwen4exp.ops.hyper_connection import triton_kernel as tk
     cuda = cuda_ops()
     H, nw, Wd, Wu, Wi = hc_case(T, 4, 2560, 320, with_inj, seed=T)
-    if adjacent:
-        buf = torch.cat([Wd, Wi])
-        Wd, Wi = buf[:320], buf[320:]
-        assert adjacent_rows(Wd, Wi) is not None
+    if adjacent:  # "padded": the vLLM layout, zero rows up to a multiple of 8 (aligned GEMM output rows)
+        buf = torch.cat([Wd, Wi, Wd.new_zeros(4 if adjacent == "padded" else 0, Wd.shape[1])])
+        Wd, Wi = buf[:320], buf[320:324]
+        assert adjacent_rows(Wd, Wi, pad=8).shape[0] == (328 if adjacent == "padded" else 324)
     assert not tk.supported(H, nw, Wd, Wu, Wi, 4) and tk.gemm_path_supported(H, nw, Wd, Wu, Wi, 4)
     poison()
     x, c = cuda.hc_mix(H.view(1, T, -1), nw, Wd, Wu, Wi, 4, 1e-6)
     xr, cr = ref.hc_mix(H.view(1, T, -1), nw, Wd, Wu, Wi, 4, 1e-6)
     assert x.shape == xr.shape
-    bf16_close(x, xr, 0.95)
+    # one GEMM over [W_down; W_inj] is another cuBLAS problem than the reference's W_down alone: at 16,384 tokens
+    # its kernel sums K in another order, so the SiLU input differs by an fp32 rounding and x by one bf16 unit in
+    # ~30% of the elements (run 10: 71% bit-equal; the 2-unit bound of bf16_close holds everywhere)
+    bf16_close(x, xr, 0.6 if adjacent and T > 64 else 0.95)
     if with_inj:
         bf16_close(c, cr, 0.5)
     else:
@@ -658,7 +662,9 @@ def test_write_paged_matches_reference(dtype):
     for blocks, H, bs, d, N in [(40, 2, 16, 256, 32), (10, 1, 64, 128, 5)]:
         kv = rnd((blocks, H, bs, 2 * d), g, 1.0, dtype)
         kv2 = kv.clone()
-        slots = torch.randperm(blocks * bs, device="cuda")[:N]
+        # real slots avoid slot 0: a padding row (slot -1) rewrites slot 0 with its old value (vLLM's null block,
+        # never a request's), and two writes to one slot in one indexed assignment land in no defined order
+        slots = torch.randperm(blocks * bs - 1, device="cuda", generator=g)[:N] + 1
         slots[::3] = -1
         k = rnd((N, H, 2 * d), g, 1.0, dtype)[..., :d]  # strided rows
         v = rnd((N, H, d), g, 1.0, dtype)

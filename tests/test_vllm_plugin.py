@@ -212,6 +212,9 @@ def test_hc_down_and_inject_weights_colocated_for_one_gemm():
     wd, wi = mods[0].input_mix_weight_down.weight, mods[0].block_inject_weight.weight
     both = adjacent_rows(wd, wi)
     assert both is not None and torch.equal(both, torch.cat([wd, wi]))
+    rows = wd.shape[0] + wi.shape[0]  # zero rows pad the buffer to a multiple of 8 (aligned GEMM output rows)
+    padded = adjacent_rows(wd, wi, pad=8)
+    assert padded.shape[0] == -(-rows // 8) * 8 and not padded[rows:].any()
     wi.data.copy_(torch.full_like(wi, 3.0))  # (what a weight loader does)
     assert torch.equal(both[wd.shape[0]:], torch.full_like(wi, 3.0))
     assert adjacent_rows(wd, mods[1].block_inject_weight.weight) is None  # another mixer's rows: not adjacent

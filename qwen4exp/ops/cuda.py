@@ -97,13 +97,13 @@ def hc_mix(H, norm_weight, down, up, inj, n, eps):
 
 
 @_custom_op("qwen4exp::hc_finish", mutates_args=())
-def hc_finish_op(d: Tensor, R: int, n: int) -> tuple[Tensor, Tensor]:
-    return hc_tk.hc_finish_triton(d, R, n)
+def hc_finish_op(d: Tensor, R: int, n: int, ni: int) -> tuple[Tensor, Tensor]:
+    return hc_tk.hc_finish_triton(d, R, n, ni=ni)
 
 
 @hc_finish_op.register_fake
-def _(d, R, n):
-    return d.new_empty(d.shape[0], R), d.new_empty(d.shape[0], d.shape[1] - R)
+def _(d, R, n, ni):
+    return d.new_empty(d.shape[0], R), d.new_empty(d.shape[0], ni)
 
 
 def _hc_mix_many_tokens(H, norm_weight, down, up, inj, n, eps):
@@ -116,14 +116,17 @@ def _hc_mix_many_tokens(H, norm_weight, down, up, inj, n, eps):
     D, R = NK // n, down.shape[0]
     H2 = H.reshape(-1, NK)
     Hn = rms_norm(H2, norm_weight, D, eps)
-    both = hc_adjacent_rows(down, inj)
+    # padded to 8 rows where the buffer has them: an output row of 324 bf16 columns is not 16-byte aligned, and
+    # cuBLAS then runs an sm_80 CUTLASS kernel (run 10: 8.5 us + a split-K reduce for this 6.6 MB GEMM at 32 tokens)
+    both = hc_adjacent_rows(down, inj, pad=8)
+    NI = 0 if inj is None else inj.shape[0]
     if inj is None:
         d = F.linear(Hn, down)
     elif both is not None:
         d = F.linear(Hn, both)
     else:
         d = torch.cat([F.linear(Hn, down), F.linear(Hn, inj)], -1)
-    a, c = hc_finish_op(d, R, n)
+    a, c = hc_finish_op(d, R, n, NI)
     x = hc_gate_mean_op(F.linear(a, up), Hn, n)
     lead = H.shape[:-1]
     return x.view(*lead, D), (None if inj is None else c.view(*lead, n))

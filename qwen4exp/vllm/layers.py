@@ -73,8 +73,9 @@ def vllm_linear(in_features: int, out_features: int, *, prefix: str = "") -> nn.
 def colocate_hc_projections(model: nn.Module) -> int:
     """Lay out each hyper-connection's W_down and W_inj (plain weights) as the two row ranges of ONE buffer, so that
     the many-token HC path (prefill, batches past 16 tokens) runs both projections as one GEMM
-    (``ops.hyper_connection.adjacent_rows``). The parameters stay separate (checkpoint names; weight loaders and the
-    dummy initialisation write into their views). Returns how many mixers were joined."""
+    (``ops.hyper_connection.adjacent_rows``), zero rows padding the buffer to a multiple of 8 rows (16-byte aligned
+    GEMM output rows). The parameters stay separate (checkpoint names; weight loaders and the dummy initialisation
+    write into their views). Returns how many mixers were joined."""
     from ..layers.hyper_connection import HyperConnection
 
     joined = 0
@@ -87,10 +88,11 @@ def colocate_hc_projections(model: nn.Module) -> int:
                 and wd.dtype == wi.dtype and wd.device == wi.device and wd.shape[1] == wi.shape[1]):
             continue
         R = wd.shape[0]
-        buf = torch.empty(R + wi.shape[0], wd.shape[1], dtype=wd.dtype, device=wd.device)
+        rows = R + wi.shape[0]
+        buf = torch.zeros(-(-rows // 8) * 8, wd.shape[1], dtype=wd.dtype, device=wd.device)
         buf[:R].copy_(wd.data)
-        buf[R:].copy_(wi.data)
-        wd.data, wi.data = buf[:R], buf[R:]
+        buf[R:rows].copy_(wi.data)
+        wd.data, wi.data = buf[:R], buf[R:rows]
         joined += 1
     return joined
 

@@ -15,10 +15,12 @@ def hc_mix(H, norm_weight, down, up, inj, n, eps):
     return fn(H, norm_weight, down, up, inj, n, eps)
 
 
-def adjacent_rows(down, inj):
+def adjacent_rows(down, inj, pad: int = 1):
     """[W_down; W_inj] as ONE [R + n, nD] view when W_inj's rows follow W_down's in memory (the vLLM model lays
     them out so: ``qwen4exp.vllm.layers.colocate_hc_projections``), else None: the many-token GPU path then runs
-    both projections as one GEMM."""
+    both projections as one GEMM. ``pad``: the view's rows rounded up to a multiple of it where the storage holds
+    them (the vLLM layout zero-pads to 8 rows, so the GEMM's output rows are 16-byte aligned); rows past R + n are
+    not W_inj's."""
     if not (isinstance(down, torch.Tensor) and isinstance(inj, torch.Tensor)) or down.dim() != 2 or inj.dim() != 2:
         return None
     R, NK = down.shape
@@ -29,7 +31,11 @@ def adjacent_rows(down, inj):
     if (inj.untyped_storage().data_ptr() != down.untyped_storage().data_ptr()
             or inj.storage_offset() != down.storage_offset() + R * NK):
         return None
-    return down.as_strided((R + inj.shape[0], NK), (NK, 1))
+    rows = R + inj.shape[0]
+    padded = -(-rows // pad) * pad
+    if (down.storage_offset() + padded * NK) * down.element_size() <= down.untyped_storage().nbytes():
+        rows = padded
+    return down.as_strided((rows, NK), (NK, 1))
 
 
 def hc_inject(H, c, y):

@@ -218,10 +218,11 @@ def _hc_up_kernel(
 
 
 @triton.jit
-def _hc_finish_kernel(PART, A, C, n_split, inv_n, R: tl.constexpr, NI: tl.constexpr, R_P: tl.constexpr,
-                      NI_P: tl.constexpr, NSPLIT_P: tl.constexpr, PDL: tl.constexpr):
+def _hc_finish_kernel(PART, A, C, n_split, stride_t, stride_s, inv_n, R: tl.constexpr, NI: tl.constexpr,
+                      R_P: tl.constexpr, NI_P: tl.constexpr, NSPLIT_P: tl.constexpr, PDL: tl.constexpr):
     """Between stages A and B past IN_KERNEL_SILU_MAX_T tokens: one program per token sums its split-K partials
-    PART [T, n_split, R + NI] (fp32; or n_split = 1 and bf16: the many-token path's one GEMM of W_down | W_inj)
+    PART [T, n_split, >= R + NI] (fp32; or n_split = 1 and bf16: the many-token path's one GEMM of W_down | W_inj,
+    whose rows may carry padding columns past R + NI)
     once and writes a = bf16(silu(bf16(bf16(d) / n))) [T, R] for kernel B (A_READY) and
     c = 2 * bf16(sigmoid(bf16(bf16(W_inj Hn) / n))) [T, NI] -- the reference's rounding points, as kernel B does
     per program for few tokens (there, each of its programs re-reading every token's partials costs more than this
@@ -231,19 +232,18 @@ def _hc_finish_kernel(PART, A, C, n_split, inv_n, R: tl.constexpr, NI: tl.conste
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    RT: tl.constexpr = R + NI
     offs_k = tl.arange(0, NSPLIT_P)
     kmask = offs_k < n_split
     offs_r = tl.arange(0, R_P)
     rmask = offs_r < R
-    blk = tl.load(PART + t * (n_split * RT) + offs_k[:, None] * RT + offs_r[None, :],
+    blk = tl.load(PART + t * stride_t + offs_k[:, None] * stride_s + offs_r[None, :],
                   mask=kmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
     q = _rbf(_rbf(tl.sum(blk, axis=0)) * inv_n)
     tl.store(A + t * R + offs_r, tl.div_rn(q, 1.0 + _exp(-q)).to(tl.bfloat16), mask=rmask)
     if NI > 0:
         offs_c = tl.arange(0, NI_P)
         cmask = offs_c < NI
-        blk = tl.load(PART + t * (n_split * RT) + offs_k[:, None] * RT + R + offs_c[None, :],
+        blk = tl.load(PART + t * stride_t + offs_k[:, None] * stride_s + R + offs_c[None, :],
                       mask=kmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
         z = _rbf(_rbf(tl.sum(blk, axis=0)) * inv_n)
         sg = _rbf(tl.div_rn(1.0, 1.0 + _exp(-z)))
@@ -479,21 +479,23 @@ def hc_gate_mean_triton(g, Hn, n: int):
     return x
 
 
-def hc_finish_triton(part, R: int, n: int, pdl: bool = False):
+def hc_finish_triton(part, R: int, n: int, pdl: bool = False, ni: int | None = None):
     """``_hc_finish_kernel``, one program per token: split-K partials [T, n_split, R + NI] (fp32, kernel A's), or
-    the many-token path's [T, R + NI] = bf16(Hn @ [W_down | W_inj]^T) as one split ->
+    the many-token path's [T, R + NI (+ padding)] = bf16(Hn @ [W_down | W_inj (| pad)]^T) as one split (``ni``:
+    NI when the rows are padded; default: all columns past R) ->
     a = bf16(silu(bf16(d[:, :R] / n))) [T, R], c = 2 * bf16(sigmoid(bf16(d[:, R:] / n))) [T, NI] (the reference's
     ops and rounding). ``pdl``: chained between kernels A and B by programmatic dependent launch."""
     if part.dim() == 2:
         part = part.unsqueeze(1)
     T, n_split, RT = part.shape
-    NI = RT - R
-    part = part if part.is_contiguous() else part.contiguous()
+    NI = RT - R if ni is None else ni
+    assert 0 <= NI <= RT - R, f"hc_finish: {NI} injection columns past R={R} in rows of {RT}"
+    part = part if part.stride(-1) == 1 else part.contiguous()
     a = torch.empty(T, R, dtype=torch.bfloat16, device=part.device)
     c = torch.empty(T, NI, dtype=torch.bfloat16, device=part.device)
     if T:
         LAUNCHED["hc_finish"] = _hc_finish_kernel[(T,)](
-            part, a, c if NI else a, n_split, 1.0 / n, R=R, NI=NI, R_P=triton.next_power_of_2(R),
+            part, a, c if NI else a, n_split, part.stride(0), part.stride(1), 1.0 / n, R=R, NI=NI, R_P=triton.next_power_of_2(R),
             NI_P=max(2, triton.next_power_of_2(max(NI, 1))), NSPLIT_P=triton.next_power_of_2(n_split), PDL=pdl,
             num_warps=8 if n_split > 1 else 4, launch_pdl=pdl)
     return a, c
