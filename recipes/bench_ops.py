@@ -203,6 +203,40 @@ def ple_case(T, where, R=2_000_000, dg=160, G=16):
     return sets, by, T * G * dg
 
 
+def ngram_lookup_case(T, where, R=2_000_000, dg=160, n=3, hpn=8):
+    """Decode's n-gram context + hashing + gather (fp8 table with a scale): reads the ids, contexts and T * G rows,
+    writes the bf16 embeddings and the next contexts."""
+    from qwen4exp.ops.ple import hash_multipliers, head_table_sizes
+    G = (n - 1) * hpn
+    by = T * G * dg * 1 + T * G * dg * 2 + T * (2 * n) * 8
+    if where not in _TABLES:
+        base = torch.randint(0, 120, (R, dg), dtype=torch.uint8).view(torch.float8_e4m3fn)
+        _TABLES[where] = base.pin_memory() if where == "pinned" else base.cuda()
+    sizes = head_table_sizes(R // G, G, 1)
+    mult = torch.tensor(hash_multipliers(248320, n, 1, 0), device="cuda")
+    hsz = torch.tensor(sizes, device="cuda")
+    hoff = torch.tensor([sum(sizes[:i]) for i in range(G)], device="cuda")
+    scale = torch.tensor(0.0173, device="cuda")
+    sets = [(torch.randint(0, 248320, (T,), device="cuda"), torch.randint(0, 248320, (T, n - 1), device="cuda"),
+             248044, mult, hsz, hoff, hpn, _TABLES[where], scale, None) for _ in range(16)]
+    return sets, by, T * G * dg
+
+
+def ple_mix_case(T, n=4, D=2560, K=4, dil=3):
+    """The decode-time PLE mix: reads H and keys [T, nD], values [T, D], the conv state [T, nD, S] and the weights
+    ([nD] x 2, [nD, K]); writes the output [T, nD] and the new state."""
+    nD, S = n * D, (K - 1) * dil
+    by = T * (2 * nD + D + 2 * nD * S + nD) * 2 + nD * (2 + K) * 2
+    w = [(torch.randn(nD, device="cuda") * 0.2).to(BF) for _ in range(2)] + [
+        (torch.randn(nD, K, device="cuda") * 0.5).to(BF)]
+    sets = []
+    for _ in range(n_sets(by, hi=64)):
+        kv = torch.randn(T, nD + D, device="cuda").to(BF)
+        sets.append((torch.randn(T, nD, device="cuda").to(BF), kv[:, :nD], kv[:, nD:], *w, None,
+                     torch.randn(T, nD, S, device="cuda").to(BF), n, 1e-6, dil))
+    return sets, by, T * nD * (2 * K + 12)
+
+
 def gdn_case(lens, hk=16, hv=48, d=128):
     """GDN at the real widths: packed sequences of ``lens`` tokens with carried fp32 states. Bytes: the states read
     and written, q / k / v / g / beta read and the output written."""
@@ -430,6 +464,12 @@ def main():
                       ple_ref_host))
         cases.append(("ple_lookup", f"T={T},fp8,gpu", lambda T=T: ple_case(T, "gpu"), cuda.ple_lookup,
                       ple_ref.ple_lookup))
+    for T in (1, 32):
+        cases.append(("ngram_lookup_decode", f"T={T},fp8,pinned-host", lambda T=T: ngram_lookup_case(T, "pinned"),
+                      cuda.ngram_lookup_decode, ple_ref.ngram_lookup_decode))
+    for T in (1, 32):
+        cases.append(("ple_mix", f"T={T},4x2560,K=4,dil=3", lambda T=T: ple_mix_case(T), cuda.ple_mix,
+                      ple_ref.ple_mix))
     if cuda._FLA is not None:  # GDN through flash-linear-attention (the HF path's kernels; vLLM has its own copy)
         from qwen4exp.ops.gated_delta_rule import reference as gdn_ref
 

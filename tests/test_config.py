@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-import qwen4exp
 from qwen4exp import ConfigError, Qwen4ExpConfig, Qwen4ExpTextConfig, Qwen4ExpVisionConfig, load_config, presets
 from qwen4exp.configuration import INDEXED, LINEAR, first_eos, text_config_of
 

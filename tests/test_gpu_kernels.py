@@ -457,6 +457,49 @@ def test_ple_lookup_matches_reference(where, kind, T):
     assert torch.equal(out.cpu(), want)
 
 
+@pytest.mark.parametrize("where", ["pinned", "gpu"])
+@pytest.mark.parametrize("N", [1, 32])
+def test_ngram_lookup_decode_matches_reference(where, N):
+    """Decode's n-gram context + hashing + gather in one launch (the real layout: n = 3, 8 heads per n-gram, an fp8
+    table of 160-wide rows with a scale) = the reference op by op (CPU), contexts with EOS; also from a CUDA graph."""
+    from qwen4exp.ops.ple import hash_multipliers, head_table_sizes
+    from qwen4exp.ops.ple import reference as ref
+    cuda = cuda_ops()
+    n, hpn, eos, V = 3, 8, 248044, 248320
+    G = (n - 1) * hpn
+    sizes = head_table_sizes(20_000, G, 1)
+    mult = torch.tensor(hash_multipliers(V, n, 1, 0))
+    hsz, hoff = torch.tensor(sizes), torch.tensor([sum(sizes[:i]) for i in range(G)])
+    g = torch.Generator().manual_seed(N)
+    table = (torch.randn(sum(sizes), 160, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.tensor(0.0173)
+
+    def case():
+        prev = torch.randint(0, V, (N, n - 1), generator=g)
+        prev[::3, 0] = eos
+        prev[1::4, 1] = eos
+        return torch.randint(0, V, (N,), generator=g), prev
+
+    ids, prev = case()
+    want, want_next = ref.ngram_lookup_decode(ids, prev, eos, mult, hsz, hoff, hpn, table, scale, None)
+    tab = table.pin_memory() if where == "pinned" else table.cuda()
+    dev = [t.cuda() for t in (ids, prev, mult, hsz, hoff)]
+    sc = scale.cuda()
+    assert cuda.ple_tk.ngram_lookup_decode_supported(dev[0], dev[1], tab, sc, None)
+    poison()
+    out, nxt = cuda.ngram_lookup_decode(dev[0], dev[1], eos, *dev[2:], hpn, tab, sc)
+    assert torch.equal(out.cpu(), want) and torch.equal(nxt.cpu(), want_next)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout, gnxt = cuda.ngram_lookup_decode(dev[0], dev[1], eos, *dev[2:], hpn, tab, sc)
+    ids, prev = case()
+    dev[0].copy_(ids)
+    dev[1].copy_(prev)
+    graph.replay()
+    want, want_next = ref.ngram_lookup_decode(ids, prev, eos, mult, hsz, hoff, hpn, table, scale, None)
+    assert torch.equal(gout.cpu(), want) and torch.equal(gnxt.cpu(), want_next)
+
+
 # ------------------------------------------------------------------------------------------- QSA paged decode
 def paged_decode_case(lens, bs, ibs, seed, Hq=24, Hkv=2, d=256, hi=4, di=128):
     from test_ops import paged_qsa_case  # the CPU test's paging of per-sequence K/V/block keys (same layout)
@@ -651,6 +694,41 @@ def test_shared_gate_combine_matches_reference(T, D, dtype):
         bf16_close(out, want, min_equal=0.98)
     else:
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,n,D,K,dil,state_dtype", [(1, 4, 2560, 4, 3, BF), (32, 4, 2560, 4, 3, BF),
+                                                     (5, 2, 384, 3, 2, torch.float32)])
+def test_ple_mix_decode_matches_reference(T, n, D, K, dil, state_dtype):
+    """The decode-time PLE mix in one launch (keys and values as views into one buffer, as the vLLM model passes
+    them) against ``reference.ple_mix``; also replayed from a CUDA graph with new inputs."""
+    from qwen4exp.ops.ple import reference as ref, triton_kernel as tk
+    cuda = cuda_ops()
+    g = gen(T * D + K)
+    nD, S = n * D, (K - 1) * dil
+
+    def case():
+        H, kv = rnd((T, nD), g, 2.0), rnd((T, nD + D), g)
+        return H, kv[:, :nD], kv[:, nD:], rnd((T, nD, S), g, 1.0, state_dtype)
+
+    qw, cw, wc = rnd((nD,), g, 0.2), rnd((nD,), g, 0.2), rnd((nD, K), g, 0.5)
+    H, k, v, st = case()
+    assert tk.ple_mix_decode_supported(H, k, v, qw, cw, wc, None, st, n)
+    poison()
+    out, new = cuda.ple_mix(H, k, v, qw, cw, wc, None, st, n, 1e-6, dil)
+    want, want_new = ref.ple_mix(H, k, v, qw, cw, wc, None, st, n, 1e-6, dil)
+    bf16_close(out, want, 0.95)
+    bf16_close(new, want_new, 0.95)
+    static = case()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout, gnew = cuda.ple_mix(*static[:3], qw, cw, wc, None, static[3], n, 1e-6, dil)
+    fresh = case()
+    for a, b in zip(static, fresh):
+        a.copy_(b)
+    graph.replay()
+    want, want_new = ref.ple_mix(*fresh[:3], qw, cw, wc, None, fresh[3], n, 1e-6, dil)
+    bf16_close(gout, want, 0.95)
+    bf16_close(gnew, want_new, 0.95)
 
 
 @pytest.mark.parametrize("dtype", [BF, torch.float32])

@@ -1,6 +1,5 @@
 """Checkpoint formats and load errors of the HF runtime."""
 
-import json
 
 import pytest
 import torch

@@ -4,13 +4,11 @@ Checkpoints are made by upstream (``save_pretrained``) and loaded by ``qwen4exp.
 Prompts are several times the QSA budget (block selection active) and hold EOS tokens (PLE context resets).
 """
 
-import os
 
 import pytest
 import torch
 
 from qwen4exp import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, presets
-from qwen4exp.hf.loading import CheckpointError
 
 from prompts import prompt
 from upstream import upstream_causal_lm, upstream_conditional

@@ -5,7 +5,6 @@ tokens; bad requests get a 4xx with a message and the server keeps serving. One 
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys

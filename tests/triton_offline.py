@@ -240,6 +240,59 @@ def check_norm_rope_ple():
     close(ptk.ple_lookup_triton(table, rows, scale), pref.ple_lookup(table, rows, scale), 0.0, "ple", rtol=2 ** -7)
 
 
+def check_ngram_lookup_decode():
+    """Decode's n-gram context + hashing + gather in one launch against ``reference.ngram_lookup_decode``: contexts
+    with EOS at every position (fresh sequences: all EOS), an fp8 table with a scale and a bf16 one without."""
+    from qwen4exp.ops.ple import hash_multipliers, head_table_sizes, reference as ref, triton_kernel as tk
+    g = torch.Generator().manual_seed(17)
+    eos = 5
+    for n, hpn, sdt in ((3, 8, torch.float8_e4m3fn), (4, 2, BF), (2, 3, BF)):
+        C, G = n - 1, (n - 1) * hpn
+        sizes = head_table_sizes(1000, G, 1)
+        offs = [sum(sizes[:i]) for i in range(G)]
+        mult = torch.tensor(hash_multipliers(248320, n, 1, 0), dtype=torch.long)
+        hsz, hoff = torch.tensor(sizes), torch.tensor(offs)
+        table = torch.randn(sum(sizes), 24, generator=g).to(sdt)
+        scale = torch.tensor(0.05) if sdt != BF else None
+        N = 4 * (C + 1)
+        prev = torch.randint(0, 248320, (N, C), generator=g)
+        for i in range(C):  # an EOS in each column for some rows, all-EOS rows
+            prev[i::C + 1, i] = eos
+        prev[C::C + 1] = eos
+        ids = torch.randint(0, 248320, (N,), generator=g)
+        ids[::3] = eos
+        assert tk.ngram_lookup_decode_covers(ids, prev)
+        want, want_next = ref.ngram_lookup_decode(ids, prev, eos, mult, hsz, hoff, hpn, table, scale, None)
+        got, got_next = tk.ngram_lookup_decode_triton(ids, prev, eos, mult, hsz, hoff, hpn, table, scale, None)
+        assert torch.equal(got_next, want_next), f"n={n}: next context"
+        close(got, want, 0.0, f"ngram_lookup_decode n={n}", rtol=2 ** -7)  # (the interpreter truncates the cast)
+
+
+def check_ple_mix():
+    """The decode-time PLE mix (one launch) against ``reference.ple_mix`` with one token per sequence: streams,
+    keys and values strided as the vLLM model passes them (views into one keys|values buffer), a bf16 and an fp32
+    conv state, a width that is not a power of two, and the real widths."""
+    from qwen4exp.ops.ple import reference as ref, triton_kernel as tk
+    g = torch.Generator().manual_seed(13)
+    for T, n, D, K, dil, sdt in ((3, 4, 256, 4, 3, BF), (2, 2, 384, 3, 2, torch.float32), (1, 4, 2560, 4, 3, BF)):
+        nD, S = n * D, (K - 1) * dil
+        H = (torch.randn(T, nD, generator=g) * 2).to(BF)
+        kv = torch.randn(T, nD + D, generator=g).to(BF)
+        k, v = kv[:, :nD], kv[:, nD:]
+        qw, cw = ((torch.randn(nD, generator=g) * 0.2).to(BF) for _ in range(2))
+        wc = (torch.randn(nD, K, generator=g) * 0.5).to(BF)
+        state = torch.randn(T, nD, S, generator=g).to(sdt)
+        want, want_st = ref.ple_mix(H, k, v, qw, cw, wc, None, state, n, 1e-6, dil)
+        assert tk.ple_mix_decode_covers(H, k, v, qw, cw, wc, None, state, n)
+        got, got_st = tk.ple_mix_decode_triton(H, k, v, qw, cw, wc, state, n, 1e-6, dil)
+        # (fp32 sums in another order: a norm or the gate can move by one bf16 unit, and what follows it)
+        close(got, want, 0.03, f"ple_mix T={T} D={D}", rtol=2 ** -6)
+        assert got_st.dtype == want_st.dtype
+        close(got_st, want_st, 0.03, f"ple_mix state T={T} D={D}", rtol=2 ** -6)
+        assert torch.equal(got_st[..., :-1], want_st[..., :-1].to(got_st.dtype)) or sdt != BF  # shifted as is
+    assert not tk.ple_mix_decode_covers(H, k, v, qw, cw, wc, torch.tensor([0, 1]), state, 4)  # prefill: ref
+
+
 def check_moe_combine():
     from qwen4exp.ops.moe_combine import reference as ref, triton_kernel as tk
     g = torch.Generator().manual_seed(9)
@@ -293,7 +346,7 @@ def check_op_registration():
 
     from qwen4exp.ops import cuda
     ops = {k: v for k, v in vars(cuda).items() if isinstance(v, cuda._CustomOp)}
-    assert len(ops) == 15, sorted(ops)
+    assert len(ops) == 17, sorted(ops)
     for name, op in ops.items():
         schema = str(getattr(torch.ops.qwen4exp, op.name).default._schema)
         assert ("(a0!)" in schema) == (op.name in ("qsa_write_paged", "qsa_index_update_decode")), (name, schema)
@@ -311,6 +364,14 @@ def check_op_registration():
         assert cuda.rms_norm_op(t(2, 24, 256), t(256), 256, 1e-6).shape == (2, 24, 256)
         assert cuda.apply_rope_op(t(2, 24, 64), t(2, 64), t(2, 64)).shape == (2, 24, 64)
         assert cuda.shared_gate_combine_op(t(2, 64), t(1, 64), t(2, 64), t(2, 64)).shape == (2, 64)
+        out, st = cuda.ple_mix_decode_op(t(3, 256), t(3, 256), t(3, 64), t(256), t(256), t(256, 4), t(3, 256, 9),
+                                         4, 1e-6, 3)
+        assert out.shape == (3, 256) and st.shape == (3, 256, 9) and st.dtype == BF
+        i64 = dict(dtype=torch.int64)
+        emb, nxt = cuda.ngram_lookup_decode_op(t(3, **i64), t(3, 2, **i64), 7, t(3, **i64), t(16, **i64),
+                                               t(16, **i64), 8, t(100, 160, dtype=torch.float8_e4m3fn),
+                                               t(1, dtype=torch.float32), BF)
+        assert emb.shape == (3, 16 * 160) and emb.dtype == BF and nxt.shape == (3, 2)
         rows = torch.empty(3, 16, dtype=torch.int64, device="cuda")
         out = cuda.ple_lookup_op(t(100, 8, dtype=torch.float8_e4m3fn), rows, None, BF)
         assert out.shape == (3, 128) and out.dtype == BF
@@ -323,7 +384,8 @@ def check_op_registration():
 
 
 CHECKS = [check_op_registration, check_qsa_topk, check_qsa_decode, check_qsa_prefill, check_qsa_fp8_caches,
-          check_qsa_cache_writes, check_hc, check_norm_rope_ple, check_moe_combine, check_real_widths]
+          check_qsa_cache_writes, check_hc, check_norm_rope_ple, check_ple_mix, check_ngram_lookup_decode,
+          check_moe_combine, check_real_widths]
 
 
 # ------------------------------------------------------------------------------------------ record / compile

@@ -10,15 +10,13 @@ State per sequence: the last n-1 token ids (``ctx``, EOS-filled at start) and th
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
 
 from ..configuration import first_eos
-from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
-from ..ops.ple import (hash_multipliers, head_table_sizes, ngram_context, ngram_context_decode, ngram_ids,
-                       ple_lookup, table_rows)
+from ..ops.ple import (hash_multipliers, head_table_sizes, lookup_to, ngram_context, ngram_ids, ngram_lookup_decode,
+                       ple_mix, table_rows)
 from .linear import LinearFactory, default_linear
 from .norms import RMSNorm
 
@@ -60,26 +58,24 @@ class NGramEmbedding(nn.Module):
 
     def forward(self, ids, cu_seqlens, ctx_state, out_dtype):
         """``cu_seqlens`` None: one token per sequence (decode; fixed shapes, no host sync)."""
-        if cu_seqlens is None:
-            ctx = ngram_context_decode(ids, ctx_state, self.eos)
-        else:
-            ctx = ngram_context(ids, cu_seqlens, ctx_state, self.eos)
+        t = self.ngram_embedding
+        if cu_seqlens is None:  # decode: context, hashing and gather as one op
+            return ngram_lookup_decode(ids, ctx_state, self.eos, self.layer_multipliers, self.ngram_heads_vocab_sizes,
+                                       self.ngram_heads_offsets, self.heads_per_ngram, t.weight, t.weight_scale,
+                                       out_dtype)
+        ctx = ngram_context(ids, cu_seqlens, ctx_state, self.eos)
         rows = ngram_ids(ctx, self.layer_multipliers, self.ngram_heads_vocab_sizes, self.ngram_heads_offsets,
                          self.heads_per_ngram)
-        t = self.ngram_embedding
-        on_host = t.weight.device.type == "cpu" and ids.device.type != "cpu"  # pinned table, GPU ids: UVA gather
-        dev = ids.device if on_host else t.weight.device
-        emb = ple_lookup(t.weight, rows.to(dev), t.weight_scale, out_dtype).to(ids.device)
+        # a pinned host table with GPU ids: the GPU gathers the rows through unified addressing
+        emb = lookup_to(ids.device, t.weight, rows, t.weight_scale, out_dtype)
         return emb, _next_context(ids, cu_seqlens, ctx_state)
 
 
 def _next_context(ids, cu_seqlens, prev):
-    """Last n-1 ids of each sequence's history (prev context followed by the new ids)."""
+    """Last n-1 ids of each sequence's history (prev context followed by the new ids of packed sequences)."""
     c = prev.shape[1]
     if c == 0:
         return prev
-    if cu_seqlens is None:  # one new id per sequence
-        return torch.cat([prev[:, 1:], ids.unsqueeze(1).to(prev.dtype)], 1)
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     j = torch.arange(c, device=ids.device)
     src = lens.unsqueeze(1) - c + j  # index into the new ids; < 0 -> from prev
@@ -135,20 +131,8 @@ class PLE(nn.Module):
         conv_state: torch.Tensor | None,  # [N, nD, (K-1)*n]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The gated, convolved injection of the embedded n-grams into the streams -> (PLE(H), new conv state)."""
-        T = H.shape[0]
-        k = k.view(T, self.n, self.D)
-        q = self.norm_query(H).view(T, self.n, self.D)
-        d = (k * q).sum(-1, keepdim=True) / math.sqrt(self.D)
-        d = d.abs().clamp_min(1e-6).sqrt() * d.sign()
-        u = (torch.sigmoid(d) * v.unsqueeze(1)).flatten(1)
-        un = self.norm_conv(u)
-        if cu_seqlens is None:
-            z, conv_state = causal_conv1d_update(un, self.conv1d.weight.squeeze(1), conv_state,
-                                                 dilation=self.dilation, activation="silu")
-        else:
-            z, conv_state = causal_conv1d(un, self.conv1d.weight.squeeze(1), cu_seqlens, conv_state,
-                                          dilation=self.dilation, activation="silu")
-        return u + z, conv_state
+        return ple_mix(H, k, v, self.norm_query.weight, self.norm_conv.weight, self.conv1d.weight.squeeze(1),
+                       cu_seqlens, conv_state, self.n, self.norm_query.eps, self.dilation)
 
     def forward(
         self,

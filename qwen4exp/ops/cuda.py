@@ -227,6 +227,54 @@ def ple_lookup(table, rows, scale=None, out_dtype=None):
     return ple_lookup_op(table, rows, scale, dt)
 
 
+@_custom_op("qwen4exp::ngram_lookup_decode", mutates_args=())
+def ngram_lookup_decode_op(ids: Tensor, prev: Tensor, eos: int, multipliers: Tensor, head_sizes: Tensor,
+                           head_offsets: Tensor, heads_per_ngram: int, table: Tensor, scale: Optional[Tensor],
+                           out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return ple_tk.ngram_lookup_decode_triton(ids, prev, eos, multipliers, head_sizes, head_offsets, heads_per_ngram,
+                                             table, scale, out_dtype)
+
+
+@ngram_lookup_decode_op.register_fake
+def _(ids, prev, eos, multipliers, head_sizes, head_offsets, heads_per_ngram, table, scale, out_dtype):
+    return (ids.new_empty(ids.shape[0], head_sizes.shape[0] * table.shape[1], dtype=out_dtype),
+            torch.empty_like(prev))
+
+
+def ngram_lookup_decode(ids, prev, eos, multipliers, head_sizes, head_offsets, heads_per_ngram, table, scale=None,
+                        out_dtype=None):
+    """Decode: n-gram context, hashing and the gather in one launch (table on the GPU or pinned on the host)."""
+    if not ple_tk.ngram_lookup_decode_supported(ids, prev, table, scale, out_dtype):
+        return ple_ref.ngram_lookup_decode(ids, prev, eos, multipliers, head_sizes, head_offsets, heads_per_ngram,
+                                           table, scale, out_dtype)
+    dt = out_dtype or (table.dtype if scale is None else torch.bfloat16)
+    return ngram_lookup_decode_op(ids, prev, int(eos), multipliers, head_sizes, head_offsets, int(heads_per_ngram),
+                                  table, scale, dt)
+
+
+@_custom_op("qwen4exp::ple_mix_decode", mutates_args=())
+def ple_mix_decode_op(H: Tensor, k: Tensor, v: Tensor, query_norm_weight: Tensor, conv_norm_weight: Tensor,
+                      conv_weight: Tensor, conv_state: Tensor, n: int, eps: float,
+                      dilation: int) -> tuple[Tensor, Tensor]:
+    return ple_tk.ple_mix_decode_triton(H, k, v, query_norm_weight, conv_norm_weight, conv_weight, conv_state, n,
+                                        eps, dilation)
+
+
+@ple_mix_decode_op.register_fake
+def _(H, k, v, query_norm_weight, conv_norm_weight, conv_weight, conv_state, n, eps, dilation):
+    return torch.empty_like(H), conv_state.new_empty(conv_state.shape, dtype=conv_weight.dtype)
+
+
+def ple_mix(H, k, v, query_norm_weight, conv_norm_weight, conv_weight, cu_seqlens, conv_state, n, eps, dilation):
+    """One token per sequence (decode): one launch; prefill and mixed batches: the reference."""
+    if not ple_tk.ple_mix_decode_supported(H, k, v, query_norm_weight, conv_norm_weight, conv_weight, cu_seqlens,
+                                           conv_state, n):
+        return ple_ref.ple_mix(H, k, v, query_norm_weight, conv_norm_weight, conv_weight, cu_seqlens, conv_state,
+                               n, eps, dilation)
+    return ple_mix_decode_op(H, k, v, query_norm_weight, conv_norm_weight, conv_weight, conv_state, n, float(eps),
+                             int(dilation))
+
+
 @_custom_op("qwen4exp::qsa_write_paged", mutates_args=("kv",))
 def write_paged_op(kv: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
     qsa_tk.write_paged_triton(kv, slots, k, v)
@@ -357,6 +405,8 @@ register_kernel("qsa_prefill_paged", "cuda", qsa_prefill_paged)
 register_kernel("qsa_write_paged", "cuda", write_paged)
 register_kernel("qsa_index_update_decode", "cuda", index_update_decode)
 register_kernel("ple_lookup", "cuda", ple_lookup)
+register_kernel("ple_mix", "cuda", ple_mix)
+register_kernel("ngram_lookup_decode", "cuda", ngram_lookup_decode)
 register_kernel("rms_norm", "cuda", rms_norm)
 register_kernel("shared_gate_combine", "cuda", shared_gate_combine)
 register_kernel("apply_rope", "cuda", apply_rope)

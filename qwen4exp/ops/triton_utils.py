@@ -2,8 +2,30 @@
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the CPU interpreter (debugging only): no libdevice, no bf16 dot
+    @triton.jit
+    def exp(x):
+        return tl.exp(x)
+
+    @triton.jit
+    def rsqrt(x):
+        return 1.0 / tl.sqrt(x)
+
+    @triton.jit
+    def dot(a, b):
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+else:  # CUDA's expf / rsqrtf, which PyTorch's kernels call: the same bf16 rounding as the references
+    from triton.language.extra import libdevice
+    exp, rsqrt = libdevice.exp, libdevice.rsqrt
+
+    @triton.jit
+    def dot(a, b):
+        return tl.dot(a, b)
 
 
 @triton.jit

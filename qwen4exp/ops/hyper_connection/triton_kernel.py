@@ -37,28 +37,13 @@ import triton
 import triton.language as tl
 
 from .._dispatch import apply_knobs
+from ..triton_utils import dot as _dot
+from ..triton_utils import exp as _exp
 from ..triton_utils import round_bf16 as _rbf
+from ..triton_utils import rsqrt as _rsqrt
 
-if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the CPU interpreter (debugging only): no libdevice, no bf16 dot
-    @triton.jit
-    def _exp(x):
-        return tl.exp(x)
-
-    @triton.jit
-    def _rsqrt(x):
-        return 1.0 / tl.sqrt(x)
-
-    @triton.jit
-    def _dot(a, b):
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-else:  # CUDA's expf / rsqrtf, which PyTorch's kernels call: the same bf16 rounding as the reference
-    from triton.language.extra import libdevice
+if os.environ.get("TRITON_INTERPRET", "0") != "1":
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    _exp, _rsqrt = libdevice.exp, libdevice.rsqrt
-
-    @triton.jit
-    def _dot(a, b):
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -495,9 +480,9 @@ def hc_finish_triton(part, R: int, n: int, pdl: bool = False, ni: int | None = N
     c = torch.empty(T, NI, dtype=torch.bfloat16, device=part.device)
     if T:
         LAUNCHED["hc_finish"] = _hc_finish_kernel[(T,)](
-            part, a, c if NI else a, n_split, part.stride(0), part.stride(1), 1.0 / n, R=R, NI=NI, R_P=triton.next_power_of_2(R),
-            NI_P=max(2, triton.next_power_of_2(max(NI, 1))), NSPLIT_P=triton.next_power_of_2(n_split), PDL=pdl,
-            num_warps=8 if n_split > 1 else 4, launch_pdl=pdl)
+            part, a, c if NI else a, n_split, part.stride(0), part.stride(1), 1.0 / n, R=R, NI=NI,
+            R_P=triton.next_power_of_2(R), NI_P=max(2, triton.next_power_of_2(max(NI, 1))),
+            NSPLIT_P=triton.next_power_of_2(n_split), PDL=pdl, num_warps=8 if n_split > 1 else 4, launch_pdl=pdl)
     return a, c
 
 

@@ -6,21 +6,12 @@ can differ by one unit now and then."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..triton_utils import exp as _exp
 from ..triton_utils import round_bf16 as _rbf
-
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    @triton.jit
-    def _exp(x):
-        return tl.exp(x)
-else:
-    from triton.language.extra import libdevice
-    _exp = libdevice.exp
 
 
 @triton.jit

@@ -8,21 +8,12 @@ torch's mean, so a bf16 output can differ by one unit now and then.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ..triton_utils import round_bf16 as _rbf
-
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    @triton.jit
-    def _rsqrt(x):
-        return 1.0 / tl.sqrt(x)
-else:
-    from triton.language.extra import libdevice
-    _rsqrt = libdevice.rsqrt
+from ..triton_utils import rsqrt as _rsqrt
 
 
 @triton.jit

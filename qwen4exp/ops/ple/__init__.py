@@ -1,7 +1,7 @@
 from .._dispatch import pick
 from . import reference
-from .reference import (hash_multipliers, head_table_sizes, ngram_context, ngram_context_decode, splitmix64,
-                        table_rows)
+from .reference import (hash_multipliers, head_table_sizes, lookup_to, ngram_context, ngram_context_decode,
+                        splitmix64, table_rows)
 
 
 def ngram_ids(ctx, multipliers, head_sizes, head_offsets, heads_per_ngram):
@@ -13,5 +13,16 @@ def ple_lookup(table, rows, scale=None, out_dtype=None):
     return pick("ple_lookup", rows.device, reference.ple_lookup)(table, rows, scale, out_dtype)
 
 
-__all__ = ["ngram_context", "ngram_context_decode", "ngram_ids", "ple_lookup", "hash_multipliers",
-           "head_table_sizes", "splitmix64", "table_rows", "reference"]
+def ngram_lookup_decode(ids, prev, eos, multipliers, head_sizes, head_offsets, heads_per_ngram, table, scale,
+                        out_dtype):
+    fn = pick("ngram_lookup_decode", ids.device, reference.ngram_lookup_decode)
+    return fn(ids, prev, eos, multipliers, head_sizes, head_offsets, heads_per_ngram, table, scale, out_dtype)
+
+
+def ple_mix(H, k, v, query_norm_weight, conv_norm_weight, conv_weight, cu_seqlens, conv_state, n, eps, dilation):
+    fn = pick("ple_mix", H.device, reference.ple_mix)
+    return fn(H, k, v, query_norm_weight, conv_norm_weight, conv_weight, cu_seqlens, conv_state, n, eps, dilation)
+
+
+__all__ = ["ngram_context", "ngram_context_decode", "ngram_ids", "ngram_lookup_decode", "ple_lookup", "ple_mix",
+           "lookup_to", "hash_multipliers", "head_table_sizes", "splitmix64", "table_rows", "reference"]

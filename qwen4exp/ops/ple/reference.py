@@ -1,4 +1,4 @@
-"""PLE hashed n-gram embedding: context ids, hashing, table lookup.
+"""PLE hashed n-gram embedding: context ids, hashing, table lookup; and the gated, convolved mix into the streams.
 
 Token context "shift right without crossing EOS": for the token at t, T_0 = id_t and for k >= 1
 T_k = id_{t-k} unless t-k is before the sequence start or an EOS sits at some p with t-k <= p < t ... except that
@@ -138,6 +138,37 @@ def ngram_ids(
     return torch.cat(blocks, 1)
 
 
+def ngram_lookup_decode(
+    ids: torch.Tensor,  # [N] one new token id per sequence
+    prev: torch.Tensor,  # [N, n-1] the previous ids (oldest first), n >= 2
+    eos: int,
+    multipliers: torch.Tensor,
+    head_sizes: torch.Tensor,
+    head_offsets: torch.Tensor,
+    heads_per_ngram: int,
+    table: torch.Tensor,
+    scale: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode: context, hashed rows and the table gather of one token per sequence -> (embeddings [N, G*d_g] on
+    ids' device, the new context [N, n-1]: prev shifted by one, the id last). A pinned host table with GPU ids is
+    gathered by the GPU (unified addressing)."""
+    ctx = ngram_context_decode(ids, prev, eos)
+    rows = ngram_ids(ctx, multipliers, head_sizes, head_offsets, heads_per_ngram)
+    emb = lookup_to(ids.device, table, rows, scale, out_dtype)
+    return emb, torch.cat([prev[:, 1:], ids.unsqueeze(1).to(prev.dtype)], 1)
+
+
+def lookup_to(device: torch.device, table: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None,
+              out_dtype: torch.dtype | None) -> torch.Tensor:
+    """``ple_lookup`` (the dispatcher's) with the result on ``device``: a pinned host table with rows for a GPU is
+    gathered by the GPU through unified addressing (only the rows cross the bus), any other table where it is."""
+    from . import ple_lookup as lookup
+
+    dev = device if table.device.type == "cpu" and device.type != "cpu" else table.device
+    return lookup(table, rows.to(dev), scale, out_dtype).to(device)
+
+
 def ple_lookup(table: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Gather [T, G] rows of a [R, d_g] table (bf16/fp32, or fp8 with a per-tensor ``scale``) -> [T, G*d_g]."""
@@ -146,3 +177,37 @@ def ple_lookup(table: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | No
     if scale is not None:
         emb = (emb.float() * scale.float()).to(dt)
     return emb.to(dt).view(*rows.shape[:-1], -1)
+
+
+def ple_mix(
+    H: torch.Tensor,  # [T, n*D] the streams
+    k: torch.Tensor,  # [T, n*D] normed n-gram keys
+    v: torch.Tensor,  # [T, D] n-gram values
+    query_norm_weight: torch.Tensor,  # [n*D] zero-centred, per-stream statistic
+    conv_norm_weight: torch.Tensor,  # [n*D]
+    conv_weight: torch.Tensor,  # [n*D, K] depthwise
+    cu_seqlens: torch.Tensor | None,  # None: one token per sequence (decode)
+    conv_state: torch.Tensor | None,  # [N, n*D, (K-1)*dilation]
+    n: int,
+    eps: float,
+    dilation: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PLE(H) = u + SiLU(conv(GroupedNorm(u))), u_s = sigmoid(sign(d_s) sqrt(max(|d_s|, 1e-6))) v with
+    d_s = <k_s, GroupedNorm(H)_s> / sqrt(D) -> (PLE(H) [T, n*D], new conv state). Every step in H's dtype, as the
+    checkpoint's reference computes it (norms in fp32 inside)."""
+    from ..causal_conv1d import causal_conv1d, causal_conv1d_update
+    from ..norm import grouped_rms_norm
+
+    T, nD = H.shape
+    D = nD // n
+    q = grouped_rms_norm(H, query_norm_weight, D, eps).view(T, n, D)
+    d = (k.view(T, n, D) * q).sum(-1, keepdim=True) / math.sqrt(D)
+    d = d.abs().clamp_min(1e-6).sqrt() * d.sign()
+    u = (torch.sigmoid(d) * v.unsqueeze(1)).flatten(1)
+    un = grouped_rms_norm(u, conv_norm_weight, D, eps)
+    if cu_seqlens is None:
+        z, conv_state = causal_conv1d_update(un, conv_weight, conv_state, dilation=dilation, activation="silu")
+    else:
+        z, conv_state = causal_conv1d(un, conv_weight, cu_seqlens, conv_state, dilation=dilation,
+                                      activation="silu")
+    return u + z, conv_state

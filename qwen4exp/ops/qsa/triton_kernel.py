@@ -25,35 +25,17 @@ int64 sort keys under ``PREFILL_KEYS_BYTES``. FP8 caches are read and widened ex
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .._dispatch import apply_knobs
+from ..triton_utils import dot as _dot
 from ..triton_utils import round_bf16 as _rbf
+from ..triton_utils import rsqrt as _rsqrt
 
 INT64_MIN = -(1 << 63)
 _KEY_MIN = tl.constexpr(INT64_MIN)
-
-if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the CPU interpreter (debugging only) has no bf16 dot
-    @triton.jit
-    def _dot(a, b):
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-
-    @triton.jit
-    def _rsqrt(x):
-        return 1.0 / tl.sqrt(x)
-else:
-    from triton.language.extra import libdevice
-
-    @triton.jit
-    def _dot(a, b):
-        return tl.dot(a, b)
-
-    _rsqrt = libdevice.rsqrt  # CUDA's rsqrtf, as torch.rsqrt
-
 
 
 # Positions and block-table rows reach the kernels as views into the step's batch (``positions[s:e]``,
