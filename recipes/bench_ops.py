@@ -313,7 +313,8 @@ def tune_and_breakdown():
         return bool(((o.float() - want.float()).norm() / want.float().norm()) < 1e-2)
 
     sweep("qsa", qsa_tk, sets, [("TOPK_SMALL", (True, False)), ("TOPK_SMALL_BITS", (0, 2, 1, 8)),
-                                ("TOPK_SMALL_WARPS", (32, 16)),
+                                ("TOPK_SMALL_WARPS", (32, 16)), ("TOPK_SPLIT", (4096, 2048, 0)),
+                                ("TOPK_SPLIT_WARPS", (8, 4, 16)),
                                 ("ATTN_SLOT_BLOCK", (64, 32))],
           qsa_tk.qsa_attention_triton, qsa_ok)
     m = 2048 // 4

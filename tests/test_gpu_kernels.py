@@ -361,17 +361,20 @@ def test_qsa_attention_matches_reference(L, Tq):
 
 
 def select_each_way(q_pos, iq, bk, index_scale):
-    """``select_block_ids`` by each top-k variant: the in-register select (0, 1, 8 and 11 threshold bits a step), the
-    radix select, torch.topk on the sort keys. -> [(variant, ids)]."""
+    """``select_block_ids`` by each top-k variant: the in-register select (0, 1, 2, 8 and 11 threshold bits a step),
+    the radix select, torch.topk on the sort keys, each in one launch; the split select (chunks of 4,096 / 1,024
+    keys, then their candidates) where the rows are few. -> [(variant, ids)]."""
     from qwen4exp.ops.qsa import triton_kernel as tk
-    saved = tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS
+    saved = tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT
     out = []
-    for way in [("triton", *v) for v in tk.TOPK_SELECTS] + [("torch", True, 1)]:
-        tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = way
+    ways = [("triton", *v, 0) for v in tk.TOPK_SELECTS] + [("torch", True, 1, 0), ("triton", True, 0, 4096),
+                                                             ("triton", True, 0, 1024), ("triton", True, 2, 4096)]
+    for way in ways:
+        tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT = way
         try:
             out.append((way[0], tk.select_block_ids(q_pos, iq, bk, R_QSA, BUDGET, index_scale)))
         finally:
-            tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = saved
+            tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT = saved
     return out
 
 

@@ -48,7 +48,7 @@ def check_qsa_topk():
     from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
     torch.manual_seed(0)
     m = 16
-    saved = tk.TOPK_SMALL, tk.TOPK_SMALL_BITS
+    saved = tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT
     cases = ((10, 3, False), (17, 2, True), (300, 4, False), (300, 4, True), (2049, 2, True),
              (300, 3, "narrow"), (300, 3, "bf16"), (300, 3, "equal"), (40, 2, "none"),
              (5000, 1, False), (9000, 1, "bf16"))  # (the 4096 / 8192 / 16384-key variants too)
@@ -68,14 +68,16 @@ def check_qsa_topk():
             nc[:] = 0
         keys = ref._order_keys(sc, torch.arange(Nb)[None] < nc[:, None])
         want = ref.select_blocks(sc, nc, m)
-        for small, bits in tk.TOPK_SELECTS:
-            tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = small, bits
+        # the split select (TOPK_SPLIT: chunks of keys, then their candidates) at a small chunk too (many chunks)
+        for (small, bits), split in [(v, 0) for v in tk.TOPK_SELECTS] + [((True, 0), 256), ((True, 0), 4096),
+                                                                         ((True, 2), 256), ((True, 8), 512)]:
+            tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT = small, bits, split
             got = tk.top_ids(keys, m)
             for t in range(Tq):
-                a = sorted(x for x in got[t].tolist() if x >= 0)
+                a = [x for x in got[t].tolist() if x >= 0]
                 b = sorted(x for x in want[t].tolist() if x >= 0)
-                assert a == b and (got[t] >= 0).sum() == (want[t] >= 0).sum(), (Nb, ties, small, bits, t)
-    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = saved
+                assert a == b and (got[t] >= 0).sum() == (want[t] >= 0).sum(), (Nb, ties, small, bits, split, t)
+    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT = saved
 
 
 def _paged(lens, seed, shared_table):

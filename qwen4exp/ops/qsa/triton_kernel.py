@@ -198,17 +198,22 @@ def _bit_or(a, b):
 
 @triton.jit(do_not_specialize=['Nb', 'm', 'stride_kt', 'stride_ot'])
 def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.constexpr, M_P: tl.constexpr,
-                           BITS: tl.constexpr):
+                           BITS: tl.constexpr, MODE: tl.constexpr = 0):
     """Same selection as ``_qsa_topk_kernel`` for Nb <= N_P keys held in registers: the threshold (the m-th
     largest score half of the keys) by a search of counts, one bit a step (BITS = 1: 32 block-wide counts; BITS = 0:
     from the first bit where the keys differ, stopping once exactly k keys are at or above the candidate; BITS = 2:
     as 0 with two bits a step, three counts packed into one block-wide sum) or one
     digit a step (BITS = 8 or 11: 2^BITS-bin histograms of the keys still tied with the threshold so far), then ties by
     block id; the output positions come out of ONE prefix sum (the counts of "above the threshold" and "at it"
-    packed into the two halves of an int32)."""
+    packed into the two halves of an int32).
+    MODE 0: the selected positions (block ids) in id order, -1 padded. The two stages of the split select
+    (``top_ids``, TOPK_SPLIT): MODE 1, program (t, c) selects among keys c * N_P .. of row t and writes the selected
+    KEYS themselves (id order, INT64_MIN padded) to OUT[t, c * m ..]; MODE 2 selects among those candidates and
+    writes the block ids the keys carry (their low 32 bits: 2^32 - 1 - id), still in id order (the candidates are)."""
     t = tl.program_id(0)
+    c0 = tl.program_id(1) * N_P if MODE == 1 else 0
     offs = tl.arange(0, N_P)
-    kv = tl.load(KEYS + t * stride_kt + offs, mask=offs < Nb, other=_KEY_MIN)
+    kv = tl.load(KEYS + t * stride_kt + c0 + offs, mask=offs < Nb - c0, other=_KEY_MIN)
     valid = kv != _KEY_MIN
     u = ((kv >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order = key order
     k = tl.minimum(m, tl.sum(valid.to(tl.int32), axis=0))
@@ -281,9 +286,15 @@ def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.const
     n_eq = c >> 16  # equal keys up to here (id order): the first k_rem of them are taken
     sel = gt | (eq & (n_eq <= k_rem))
     pos = (c & 0xFFFF) + tl.minimum(n_eq, k_rem) - 1
-    tl.store(OUT + t * stride_ot + pos, offs.to(tl.int32), mask=sel)
     slots = tl.arange(0, M_P)  # k slots filled (every visible block when fewer than m)
-    tl.store(OUT + t * stride_ot + slots, tl.full([M_P], -1, tl.int32), mask=(slots >= k) & (slots < m))
+    if MODE == 1:
+        out = OUT + t * stride_ot + tl.program_id(1) * m
+        tl.store(out + pos, kv, mask=sel)
+        tl.store(out + slots, tl.full([M_P], INT64_MIN, tl.int64), mask=(slots >= k) & (slots < m))
+    else:
+        ids = offs.to(tl.int32) if MODE == 0 else (4294967295 - (kv & 4294967295)).to(tl.int32)
+        tl.store(OUT + t * stride_ot + pos, ids, mask=sel)
+        tl.store(OUT + t * stride_ot + slots, tl.full([M_P], -1, tl.int32), mask=(slots >= k) & (slots < m))
 
 
 @triton.jit
@@ -438,6 +449,12 @@ TOPK_SMALL_BITS = 0
 TOPK_SELECTS = ((True, 0), (True, 1), (True, 2), (True, 8), (True, 11), (False, 1))
 TOPK_SMALL_WARPS = 16  # warps of the in-register select (16: 48 vs 53 us with 32 at N_P 16384, H200 run 6)
 TOPK_SMALL_MIN = 2048  # the in-register select holds N_P = the next power of two >= the block count, at least this
+TOPK_SPLIT = 4096  # past this many blocks, for up to TOPK_SPLIT_MAX_ROWS queries (decode, MTP verification): the
+# select in two launches, chunks of TOPK_SPLIT keys each selecting their top m (one program per chunk: more SMs
+# at work than one program per query), then the top m of those candidates (exact: every key of the top m is in
+# its chunk's top m). 0: one launch, one program per query (prefill-sized batches always)
+TOPK_SPLIT_MAX_ROWS = 128
+TOPK_SPLIT_WARPS = 8
 # (2048 / 4096 / 8192 / 16384: four variants, each compiled at its first use; the kernels' integer sizes are not
 # specialised, so no other length compiles anything). Until run 9 every count past 2048 took N_P = 16384: a 10k
 # context (2,560 blocks) did 6x the work, and a decode graph captured for such a max_model_len ran it every step.
@@ -497,7 +514,19 @@ def top_ids(keys, m: int):
     """The reference's top-m block ids per row (as a set, in id order; -1 pad), by the Triton radix select."""
     Tq, Nb = keys.shape
     out = torch.empty(Tq, m, dtype=torch.int32, device=keys.device)
-    if TOPK_SMALL and Nb <= TOPK_SMALL_MAX:  # keys in registers, the threshold by TOPK_SMALL_BITS a step
+    n_chunks = triton.cdiv(Nb, TOPK_SPLIT) if TOPK_SPLIT else 0
+    if (TOPK_SMALL and n_chunks > 1 and Tq <= TOPK_SPLIT_MAX_ROWS and 2 * m <= TOPK_SPLIT
+            and n_chunks * m <= TOPK_SMALL_MAX):
+        M_P = triton.next_power_of_2(m)
+        cand = torch.empty(Tq, n_chunks * m, dtype=torch.int64, device=keys.device)
+        LAUNCHED["qsa_topk_split"] = _qsa_topk_small_kernel[(Tq, n_chunks)](
+            keys, cand, Nb, m, keys.stride(0), cand.stride(0), N_P=TOPK_SPLIT, M_P=M_P, BITS=TOPK_SMALL_BITS,
+            MODE=1, num_warps=TOPK_SPLIT_WARPS)
+        N_P = max(TOPK_SMALL_MIN, triton.next_power_of_2(n_chunks * m))
+        LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
+            cand, out, n_chunks * m, m, cand.stride(0), out.stride(0), N_P=N_P, M_P=M_P, BITS=TOPK_SMALL_BITS,
+            MODE=2, num_warps=TOPK_SPLIT_WARPS)
+    elif TOPK_SMALL and Nb <= TOPK_SMALL_MAX:  # keys in registers, the threshold by TOPK_SMALL_BITS a step
         N_P = min(max(TOPK_SMALL_MIN, triton.next_power_of_2(max(Nb, 1))), TOPK_SMALL_MAX)
         LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
             keys, out, Nb, m, keys.stride(0), out.stride(0), N_P=N_P, M_P=triton.next_power_of_2(m),
