@@ -24,7 +24,9 @@
 #   bash recipes/gpu_device.sh extras               # 2 GPUs, one call: `check` of ours on GPU 0 beside upstream's
 #                                                   # on GPU 1, then recipes/bench_ops.py on GPU 1
 #   bash recipes/gpu_device.sh bg [GPU]             # detached (setsid, survives the call): the GPU kernel tests, then
-#                                                   # (BG_BENCH=0: not) recipes/bench_ops.py --tune, on GPU (default 1), with the
+#                                                   # (BG_BENCH=0: not; BG_ONLY=op,op: those ops without
+#                                                   # sweeps, BG_AB=knobs: again with those; BG_K: pytest -k)
+#                                                   # recipes/bench_ops.py --tune, on GPU (default 1), with the
 #                                                   # image's torch (no vLLM needed), so they run while later calls
 #                                                   # stage vLLM; results in /tmp/bg
 #   bash recipes/gpu_device.sh bgresult             # what `bg` has written so far, copied to OUT/bg and summarised
@@ -112,16 +114,25 @@ case "${1:-}" in
     # with the call, or FLA_PATH: a copy outside the tree that later calls do not remove) for the GDN-through-fla
     # tests; without it they skip
     PYTHONPATH=$ROOT:$ROOT/tests:${FLA_PATH:-$ROOT/.whl/fla} CUDA_VISIBLE_DEVICES=${2:-1} setsid nohup bash -c '
-      timeout 300 python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_kernels.py > /tmp/bg/kernels.log 2>&1
+      timeout 400 python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_kernels.py ${BG_K:+-k "$BG_K"} \
+        > /tmp/bg/kernels.log 2>&1
       echo "rc=$?" >> /tmp/bg/kernels.log
       [ "${BG_BENCH:-1}" = 1 ] || exit 0
+      if [ -n "${BG_ONLY:-}" ]; then  # a few ops, no sweeps; BG_AB: once more with those knobs (an A/B)
+        timeout 200 python recipes/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --only "$BG_ONLY" \
+          > /tmp/bg/bench_ops.log 2>&1
+        echo "rc=$?" >> /tmp/bg/bench_ops.log
+        [ -n "${BG_AB:-}" ] && QWEN4EXP_KNOBS=$BG_AB timeout 150 python recipes/bench_ops.py \
+          --csv /tmp/bg/bench_ops_ab.csv --no-compile --only "$BG_ONLY" > /tmp/bg/bench_ops_ab.log 2>&1
+        exit 0
+      fi
       timeout 420 python recipes/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --tune \
         > /tmp/bg/bench_ops.log 2>&1
       echo "rc=$?" >> /tmp/bg/bench_ops.log' > /tmp/bg/bg.log 2>&1 < /dev/null &
     echo "bg started (pid $!) as $(id -un) on GPU ${2:-1}" ;;
   bgresult)
     mkdir -p "$OUT/bg"; cp -r /tmp/bg/. "$OUT/bg/" 2>/dev/null
-    for f in kernels bench_ops; do echo "== $f"; tail -25 "/tmp/bg/$f.log" 2>/dev/null; done ;;
+    for f in kernels bench_ops bench_ops_ab; do echo "== $f"; tail -25 "/tmp/bg/$f.log" 2>/dev/null; done ;;
   tp2)
     register
     # greedy only: no FlashInfer sampler (run 6: the TP=2 engine was up after ~130 s, then stalled in FlashInfer's

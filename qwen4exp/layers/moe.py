@@ -97,6 +97,8 @@ class MoE(nn.Module):
         self.shared_expert_gate = linear(D, 1, prefix=f"{prefix}.shared_expert_gate")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.experts, "includes_shared", False):  # a runtime's fused experts run the gated shared expert
+            return self.experts(x, self.gate.logits(x))  # too (``gated_shared``) and return the sum
         shared = self.shared_expert(x)
         if getattr(self.experts, "takes_router_logits", False):  # the fused experts select the top-k themselves
             routed = self.experts(x, self.gate.logits(x))
@@ -107,3 +109,8 @@ class MoE(nn.Module):
         if w is not None and w.dtype == x.dtype:  # a plain linear: gate, sigmoid, product, sum in one kernel on GPUs
             return shared_gate_combine(x, w, shared, routed)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared  # e.g. a quantized gate
+
+    def gated_shared(self, x: torch.Tensor) -> torch.Tensor:
+        """sigmoid(x . w_gate) * shared_expert(x), each op rounded: ``routed + gated_shared(x)`` is ``forward``'s
+        sum bit for bit (bf16 addition commutes), for runtimes that compute the two parts apart (e.g. overlapped)."""
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

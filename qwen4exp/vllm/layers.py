@@ -122,12 +122,27 @@ class MergedSwiGLU(nn.Module):
         return self.down_proj(torch.nn.functional.silu(g) * u)
 
 
-def fused_experts(config, prefix: str, router) -> nn.Module:
+class GatedSharedExpert(nn.Module):
+    """A MoE's gated shared expert (``MoE.gated_shared``) as the module vLLM's FusedMoE takes as ``shared_experts``:
+    on GPUs vLLM runs it on an auxiliary stream beside the router's top-k and the routed experts (the two are
+    independent until their sum), and returns shared + routed."""
+
+    def __init__(self, moe: nn.Module):
+        super().__init__()
+        self.moe = [moe]  # (not a submodule: its parameters keep their checkpoint names, under the MoE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe[0].gated_shared(x)
+
+
+def fused_experts(config, prefix: str, router, shared: nn.Module | None = None) -> nn.Module:
     """vLLM FusedMoE (CPU: ``cpu_fused_moe``, bf16 weights, fp32 accumulation and top-k combine: the numerics of
     ``qwen4exp.layers.moe.Experts``) fed with our router's logits. Top-k selection: on CPU our ``Router.select``
     (fp32 softmax over all experts, top-k, renormalised in fp32, weights rounded to the model dtype, as the HF
     reference); on GPUs vLLM's fused ``topk_softmax`` kernel, the same math in one kernel (fp32 softmax over all
-    experts, renormalised in fp32; weights kept fp32), instead of five torch kernels per layer."""
+    experts, renormalised in fp32; weights kept fp32), instead of five torch kernels per layer. ``shared``: the gated
+    shared expert (``GatedSharedExpert``), run by FusedMoE beside the routed experts; the output is then their
+    sum (``includes_shared``)."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
     from vllm.platforms import current_platform
 
@@ -145,8 +160,10 @@ def fused_experts(config, prefix: str, router) -> nn.Module:
         scoring_func="softmax",
         reduce_results=True,
         prefix=prefix,
+        shared_experts=shared,
     )
     experts.takes_router_logits = True  # qwen4exp.layers.moe.MoE calls experts(x, router_logits)
+    experts.includes_shared = shared is not None
     return experts
 
 

@@ -37,8 +37,8 @@ from ..configuration import _INDEXED_ALIASES, INDEXED, LINEAR
 from ..layers.hyper_connection import HyperConnection
 from ..layers.rope import RotaryEmbedding
 from ..modeling import DecoderLayer, embed_streams
-from .layers import (MergedSwiGLU, StateSlots, check_cudagraph_mode, colocate_hc_projections, eager_segment,
-                     fused_experts, gdn_mixer, our_gdn, ple_state_shapes, vllm_linear)
+from .layers import (GatedSharedExpert, MergedSwiGLU, StateSlots, check_cudagraph_mode, colocate_hc_projections,
+                     eager_segment, fused_experts, gdn_mixer, our_gdn, ple_state_shapes, vllm_linear)
 from .qsa import QSAMixer
 from .weights import load_qwen4exp_weights
 
@@ -140,10 +140,19 @@ def decoder_layer(config, i: int, prefix: str, mixer: nn.Module, layer_type: str
     draft head."""
     layer = DecoderLayer(config, i, linear=vllm_linear, prefix=prefix, mixer=mixer, layer_type=layer_type,
                          experts=_LazyExperts(), **kw)
-    layer.mlp.experts = fused_experts(config, f"{prefix}.mlp.experts", layer.mlp.gate)
     layer.mlp.shared_expert = MergedSwiGLU(config.hidden_size, config.shared_expert_intermediate_size,
                                            f"{prefix}.mlp.shared_expert")
+    # one GPU's worth of experts: vLLM runs the gated shared expert itself, on a side stream beside the routed ones
+    # (with TP the replicated shared expert must join after the routed experts' all-reduce: our MoE adds it)
+    shared = GatedSharedExpert(layer.mlp) if _tp_world_size() == 1 else None
+    layer.mlp.experts = fused_experts(config, f"{prefix}.mlp.experts", layer.mlp.gate, shared)
     return layer
+
+
+def _tp_world_size() -> int:
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_world_size()
 
 
 def _ple_step_unused(*_):
