@@ -290,7 +290,7 @@ def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.const
     if MODE == 1:
         out = OUT + t * stride_ot + tl.program_id(1) * m
         tl.store(out + pos, kv, mask=sel)
-        tl.store(out + slots, tl.full([M_P], INT64_MIN, tl.int64), mask=(slots >= k) & (slots < m))
+        tl.store(out + slots, tl.full([M_P], _KEY_MIN, tl.int64), mask=(slots >= k) & (slots < m))
     else:
         ids = offs.to(tl.int32) if MODE == 0 else (4294967295 - (kv & 4294967295)).to(tl.int32)
         tl.store(OUT + t * stride_ot + pos, ids, mask=sel)
