@@ -10,7 +10,6 @@ State per sequence: the last n-1 token ids (``ctx``, EOS-filled at start) and th
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
