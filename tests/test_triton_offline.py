@@ -44,7 +44,7 @@ def launches(tmp_path_factory):
 def test_kernels_match_references_under_the_interpreter(launches):
     _, out, _ = launches
     for check in ("op_registration", "qsa_topk", "qsa_decode", "qsa_prefill", "qsa_fp8_caches", "qsa_cache_writes",
-                  "hc", "norm_rope_ple", "moe_combine", "real_widths"):
+                  "hc", "norm_rope_ple", "ple_mix", "ngram_lookup_decode", "moe_combine", "real_widths"):
         assert f"ok check_{check}" in out, out
 
 
@@ -53,8 +53,10 @@ def test_every_launch_compiles_for_hopper(launches):
     out = _run("compile", path, False, tmp)
     for kernel in ("_qsa_topk_small_kernel", "_qsa_attn_loop_kernel", "_qsa_score_prefill_kernel", "_hc_up_kernel",
                    "_hc_down_kernel", "_ple_gather_kernel", "_index_update_kernel", "_write_paged_kernel",
-                   "_shared_gate_combine_kernel"):
+                   "_shared_gate_combine_kernel", "_ple_mix_decode_kernel", "_ngram_gather_decode_kernel",
+                   "_hc_finish_kernel"):
         assert kernel in out, out
+    assert "resources _ple_mix_decode_kernel" in out, out  # registers / spills read back (ptxas -v)
     assert "parameters not specialised on alignment" in out, out  # positions / block-table rows: no JIT mid-serving
 
 
