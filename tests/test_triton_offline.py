@@ -60,6 +60,25 @@ def test_every_launch_compiles_for_hopper(launches):
     assert "parameters not specialised on alignment" in out, out  # positions / block-table rows: no JIT mid-serving
 
 
+def test_kernel_resources_recipe_reads_registers_and_spills(launches):
+    """``recipes/kernel_resources.py`` on two recorded launches: the table and CSV carry registers (> 0), spill
+    bytes and shared memory per launch."""
+    import csv
+    import json
+    path, _, tmp = launches
+    with open(path) as f:
+        picked = [d for d in json.load(f) if d["name"] in ("_ple_mix_decode_kernel", "_rms_norm_kernel")][:2]
+    assert len(picked) == 2
+    sub, out_csv = tmp / "two.json", tmp / "res.csv"
+    sub.write_text(json.dumps(picked))
+    out = _python([os.path.join(ROOT, "recipes", "kernel_resources.py"), str(sub), "--all", "--csv", str(out_csv)],
+                  False, tmp, "kernel_resources")
+    assert "2 distinct launches" in out, out
+    with open(out_csv) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and all(int(r["registers"]) > 0 and int(r["spill_bytes"]) == 0 for r in rows), rows
+
+
 _FLA_CHECK = r"""
 import torch
 from qwen4exp.ops.gated_delta_rule import fla_kernel, reference
