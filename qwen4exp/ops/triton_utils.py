@@ -29,6 +29,18 @@ else:  # CUDA's expf / rsqrtf, which PyTorch's kernels call: the same bf16 round
 
 
 @triton.jit
+def sigmoid(x):
+    """torch.sigmoid's fp32 formula, 1 / (1 + exp(-x)) with CUDA's expf and an IEEE division (unrounded)."""
+    return tl.div_rn(1.0, 1.0 + exp(-x))
+
+
+@triton.jit
+def silu(x):
+    """F.silu's fp32 formula, x / (1 + exp(-x)) with CUDA's expf and an IEEE division (unrounded)."""
+    return tl.div_rn(x, 1.0 + exp(-x))
+
+
+@triton.jit
 def round_bf16(x):
     """fp32 -> the nearest bf16 (ties to even), kept in fp32: the rounding point of a bf16 op in the torch references.
     Integer arithmetic, so the compiler cannot fold an fp32 -> bf16 -> fp32 round trip away (it did: a plain

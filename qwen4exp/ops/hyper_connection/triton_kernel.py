@@ -38,9 +38,10 @@ import triton.language as tl
 
 from .._dispatch import apply_knobs
 from ..triton_utils import dot as _dot
-from ..triton_utils import exp as _exp
 from ..triton_utils import round_bf16 as _rbf
 from ..triton_utils import rsqrt as _rsqrt
+from ..triton_utils import sigmoid as _sigmoid
+from ..triton_utils import silu as _silu
 
 if os.environ.get("TRITON_INTERPRET", "0") != "1":
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -133,6 +134,21 @@ def _hc_up_load(H, NW, WU, T, stride_h, pid, R: tl.constexpr, D: tl.constexpr, N
 
 
 @triton.jit
+def _down_act(d, inv_n):
+    """a = bf16(silu(bf16(bf16(d) / n))) from d, the fp32 sum of a token's W_down partials (the reference:
+    F.silu(F.linear(Hn, W_down) / n), each op rounded)."""
+    q = _rbf(_rbf(d) * inv_n)
+    return _silu(q).to(tl.bfloat16)
+
+
+@triton.jit
+def _inj_weight(z, inv_n):
+    """c = 2 * bf16(sigmoid(bf16(bf16(z) / n))) from z, the fp32 sum of a token's W_inj partials."""
+    z = _rbf(_rbf(z) * inv_n)
+    return (2.0 * _rbf(_sigmoid(z))).to(tl.bfloat16)
+
+
+@triton.jit
 def _hc_up_finish(w, hk, nw, RSTD, PART, X, C, T, n_split, inv_n, stride_x, pid,
                   R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, R_P: tl.constexpr,
                   NI_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, NSPLIT_P: tl.constexpr,
@@ -157,11 +173,9 @@ def _hc_up_finish(w, hk, nw, RSTD, PART, X, C, T, n_split, inv_n, stride_x, pid,
         for t in range(0, T):
             blk = tl.load(PART + t * (n_split * RT) + offs_k[:, None] * RT + offs_r[None, :],
                           mask=kmask[:, None] & rmask[None, :], other=0.0, cache_modifier=".cg")
-            q = _rbf(_rbf(tl.sum(blk, axis=0)) * inv_n)
-            arow = tl.div_rn(q, 1.0 + _exp(-q)).to(tl.bfloat16)
-            a = tl.where(offs_t[:, None] == t, arow[None, :], a)
+            a = tl.where(offs_t[:, None] == t, _down_act(tl.sum(blk, axis=0), inv_n)[None, :], a)
     g = _rbf(_dot(a, tl.trans(w)))  # [BLOCK_T, NS*BLOCK_D]
-    gamma = _rbf(tl.div_rn(1.0, 1.0 + _exp(-g)))
+    gamma = _rbf(_sigmoid(g))
     # Hn at these columns, exactly as stage A built it
     rstd = tl.load(RSTD + offs_t[:, None] * NS + (offs_i // BLOCK_D)[None, :], mask=tmask[:, None], other=0.0,
                    cache_modifier=".cg")
@@ -180,9 +194,7 @@ def _hc_up_finish(w, hk, nw, RSTD, PART, X, C, T, n_split, inv_n, stride_x, pid,
                 blk = tl.load(PART + t * (n_split * RT) + offs_k[:, None] * RT + R + offs_c[None, :],
                               mask=kmask[:, None] & (offs_c < NI)[None, :], other=0.0, cache_modifier=".cg")
                 lg = tl.where(offs_t[:, None] == t, tl.sum(blk, axis=0)[None, :], lg)
-            z = _rbf(_rbf(lg) * inv_n)
-            sg = _rbf(tl.div_rn(1.0, 1.0 + _exp(-z)))
-            tl.store(C + offs_t[:, None] * NI + offs_c[None, :], (2.0 * sg).to(tl.bfloat16), mask=lmask)
+            tl.store(C + offs_t[:, None] * NI + offs_c[None, :], _inj_weight(lg, inv_n), mask=lmask)
 
 
 @triton.jit
@@ -223,16 +235,13 @@ def _hc_finish_kernel(PART, A, C, n_split, stride_t, stride_s, inv_n, R: tl.cons
     rmask = offs_r < R
     blk = tl.load(PART + t * stride_t + offs_k[:, None] * stride_s + offs_r[None, :],
                   mask=kmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-    q = _rbf(_rbf(tl.sum(blk, axis=0)) * inv_n)
-    tl.store(A + t * R + offs_r, tl.div_rn(q, 1.0 + _exp(-q)).to(tl.bfloat16), mask=rmask)
+    tl.store(A + t * R + offs_r, _down_act(tl.sum(blk, axis=0), inv_n), mask=rmask)
     if NI > 0:
         offs_c = tl.arange(0, NI_P)
         cmask = offs_c < NI
         blk = tl.load(PART + t * stride_t + offs_k[:, None] * stride_s + R + offs_c[None, :],
                       mask=kmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        z = _rbf(_rbf(tl.sum(blk, axis=0)) * inv_n)
-        sg = _rbf(tl.div_rn(1.0, 1.0 + _exp(-z)))
-        tl.store(C + t * NI + offs_c, (2.0 * sg).to(tl.bfloat16), mask=cmask)
+        tl.store(C + t * NI + offs_c, _inj_weight(tl.sum(blk, axis=0), inv_n), mask=cmask)
 
 
 @triton.jit
@@ -309,7 +318,7 @@ def _hc_gate_mean_kernel(G, HN, X, D, stride_g, stride_hn, stride_x, inv_n, NS: 
     for s in tl.static_range(NS):
         g = tl.load(G + t * stride_g + s * D + offs, mask=mask, other=0.0).to(tl.float32)
         hn = tl.load(HN + t * stride_hn + s * D + offs, mask=mask, other=0.0).to(tl.float32)
-        gamma = _rbf(tl.div_rn(1.0, 1.0 + _exp(-g)))
+        gamma = _rbf(_sigmoid(g))
         acc += _rbf(gamma * hn)
     tl.store(X + t * stride_x + offs, _rbf(acc * inv_n).to(tl.bfloat16), mask=mask)
 

@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import exp as _exp
 from ..triton_utils import round_bf16 as _rbf
 from ..triton_utils import rsqrt as _rsqrt
+from ..triton_utils import sigmoid as _sigmoid
+from ..triton_utils import silu as _silu
 
 
 @triton.jit
@@ -202,7 +203,7 @@ def _ple_mix_decode_kernel(H, KEY, VAL, QW, CW, WC, STATE, OUT, NEW,
     d = _rbf(tl.div_rn(_rbf(tl.sum(dot, axis=0)), sqrt_d))
     a = _rbf(tl.sqrt_rn(tl.maximum(tl.abs(d), 1e-6)))
     d = tl.where(d > 0, a, tl.where(d < 0, -a, 0.0))
-    g = _rbf(tl.div_rn(1.0, 1.0 + _exp(-d)))
+    g = _rbf(_sigmoid(d))
     ssu = tl.zeros([BLOCK_R], dtype=tl.float32)
     for c0 in tl.range(0, D, BLOCK_R):
         u = _rbf(g * tl.load(VAL + t * stride_v + c0 + offs, mask=c0 + offs < D, other=0.0).to(tl.float32))
@@ -227,7 +228,7 @@ def _ple_mix_decode_kernel(H, KEY, VAL, QW, CW, WC, STATE, OUT, NEW,
             x = un
         acc += x * w
     y = _rbf(acc)
-    z = _rbf(tl.div_rn(y, 1.0 + _exp(-y)))
+    z = _rbf(_silu(y))
     tl.store(OUT + t * stride_o + ch, _rbf(uc + z).to(OUT.dtype.element_ty), mask=mc)
     # the new state: the history shifted by one, the new input last
     nxt = tl.load(st_ptr + 1, mask=mc[:, None] & (offs_j < S - 1)[None, :], other=0.0)
