@@ -211,24 +211,32 @@ class StateSlots(nn.Module, MambaBase):
         """Run the owner's step as an eager graph segment, result into ``out``."""
         return eager_segment(self, out, *inputs)
 
-    def _run_decode(self, fn, T: int, md, nd: int) -> torch.Tensor:
+    def _gather(self, idx: torch.Tensor, uses) -> list:
+        """The states at slots ``idx`` (indexing copies them); None for the states ``fn`` does not read."""
+        return [st[idx] if uses is None or i in uses else None for i, st in enumerate(self.kv_cache)]
+
+    def _store(self, idx: torch.Tensor, new_states) -> None:
+        for st, new in zip(self.kv_cache, new_states):
+            if new is not None:
+                st[idx] = new.to(st.dtype)
+
+    def _run_decode(self, fn, T: int, md, nd: int, uses) -> torch.Tensor:
         """A pure single-token decode batch: ``fn(slice(0, nd), None, states)`` (None: one token per request), no
         host sync, fixed shapes, so it can be captured in a FULL CUDA graph. Requests that pad a captured batch
         carry vLLM's null block as their state index: they read and write that scratch slot only."""
         idx = md.state_indices_tensor_d[:nd, 0].long()
-        out, new_states = fn(slice(0, nd), None, [st[idx] for st in self.kv_cache])
-        for st, new in zip(self.kv_cache, new_states):
-            if new is not None:
-                st[idx] = new.to(st.dtype)
+        out, new_states = fn(slice(0, nd), None, self._gather(idx, uses))
+        self._store(idx, new_states)
         if nd == T:
             return out
         full = out.new_zeros(T, *out.shape[1:])
         full[:nd] = out
         return full
 
-    def run(self, fn, T: int, device, fresh_values):
+    def run(self, fn, T: int, device, fresh_values, uses: tuple[int, ...] | None = None):
         """Gather this step's states, call ``fn(rows, cu_seqlens, states) -> (out, new_states)``, write back (a
-        new state of None: that state is left as it was).
+        new state of None: that state is left as it was). ``uses``: the states ``fn`` reads (the others reach it
+        as None, ungathered); default all.
         ``rows``: the step's token rows that ``fn`` processes (a slice or an index tensor), ``cu_seqlens`` their
         packed sequence starts. ``fresh_values``: per state, the fill value for requests without an initial state
         (None: zeros). Returns ``out`` padded with zero rows to T (None during profiling, where ``fn`` must handle
@@ -247,7 +255,7 @@ class StateSlots(nn.Module, MambaBase):
         nd, npf, ndt = int(md.num_decodes), int(md.num_prefills), int(md.num_decode_tokens)
         nacc = getattr(md, "num_accepted_tokens", None)
         if self.decode_form and nd and not npf and nacc is None:
-            return self._run_decode(fn, T, md, nd)
+            return self._run_decode(fn, T, md, nd, uses)
         outs: list[tuple[object, torch.Tensor]] = []
         first = 0  # first token row of the packed (plain decode + prefill) call
         if nd and nacc is not None:  # speculative decoding: per-position state slots, stepped
@@ -255,18 +263,17 @@ class StateSlots(nn.Module, MambaBase):
             qsl = md.query_start_loc_d[: nd + 1].long()
             qlen = qsl[1:] - qsl[:-1]
             cur = slots.gather(1, (nacc[:nd].long() - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-            states = [st[cur].clone() for st in self.kv_cache]
+            states = self._gather(cur, uses)
             for j in range(int(qlen.max())):
                 act = (qlen > j).nonzero().squeeze(1)
                 rows = qsl[:-1][act] + j
                 cu = torch.arange(act.numel() + 1, device=device, dtype=torch.long)
-                out, new_states = fn(rows, cu, [s[act] for s in states])
+                out, new_states = fn(rows, cu, [None if s is None else s[act] for s in states])
                 outs.append((rows, out))
-                dst = slots[act, j]
-                for s, st, new in zip(states, self.kv_cache, new_states):
-                    if new is not None:
+                for s, new in zip(states, new_states):
+                    if s is not None and new is not None:
                         s[act] = new.to(s.dtype)
-                        st[dst] = new.to(st.dtype)
+                self._store(slots[act, j], new_states)
             nd, first = 0, ndt
         # plain decodes (one token each, state slot 0) and prefills, packed into one call
         cu_parts, idx_parts, init_parts = [torch.arange(nd + 1, device=device, dtype=torch.long)], [], []
@@ -279,18 +286,17 @@ class StateSlots(nn.Module, MambaBase):
             init_parts.append(md.has_initial_states_p[:npf].bool())
         if idx_parts:
             cu, idx, init = torch.cat(cu_parts), torch.cat(idx_parts), torch.cat(init_parts)
-            states = [st[idx].clone() for st in self.kv_cache]
+            states = self._gather(idx, uses)
             if npf:  # requests without an initial state start from the fill values
                 fresh = ~init
                 for st, v in zip(states, fresh_values):
-                    st.masked_fill_(fresh.view(-1, *[1] * (st.dim() - 1)), 0 if v is None else v)
+                    if st is not None:
+                        st.masked_fill_(fresh.view(-1, *[1] * (st.dim() - 1)), 0 if v is None else v)
             n_tok = nd + (int(md.num_prefill_tokens) if npf else 0)  # (= cu[-1], from the host: no sync)
             rows = slice(first, first + n_tok)
             out, new_states = fn(rows, cu, states)
             outs.append((rows, out))
-            for st, new in zip(self.kv_cache, new_states):
-                if new is not None:
-                    st[idx] = new.to(st.dtype)
+            self._store(idx, new_states)
         if not outs:
             return None
         if len(outs) == 1 and isinstance(outs[0][0], slice) and outs[0][0] == slice(0, T):

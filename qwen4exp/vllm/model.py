@@ -238,7 +238,7 @@ def _ple_embed(ple, st: StateSlots, ids: torch.Tensor, dtype: torch.dtype) -> to
         k, v, ctx = ple.embed(ids[rows], cu, states[1].long(), dtype)
         return torch.cat([k, v], -1), (None, ctx)
 
-    kv = st.run(fn, T, ids.device, (None, ple.ple_embedding.eos))
+    kv = st.run(fn, T, ids.device, (None, ple.ple_embedding.eos), uses=(1,))
     if kv is None:  # profiling / warm-up: one fresh sequence, no state
         ctx = torch.full((1, ple.context_len), ple.ple_embedding.eos, dtype=torch.long, device=ids.device)
         kv, _ = fn(slice(0, T), torch.tensor([0, T], device=ids.device), (None, ctx))
@@ -254,7 +254,7 @@ def _ple_mix_step(ple, st: StateSlots, embed_step: _PleEmbedStep, H: torch.Tenso
         out, conv = ple.mix(H[rows], kv[rows, :nD], kv[rows, nD:], cu, states[0])
         return out, (conv, None)
 
-    out = st.run(fn, T, H.device, (None, ple.ple_embedding.eos))
+    out = st.run(fn, T, H.device, (None, ple.ple_embedding.eos), uses=(0,))
     if out is None:  # profiling / warm-up: no state
         out, _ = fn(slice(0, T), torch.tensor([0, T], device=H.device), (None, None))
     return out
