@@ -64,15 +64,32 @@ class DecoderLayer(nn.Module):
         H: torch.Tensor,  # [T, n*D] residual streams
         mix: Callable[[torch.Tensor], torch.Tensor],  # block input [T, D] -> block output [T, D]
         ple: Callable[[torch.Tensor], torch.Tensor] | None = None,  # H -> PLE(H)
-    ) -> torch.Tensor:
+        Hn: torch.Tensor | None = None,  # H normalised for this layer's first mixer (the previous layer's ``then``)
+        then: HyperConnection | None = None,  # the mixer that reads this layer's output (see ``next_mixer``)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (H, H normalised for ``then``, or None without it). Each write-back also normalises the new streams
+        for the mixer after it (one pass over them instead of two)."""
         if self.ple is not None:
             if ple is None:
                 raise RuntimeError(f"layer {self.layer_idx} has PLE but no PLE state was bound")
+            if Hn is not None:
+                raise RuntimeError(f"layer {self.layer_idx}: its mixer reads H + PLE(H), not the handed-in norm")
             H = H + ple(H)
-        x, c = self.attn_hyper_connection(H)
-        H = HyperConnection.inject(H, c, mix(x))
-        x, c = self.mlp_hyper_connection(H)
-        return HyperConnection.inject(H, c, self.mlp(x))
+        x, c = self.attn_hyper_connection(H, Hn)
+        H, Hn = self.mlp_hyper_connection.inject_norm(H, c, mix(x))
+        x, c = self.mlp_hyper_connection(H, Hn)
+        if then is None:
+            return HyperConnection.inject(H, c, self.mlp(x)), None
+        return then.inject_norm(H, c, self.mlp(x))
+
+
+def next_mixer(layers, i: int, final: HyperConnection | None) -> HyperConnection | None:
+    """The mixer that reads layer i's output: the next layer's first one (None if that layer adds PLE first: its
+    mixer reads H + PLE(H)), or ``final`` after the last layer."""
+    if i + 1 == len(layers):
+        return final
+    nxt = layers[i + 1]
+    return None if nxt.ple is not None else nxt.attn_hyper_connection
 
 
 def embed_streams(embeds: torch.Tensor, n: int) -> torch.Tensor:

@@ -103,6 +103,50 @@ def hc_mix_case(T, n=4, D=2560, R=320):
     return sets, by, fl
 
 
+def hc_step_case(T, n=4, D=2560, R=320):
+    """One HC transition as the layers run it: the previous block's write-back, then the next mixer (the norm
+    inside it, or handed over by ``hc_inject_norm``): (H, c, y, norm w, W_down, W_up, W_inj, n, eps)."""
+    sets, by, fl = hc_mix_case(T, n, D, R)
+    out = []
+    for H, nw, Wd, Wu, Wi, n_, eps in sets:
+        # the vLLM layout: W_down and W_inj as row ranges of one buffer padded to 8 rows (the many-token GEMM)
+        buf = torch.cat([Wd, Wi, Wd.new_zeros(-(-(R + n) // 8) * 8 - R - n, Wd.shape[1])])
+        out.append((H, (torch.rand(T, n, device="cuda") * 2).to(BF), torch.randn(T, D, device="cuda").to(BF), nw,
+                    buf[:R], Wu, buf[R:R + n], n_, eps))
+    return out, by + T * n * D * 2 * 2 + T * D * 2, fl
+
+
+def hc_step_before(H, c, y, nw, Wd, Wu, Wi, n, eps, many=False):
+    from qwen4exp.ops import cuda
+    H = cuda.hc_inject(H, c, y)
+    return (cuda._hc_mix_many_tokens if many else cuda.hc_mix)(H, nw, Wd, Wu, Wi, n, eps)
+
+
+def hc_step_fused_norm(H, c, y, nw, Wd, Wu, Wi, n, eps, many=False):
+    from qwen4exp.ops import cuda
+    H, Hn = cuda.hc_inject_norm(H, c, y, nw, n, eps)
+    return (cuda._hc_mix_many_tokens if many else cuda.hc_mix)(H, nw, Wd, Wu, Wi, n, eps, Hn)
+
+
+def hc_step_ref(H, c, y, nw, Wd, Wu, Wi, n, eps):
+    H, Hn = hc_ref.hc_inject_norm(H, c, y, nw, n, eps)
+    return hc_ref.hc_mix(H, nw, Wd, Wu, Wi, n, eps, Hn)
+
+
+def with_knobs(fn, mod, **knobs):
+    """fn with module settings changed for the call (and for the CUDA graph captured around it)."""
+    def run(*a):
+        saved = {k: getattr(mod, k) for k in knobs}
+        for k, v in knobs.items():
+            setattr(mod, k, v)
+        try:
+            return fn(*a)
+        finally:
+            for k, v in saved.items():
+                setattr(mod, k, v)
+    return run
+
+
 def hc_inject_case(T, n=4, D=2560):
     by = T * n * D * 2 * 2 + T * D * 2 + T * n * 2
     sets = [(torch.randn(T, n * D, device="cuda").to(BF), torch.rand(T, n, device="cuda").to(BF),
@@ -439,6 +483,20 @@ def main():
                       hc_ref.hc_mix))
     for T in (1, 32):
         cases.append(("hc_inject", f"T={T}", lambda T=T: hc_inject_case(T), cuda.hc_inject, hc_ref.hc_inject))
+    from qwen4exp.ops.hyper_connection import triton_kernel as hc_tk
+    for T in (1, 8, 32):  # one HC transition (write-back + mixer) both ways, side by side
+        mk = lambda T=T: hc_step_case(T)  # noqa: E731
+        cases.append(("hc_step", f"T={T},inject+mix", mk, hc_step_before, hc_step_ref))
+        cases.append(("hc_step", f"T={T},inject_norm+mix", mk, hc_step_fused_norm, hc_step_ref))
+        if T == 32:
+            cases.append(("hc_step", "T=32,inject+gemm-path", mk, lambda *a: hc_step_before(*a, many=True),
+                          hc_step_ref))
+            cases.append(("hc_step", "T=32,inject_norm+gemm-path", mk,
+                          lambda *a: hc_step_fused_norm(*a, many=True), hc_step_ref))
+            cases.append(("hc_step", "T=32,inject_norm+mix,KC256", mk,
+                          with_knobs(hc_step_fused_norm, hc_tk, A_KC_HN=256), hc_step_ref))
+            cases.append(("hc_step", "T=32,inject_norm+mix,BD32", mk,
+                          with_knobs(hc_step_fused_norm, hc_tk, B_BLOCK_D=32), hc_step_ref))
     for Tq in (1, 32):
         cases.append(("qsa_attention", f"Tq={Tq},L=50000", lambda Tq=Tq: qsa_case(Tq), cuda.qsa_attention,
                       qsa_ref.qsa_attention))

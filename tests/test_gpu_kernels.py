@@ -53,8 +53,8 @@ def test_dispatcher_picks_the_kernels_for_cuda():
     fn = _dispatch.pick("hc_mix", torch.device("cuda"), hc_ref.hc_mix)
     cuda = cuda_ops()
     assert fn is cuda.hc_mix
-    for op in ("hc_inject", "qsa_attention", "qsa_decode_paged", "qsa_prefill_paged", "ple_lookup", "rms_norm",
-               "apply_rope"):
+    for op in ("hc_inject", "hc_inject_norm", "qsa_attention", "qsa_decode_paged", "qsa_prefill_paged", "ple_lookup",
+               "rms_norm", "apply_rope"):
         assert _dispatch._KERNELS[(op, "cuda")] is getattr(cuda, op)
     assert _dispatch._KERNELS[("qsa_write_paged", "cuda")] is cuda.write_paged
     assert _dispatch._KERNELS[("qsa_index_update_decode", "cuda")] is cuda.index_update_decode
@@ -277,6 +277,42 @@ def test_hc_inject_is_bit_exact(T, n, D):
     assert torch.equal(out, ref.hc_inject(H, c, y))
 
 
+@pytest.mark.parametrize("T,n,D", [(1, 4, 2560), (32, 4, 2560), (1000, 4, 2560), (3, 2, 384)])
+def test_hc_inject_norm_matches_reference(T, n, D):
+    """The write-back and the next mixer's norm in one pass: H' bit-exact (as hc_inject), Hn' as the norm kernel
+    (the mean square summed in another order: one bf16 unit now and then)."""
+    from qwen4exp.ops.hyper_connection import reference as ref
+    cuda = cuda_ops()
+    g = gen(T + 3 * D)
+    H, y, nw = rnd((T, n * D), g, 3.0), rnd((T, D), g), rnd((n * D,), g, 0.2)
+    c = (2 * torch.rand(T, n, generator=g, device="cuda")).to(BF)
+    poison()
+    Ho, Hn = cuda.hc_inject_norm(H, c, y, nw, n, 1e-6)
+    Hr, Hnr = ref.hc_inject_norm(H, c, y, nw, n, 1e-6)
+    assert torch.equal(Ho, Hr)
+    bf16_close(Hn, Hnr, 0.99)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 16, 17, 32, 33, 64])
+def test_hc_mix_with_norm_handed_in(T):
+    """``hc_mix(..., Hn)`` (after ``hc_inject_norm``): the decode kernels read Hn in place of H and skip the norm
+    (up to MAX_T_HN tokens, so batch-32 decode), the many-token path skips its norm kernel; the same x and c as
+    the reference given the same Hn, and as the norm computed inside."""
+    from qwen4exp.ops.hyper_connection import reference as ref
+    from qwen4exp.ops.hyper_connection import triton_kernel as tk
+    cuda = cuda_ops()
+    H, nw, Wd, Wu, Wi = hc_case(T, 4, 2560, 320, True, seed=900 + T)
+    Hn = ref.grouped_rms_norm(H, nw, 2560, 1e-6)
+    assert tk.supported(H, nw, Wd, Wu, Wi, 4, Hn) == (T <= max(tk.MAX_T, tk.MAX_T_HN))
+    poison()
+    x, c = cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6, Hn)
+    xr, cr = ref.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6, Hn)
+    bf16_close(x, xr, 0.95)
+    bf16_close(c, cr, 0.5)
+    x2, c2 = cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)
+    bf16_close(x2, xr, 0.95)
+
+
 @pytest.mark.parametrize("T", [1, 8])  # 8: kernels A, finish and B chained by programmatic dependent launch
 def test_hc_ops_in_cuda_graph_and_compile(T):
     cuda = cuda_ops()
@@ -286,6 +322,8 @@ def test_hc_ops_in_cuda_graph_and_compile(T):
 
     def step(H):
         x, c = cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)
+        H, Hn = cuda.hc_inject_norm(H, c, y + x, nw, 4, 1e-6)
+        x, c = cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6, Hn)
         return cuda.hc_inject(H, c, y + x)
 
     ref_out = step(H)

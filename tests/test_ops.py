@@ -734,6 +734,49 @@ def test_hc_inject_matches_loop():
     torch.testing.assert_close(out, ref, **F32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_inject_norm_and_handed_in_norm_equal_the_separate_steps(dtype):
+    """``hc_inject_norm`` = write-back then the next mixer's norm; ``hc_mix(..., Hn)`` with that norm = ``hc_mix``
+    normalising itself (bit-equal: the same ops)."""
+    n, D, R = 4, 16, 6
+    g = torch.Generator().manual_seed(11)
+    H, c, y = (torch.randn(5, n * D, generator=g).to(dtype), (torch.rand(5, n, generator=g) * 2).to(dtype),
+               torch.randn(5, D, generator=g).to(dtype))
+    w, down, up, inj = ((torch.randn(*s, generator=g) * 0.3).to(dtype) for s in ((n * D,), (R, n * D), (n * D, R),
+                                                                                 (n, n * D)))
+    Ho, Hn = hc_ref.hc_inject_norm(H, c, y, w, n, 1e-6)
+    assert torch.equal(Ho, hc_ref.hc_inject(H, c, y))
+    assert torch.equal(Hn, hc_ref.grouped_rms_norm(Ho, w, D, 1e-6))
+    for a, b in zip(hc_ref.hc_mix(Ho, w, down, up, inj, n, 1e-6, Hn), hc_ref.hc_mix(Ho, w, down, up, inj, n, 1e-6)):
+        assert torch.equal(a, b)
+
+
+def test_decoder_layer_hands_the_next_norm_on():
+    """``DecoderLayer.forward(..., then=)``: the same streams as without, plus their norm for ``then``; the next
+    mixer is the following layer's first one unless that layer adds PLE first, and the final mixer at the end."""
+    from qwen4exp.layers.hyper_connection import HyperConnection
+    from qwen4exp.modeling import DecoderLayer, next_mixer
+    from qwen4exp.presets import tiny_text
+    cfg = tiny_text(num_hidden_layers=3, hidden_size=32, ple_layer_ids=(2,), full_attention_every=99)
+    torch.manual_seed(0)
+    layers = [DecoderLayer(cfg, i, with_ple=True) for i in range(3)]
+    final = HyperConnection(cfg, inject=False)
+    for m in [*layers, final]:
+        for p in m.parameters():
+            p.data.normal_(0, 0.1)
+    assert next_mixer(layers, 0, final) is None  # layer 1 (one-indexed 2) adds PLE first
+    assert next_mixer(layers, 1, final) is layers[2].attn_hyper_connection
+    assert next_mixer(layers, 2, final) is final and next_mixer(layers, 2, None) is None
+    H = torch.randn(3, 4 * 32)
+    mix = torch.tanh
+    plain, none = layers[2](H, mix)
+    assert none is None
+    H2, Hn = layers[2](H, mix, None, None, final)
+    assert torch.equal(H2, plain) and torch.equal(Hn, hc_ref.grouped_rms_norm(plain, final.hc_norm.weight, 32, 1e-6))
+    with pytest.raises(RuntimeError, match="layer 1: its mixer reads H \\+ PLE"):
+        layers[1](H, mix, lambda h: h, Hn)
+
+
 def test_grouped_rms_norm_matches_loop():
     x, w = torch.randn(3, 4 * 8), torch.randn(4 * 8) * 0.1
     out = hc_ref.grouped_rms_norm(x, w, 8, 1e-6)

@@ -18,6 +18,7 @@ where it matters (``ops/triton_utils.round_bf16``), so the tolerances are the GP
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import os
 import sys
@@ -171,18 +172,21 @@ def check_qsa_cache_writes():
 
 def hc_mix_both_ways(args, what):
     """hc_mix_triton(*args) in two launches and in one launch with a grid barrier (the interpreter runs its two
-    phases as two launches) against the reference."""
+    phases as two launches) against the reference; each way with the norm in the kernels and with Hn handed in."""
     from qwen4exp.ops.hyper_connection import reference as ref, triton_kernel as tk
+    from qwen4exp.ops.norm.reference import grouped_rms_norm
     xr, cr = ref.hc_mix(*args)
+    H, nw, n, eps = args[0], args[1], args[5], args[6]
+    hn = grouped_rms_norm(H, nw, H.shape[-1] // n, eps)
     T, inj = args[0].shape[0], args[4] is not None
     ways = [(False, True), (True, True)]  # (FUSED, FINISH_KERNEL)
     if T > tk.IN_KERNEL_SILU_MAX_T:  # (many tokens: no single launch; the finish kernel or torch between A and B)
         ways = [(False, True), (False, False)]
     saved = tk.FUSED, tk.FINISH_KERNEL
     try:
-        for tk.FUSED, tk.FINISH_KERNEL in ways:
-            x, c = tk.hc_mix_triton(*args)
-            way = f"fused={tk.FUSED} finish={tk.FINISH_KERNEL}"
+        for (tk.FUSED, tk.FINISH_KERNEL), Hn in itertools.product(ways, (None, hn)):
+            x, c = tk.hc_mix_triton(*args, Hn=Hn)
+            way = f"fused={tk.FUSED} finish={tk.FINISH_KERNEL} hn_ready={Hn is not None}"
             close(x, xr, 0.07, f"hc_mix {what} {way}")
             if inj:
                 close(c, cr, 0.02, f"hc_mix c {what} {way}")
@@ -207,6 +211,10 @@ def check_hc():
         cc = (torch.rand(T, n, generator=g) * 2).to(BF)
         close(tk.hc_inject_triton(H, cc, y), ref.hc_inject(H, cc, y), 0.0, "hc_inject", rtol=2 ** -7)  # 1 unit
         # (the interpreter truncates the final fp32 -> bf16 store; on the GPU it is bit-exact)
+        Ho, Hno = tk.hc_inject_norm_triton(H, cc, y, nw, n, 1e-6)
+        Hr, Hnr = ref.hc_inject_norm(H, cc, y, nw, n, 1e-6)
+        close(Ho, Hr, 0.0, "hc_inject_norm H", rtol=2 ** -7)
+        close(Hno, Hnr, 0.05, "hc_inject_norm Hn")
         d = (torch.randn(T, R + n, generator=g) * 4).to(BF)  # the many-token path's activation step
         a, c = tk.hc_finish_triton(d, R, n)
         close(a, F.silu(d[:, :R] / n), 0.0, "hc_finish a", rtol=2 ** -7)
@@ -321,6 +329,12 @@ def check_real_widths():
     Wu = (torch.randn(n * D, R, generator=g) * R ** -0.5 * 2).to(BF)
     Wi = (torch.randn(n, n * D, generator=g) * (n * D) ** -0.5 * 4).to(BF)
     hc_mix_both_ways((H, nw, Wd, Wu, Wi, n, 1e-6), "real widths")
+    H32 = (torch.randn(32, n * D, generator=g) * 3).to(BF)  # batch-32 decode: Hn handed in (hc_inject_norm)
+    hc_mix_both_ways((H32, nw, Wd, Wu, Wi, n, 1e-6), "real widths T=32")
+    y, cc = torch.randn(32, D, generator=g).to(BF), (torch.rand(32, n, generator=g) * 2).to(BF)
+    from qwen4exp.ops.hyper_connection import reference as hc_ref, triton_kernel as hc_tk
+    close(hc_tk.hc_inject_norm_triton(H32, cc, y, nw, n, 1e-6)[1], hc_ref.hc_inject_norm(H32, cc, y, nw, n, 1e-6)[1],
+          0.05, "hc_inject_norm real widths")
     r, budget, L, bs = 4, 2048, 2100, 1568
     seq = [t.to(BF) for t in qsa_inputs(L, Hq=24, Hkv=2, d=256, hi=4, di=128, seed=3)]
     kv, bt, ikv, _ = paged_qsa_case([seq], [L], r, bs, bs, shared_table=True)
@@ -348,7 +362,7 @@ def check_op_registration():
 
     from qwen4exp.ops import cuda
     ops = {k: v for k, v in vars(cuda).items() if isinstance(v, cuda._CustomOp)}
-    assert len(ops) == 17, sorted(ops)
+    assert len(ops) == 18, sorted(ops)
     for name, op in ops.items():
         schema = str(getattr(torch.ops.qwen4exp, op.name).default._schema)
         assert ("(a0!)" in schema) == (op.name in ("qsa_write_paged", "qsa_index_update_decode")), (name, schema)
@@ -363,6 +377,10 @@ def check_op_registration():
         a, c = cuda.hc_finish_op(t(5, 24), 16, 4, 4)
         assert a.shape == (5, 16) and c.shape == (5, 4)
         assert cuda.hc_inject_op(t(2, 256), t(2, 4), t(2, 64)).shape == (2, 256)
+        Ho, Hn = cuda.hc_inject_norm_op(t(2, 256), t(2, 4), t(2, 64), t(256), 4, 1e-6)
+        assert Ho.shape == Hn.shape == (2, 256)
+        x, c = cuda.hc_mix_op(t(3, 256), t(256), t(16, 256), t(256, 16), t(4, 256), 4, 1e-6, t(3, 256))
+        assert x.shape == (3, 64) and c.shape == (3, 4)
         assert cuda.rms_norm_op(t(2, 24, 256), t(256), 256, 1e-6).shape == (2, 24, 256)
         assert cuda.apply_rope_op(t(2, 24, 64), t(2, 64), t(2, 64)).shape == (2, 24, 64)
         assert cuda.shared_gate_combine_op(t(2, 64), t(1, 64), t(2, 64), t(2, 64)).shape == (2, 64)
@@ -475,7 +493,7 @@ def compile_all(path):
 # decode-path kernels that must not spill registers (run 10: the first PLE mix kernel held whole rows in registers,
 # 255 registers + 136 B of spills, and took 36 us for 32 tokens)
 NO_SPILL = {"_ple_mix_decode_kernel", "_ngram_gather_decode_kernel", "_ple_gather_kernel", "_hc_finish_kernel",
-            "_hc_inject_kernel", "_hc_gate_mean_kernel", "_rms_norm_kernel", "_shared_gate_combine_kernel"}
+            "_hc_inject_kernel", "_hc_inject_norm_kernel", "_hc_gate_mean_kernel", "_rms_norm_kernel", "_shared_gate_combine_kernel"}
 
 
 def ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from ..layers.ple import NGramTable, PLE
 from ..layers.gdn import GatedDeltaNet
 from ..layers.rope import RotaryEmbedding
 from ..layers.vision import VisionTower
-from ..modeling import DecoderLayer, embed_streams
+from ..modeling import DecoderLayer, embed_streams, next_mixer
 from ..ops.qsa import block_mean, qsa_attention
 from .cache import Qwen4ExpHybridCache
 
@@ -52,14 +52,15 @@ class Qwen4ExpTextModel(nn.Module):
         c = self.config
         emb = self.embed_tokens(ids) if embeds is None else embeds
         H = embed_streams(emb, c.hc_count)
-        H = run_layers(self.layers, H, ids, positions, cu_seqlens, cache.layers, rows, cache.lengths[rows],
-                       self.rotary_emb, cache.journal)
-        out, _ = self.hyper_connection_mixer(H)
+        H, Hn = run_layers(self.layers, H, ids, positions, cu_seqlens, cache.layers, rows, cache.lengths[rows],
+                           self.rotary_emb, cache.journal, self.hyper_connection_mixer)
+        out, _ = self.hyper_connection_mixer(H, Hn)
         return out, H
 
 
-def run_layers(layers, H, ids, positions, cu_seqlens, layer_states, rows, starts, rotary, journal=None):
-    """Run decoder layers over packed tokens, binding each layer's per-row state (updated in place).
+def run_layers(layers, H, ids, positions, cu_seqlens, layer_states, rows, starts, rotary, journal=None, final=None):
+    """Run decoder layers over packed tokens, binding each layer's per-row state (updated in place) -> (H, H
+    normalised for the ``final`` mixer, or None without it).
 
     ``starts`` [N]: tokens each sequence had consumed before (QSA token indices). With a ``journal`` list, every
     state update is recorded so that ``rollback`` can keep only a prefix of these tokens (speculative decoding).
@@ -69,7 +70,8 @@ def run_layers(layers, H, ids, positions, cu_seqlens, layer_states, rows, starts
     tok_idx = torch.repeat_interleave(starts.to(ids.device) - cu_seqlens[:-1], lens) + \
         torch.arange(ids.numel(), device=ids.device)
     rows_l = rows.tolist()
-    for layer, st in zip(layers, layer_states):
+    Hn = None
+    for i, (layer, st) in enumerate(zip(layers, layer_states)):
         ple_fn = None
         if layer.ple is not None:
             def ple_fn(H, layer=layer, st=st):
@@ -92,8 +94,8 @@ def run_layers(layers, H, ids, positions, cu_seqlens, layer_states, rows, starts
                     journal.append(("qsa", layer, st, rows, [(rs.k.len, rs.block_keys.len, rs.open_keys,
                                                               rs.open_pos) for rs in row_states], None, None))
                 return _qsa_mix(layer.self_attn, rotary, x, cos, sin, positions, tok_idx, cu_seqlens, row_states)
-        H = layer(H, mix, ple_fn)
-    return H
+        H, Hn = layer(H, mix, ple_fn, Hn, next_mixer(layers, i, final))
+    return H, Hn
 
 
 def rollback(journal, keep: int, rotary) -> None:
@@ -241,8 +243,8 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
         H = mtp(tm.embed_tokens(next_ids), H_prev)
         rows = torch.tensor([row])
         cu = torch.tensor([0, next_ids.numel()], device=next_ids.device)
-        H = run_layers(mtp.layers[:1], H, next_ids, positions, cu, cache.mtp_layers[:1], rows,
-                       cache.mtp_lengths[rows], tm.rotary_emb, cache.journal)
+        H, _ = run_layers(mtp.layers[:1], H, next_ids, positions, cu, cache.mtp_layers[:1], rows,
+                          cache.mtp_lengths[rows], tm.rotary_emb, cache.journal)
         cache.mtp_lengths[row] += next_ids.numel()
         out, _ = mtp.hyper_connection_mixer(H)
         head = mtp.shared_head.head if hasattr(mtp, "shared_head") else self.lm_head
@@ -265,8 +267,8 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
         cu = torch.arange(B + 1, device=input_ids.device) * (S - 1)
         cache = self.new_cache(B)
         rows = torch.arange(B)
-        H = run_layers(mtp.layers[:1], H, nxt, pos, cu, cache.mtp_layers[:1], rows, cache.mtp_lengths[rows],
-                       tm.rotary_emb)
+        H, _ = run_layers(mtp.layers[:1], H, nxt, pos, cu, cache.mtp_layers[:1], rows, cache.mtp_lengths[rows],
+                          tm.rotary_emb)
         out, _ = mtp.hyper_connection_mixer(H)
         head = mtp.shared_head.head if hasattr(mtp, "shared_head") else self.lm_head
         return head(out).view(B, S - 1, -1)

@@ -67,12 +67,12 @@ def _custom_op(qualname: str, mutates_args=()):
 # ------------------------------------------------------------------------------------------------ hyper-connection
 @_custom_op("qwen4exp::hc_mix", mutates_args=())
 def hc_mix_op(H: Tensor, norm_weight: Tensor, down: Tensor, up: Tensor, inj: Optional[Tensor], n: int,
-              eps: float) -> tuple[Tensor, Tensor]:
-    return hc_tk.hc_mix_triton(H, norm_weight, down, up, inj, n, eps)
+              eps: float, Hn: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    return hc_tk.hc_mix_triton(H, norm_weight, down, up, inj, n, eps, Hn)
 
 
 @hc_mix_op.register_fake
-def _(H, norm_weight, down, up, inj, n, eps):
+def _(H, norm_weight, down, up, inj, n, eps, Hn=None):
     lead = H.shape[:-1]
     return H.new_empty(*lead, H.shape[-1] // n), H.new_empty(*lead, 0 if inj is None else n)
 
@@ -87,13 +87,13 @@ def _(g, Hn, n):
     return g.new_empty(g.shape[0], g.shape[1] // n)
 
 
-def hc_mix(H, norm_weight, down, up, inj, n, eps):
-    if hc_tk.supported(H, norm_weight, down, up, inj, n):  # decode sizes: two fused launches
-        x, c = hc_mix_op(H, norm_weight, down, up, inj, n, eps)
+def hc_mix(H, norm_weight, down, up, inj, n, eps, Hn=None):
+    if hc_tk.supported(H, norm_weight, down, up, inj, n, Hn):  # decode sizes: two fused launches
+        x, c = hc_mix_op(H, norm_weight, down, up, inj, n, eps, Hn)
         return x, (None if inj is None else c)
-    if hc_tk.gemm_path_supported(H, norm_weight, down, up, inj, n):  # prefill sizes
-        return _hc_mix_many_tokens(H, norm_weight, down, up, inj, n, eps)
-    return hc_ref.hc_mix(H, norm_weight, down, up, inj, n, eps)
+    if hc_tk.gemm_path_supported(H, norm_weight, down, up, inj, n, Hn):  # prefill sizes
+        return _hc_mix_many_tokens(H, norm_weight, down, up, inj, n, eps, Hn)
+    return hc_ref.hc_mix(H, norm_weight, down, up, inj, n, eps, Hn)
 
 
 @_custom_op("qwen4exp::hc_finish", mutates_args=())
@@ -106,7 +106,7 @@ def _(d, R, n, ni):
     return d.new_empty(d.shape[0], R), d.new_empty(d.shape[0], ni)
 
 
-def _hc_mix_many_tokens(H, norm_weight, down, up, inj, n, eps):
+def _hc_mix_many_tokens(H, norm_weight, down, up, inj, n, eps, Hn=None):
     """``hc_mix`` past the fused kernel's token count: the reference's projections on cuBLAS (W_down and W_inj as
     one GEMM where they sit together in memory), its grouped norm, its activations (SiLU of the low-rank
     projection, sigmoid of the injection logits) and its gated stream mean as one Triton pass each (in the reference
@@ -114,8 +114,7 @@ def _hc_mix_many_tokens(H, norm_weight, down, up, inj, n, eps):
     activations ~7 small launches)."""
     NK = H.shape[-1]
     D, R = NK // n, down.shape[0]
-    H2 = H.reshape(-1, NK)
-    Hn = rms_norm(H2, norm_weight, D, eps)
+    Hn = rms_norm(H.reshape(-1, NK), norm_weight, D, eps) if Hn is None else Hn.reshape(-1, NK)
     # padded to 8 rows where the buffer has them: an output row of 324 bf16 columns is not 16-byte aligned, and
     # cuBLAS then runs an sm_80 CUTLASS kernel (run 10: 8.5 us + a split-K reduce for this 6.6 MB GEMM at 32 tokens)
     both = hc_adjacent_rows(down, inj, pad=8)
@@ -146,6 +145,24 @@ def hc_inject(H, c, y):
     if not hc_tk.hc_inject_supported(H, c, y):
         return hc_ref.hc_inject(H, c, y)
     return hc_inject_op(H, c, y)
+
+
+@_custom_op("qwen4exp::hc_inject_norm", mutates_args=())
+def hc_inject_norm_op(H: Tensor, c: Tensor, y: Tensor, norm_weight: Tensor, n: int, eps: float
+                      ) -> tuple[Tensor, Tensor]:
+    return hc_tk.hc_inject_norm_triton(H, c, y, norm_weight, n, eps)
+
+
+@hc_inject_norm_op.register_fake
+def _(H, c, y, norm_weight, n, eps):
+    return torch.empty_like(H), torch.empty_like(H)
+
+
+def hc_inject_norm(H, c, y, norm_weight, n, eps):
+    if not (hc_tk.hc_inject_supported(H, c, y) and c.shape[-1] == n and norm_weight.numel() == H.shape[-1]
+            and y.shape[-1] <= norm_tk.MAX_GROUP):
+        return hc_ref.hc_inject_norm(H, c, y, norm_weight, n, eps)
+    return hc_inject_norm_op(H, c, y, norm_weight, n, eps)
 
 
 # ------------------------------------------------------------------------------------------------------------ QSA
@@ -399,6 +416,7 @@ register_kernel("chunk_gated_delta_rule", "cuda", chunk_gated_delta_rule)
 register_kernel("recurrent_gated_delta_rule", "cuda", recurrent_gated_delta_rule)
 register_kernel("hc_mix", "cuda", hc_mix)
 register_kernel("hc_inject", "cuda", hc_inject)
+register_kernel("hc_inject_norm", "cuda", hc_inject_norm)
 register_kernel("qsa_attention", "cuda", qsa_attention)
 register_kernel("qsa_decode_paged", "cuda", qsa_decode_paged)
 register_kernel("qsa_prefill_paged", "cuda", qsa_prefill_paged)

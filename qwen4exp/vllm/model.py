@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from ..configuration import _INDEXED_ALIASES, INDEXED, LINEAR
 from ..layers.hyper_connection import HyperConnection
 from ..layers.rope import RotaryEmbedding
-from ..modeling import DecoderLayer, embed_streams
+from ..modeling import DecoderLayer, embed_streams, next_mixer
 from .layers import (GatedSharedExpert, MergedSwiGLU, StateSlots, check_cudagraph_mode, colocate_hc_projections,
                      eager_segment, fused_experts, gdn_mixer, our_gdn, ple_state_shapes, vllm_linear)
 from .qsa import QSAMixer
@@ -112,6 +112,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
         ple_kv = {}
         for key, step in self._ple_embed_steps.items():
             ple_kv[key] = step(input_ids, emb.dtype)
+        Hn = None  # H normalised for the next mixer (each layer's last write-back makes it)
         for i, layer in enumerate(self.layers):
             mixer = layer.mixer
             if layer.layer_type == LINEAR:
@@ -123,10 +124,10 @@ class Qwen4ExpVllmTextModel(nn.Module):
             if layer.ple is not None:
                 def ple_fn(H, st=self.ple_states[str(i)], kv=ple_kv[str(i)]):
                     return st(torch.empty_like(H), H, kv)
-            H = layer(H, mix, ple_fn)
+            H, Hn = layer(H, mix, ple_fn, Hn, next_mixer(self.layers, i, self.hyper_connection_mixer))
         if self.keep_mtp_hidden:  # the pre-final-mixer streams [T, nD]: what the MTP draft head consumes
             self.mtp_hidden[: H.shape[0]].copy_(H)  # (vLLM never schedules more rows than the buffer has)
-        out, _ = self.hyper_connection_mixer(H)
+        out, _ = self.hyper_connection_mixer(H, Hn)
         return out
 
 

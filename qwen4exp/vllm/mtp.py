@@ -65,7 +65,7 @@ class Qwen4ExpMTPModel(MTPInput):
         def mix(x):
             return mixer(x, positions, cos, sin)
 
-        return layer(H, mix, None)
+        return layer(H, mix, None)[0]
 
 
 class Qwen4ExpMTP(nn.Module):

@@ -5,14 +5,15 @@ from . import reference
 from .reference import grouped_rms_norm
 
 
-def hc_mix(H, norm_weight, down, up, inj, n, eps):
+def hc_mix(H, norm_weight, down, up, inj, n, eps, Hn=None):
     """``down``/``up``/``inj`` are weight tensors or linear modules. A fused kernel (when registered for the device)
-    takes plain weights; quantized modules go through the reference, which calls them."""
+    takes plain weights; quantized modules go through the reference, which calls them. ``Hn``: the streams' norm
+    when the caller already has it (``hc_inject_norm``)."""
     fn = pick("hc_mix", H.device, reference.hc_mix)
     if fn is not reference.hc_mix and not all(isinstance(w, torch.Tensor) or w is None
                                               for w in (down, up, inj)):
         fn = reference.hc_mix
-    return fn(H, norm_weight, down, up, inj, n, eps)
+    return fn(H, norm_weight, down, up, inj, n, eps, Hn)
 
 
 def adjacent_rows(down, inj, pad: int = 1):
@@ -42,4 +43,8 @@ def hc_inject(H, c, y):
     return pick("hc_inject", H.device, reference.hc_inject)(H, c, y)
 
 
-__all__ = ["hc_mix", "hc_inject", "adjacent_rows", "grouped_rms_norm", "reference"]
+def hc_inject_norm(H, c, y, norm_weight, n, eps):
+    return pick("hc_inject_norm", H.device, reference.hc_inject_norm)(H, c, y, norm_weight, n, eps)
+
+
+__all__ = ["hc_mix", "hc_inject", "hc_inject_norm", "adjacent_rows", "grouped_rms_norm", "reference"]

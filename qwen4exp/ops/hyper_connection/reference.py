@@ -6,6 +6,8 @@
     x     = mean_s gamma_s * Hn_s                       [D]   (the block input)
     c     = 2 sigmoid((W_inj Hn) / n)                   [n]   (the injection weights; absent in the final mixer)
 Write-back after the block output y:  H_s <- H_s + c_s * y  (on the raw, un-normalised streams).
+``hc_inject_norm`` is the write-back followed by the next mixer's norm (Hn of the new streams), which ``hc_mix``
+then takes instead of normalising again: one pass over the streams on the GPU instead of two.
 Rounding follows the HF reference: norm in fp32 cast once, the rest in the activation dtype.
 """
 
@@ -29,9 +31,11 @@ def hc_mix(
     inj,  # [n, n*D] weight or module, or None (final mixer)
     n: int,
     eps: float,
+    Hn: torch.Tensor | None = None,  # [..., n*D] grouped_rms_norm(H, norm_weight), when the caller has it
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     D = H.shape[-1] // n
-    Hn = grouped_rms_norm(H, norm_weight, D, eps)
+    if Hn is None:
+        Hn = grouped_rms_norm(H, norm_weight, D, eps)
     a = F.silu(_as_fn(down)(Hn) / n)
     gamma = torch.sigmoid(_as_fn(up)(a))
     x = (gamma.unflatten(-1, (n, D)) * Hn.unflatten(-1, (n, D))).mean(-2)
@@ -42,3 +46,10 @@ def hc_mix(
 def hc_inject(H: torch.Tensor, c: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """H [..., n*D] + c [..., n] (x) y [..., D] -> [..., n*D]."""
     return H + (y.unsqueeze(-2) * c.unsqueeze(-1)).flatten(-2)
+
+
+def hc_inject_norm(H: torch.Tensor, c: torch.Tensor, y: torch.Tensor, norm_weight: torch.Tensor, n: int,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The write-back, then the grouped norm of the new streams (the next ``hc_mix``'s ``Hn``): (H', Hn')."""
+    H = hc_inject(H, c, y)
+    return H, grouped_rms_norm(H, norm_weight, H.shape[-1] // n, eps)

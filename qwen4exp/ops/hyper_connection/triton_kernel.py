@@ -50,9 +50,10 @@ if os.environ.get("TRITON_INTERPRET", "0") != "1":
 @triton.jit
 def _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid_r, pid_k, n_split,
                   R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, KC: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, NORM_BLOCK: tl.constexpr, HN_READY: tl.constexpr):
     """Stage A of one (row block, K chunk): normalise the chunk of H, multiply by the W_down (or W_inj) tile, store
-    the fp32 split-K partials PART [T, n_split, R + NI] (and the streams' 1/RMS from the first row block)."""
+    the fp32 split-K partials PART [T, n_split, R + NI] (and the streams' 1/RMS from the first row block).
+    HN_READY: H holds the normalised streams already (``hc_inject_norm``): no norm here, RSTD is not written."""
     n_rb: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
     NK: tl.constexpr = NS * D
     k0 = pid_k * KC
@@ -71,21 +72,25 @@ def _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid_r, pid
         out_col = R + offs_r
     offs_t = tl.arange(0, BLOCK_T)
     tmask = offs_t < T
-    # this program's H chunk and norm weights (issued before the RMS reduction, so all loads overlap)
-    hk = tl.load(H + offs_t[:, None] * stride_h + offs_k[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-    nw = tl.load(NW + offs_k).to(tl.float32)
-    # RMS of stream s for every token
-    ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-    offs_n = tl.arange(0, NORM_BLOCK)
-    for j in tl.static_range(0, D, NORM_BLOCK):  # unrolled: all loads in flight together
-        cols = s * D + j + offs_n
-        hv = tl.load(H + offs_t[:, None] * stride_h + cols[None, :],
-                     mask=tmask[:, None] & ((j + offs_n) < D)[None, :], other=0.0).to(tl.float32)
-        ss += tl.sum(hv * hv, axis=1)
-    rstd = _rsqrt(ss * inv_d + eps)
-    if (pid_r == 0) & (k0 % D == 0):
-        tl.store(RSTD + offs_t * NS + s, rstd, mask=tmask)
-    hn = ((hk * rstd[:, None]) * (1.0 + nw)[None, :]).to(tl.bfloat16)
+    if HN_READY:
+        hn = tl.load(H + offs_t[:, None] * stride_h + offs_k[None, :], mask=tmask[:, None], other=0.0)
+    else:
+        # this program's H chunk and norm weights (issued before the RMS reduction, so all loads overlap)
+        hk = tl.load(H + offs_t[:, None] * stride_h + offs_k[None, :], mask=tmask[:, None],
+                     other=0.0).to(tl.float32)
+        nw = tl.load(NW + offs_k).to(tl.float32)
+        # RMS of stream s for every token
+        ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+        offs_n = tl.arange(0, NORM_BLOCK)
+        for j in tl.static_range(0, D, NORM_BLOCK):  # unrolled: all loads in flight together
+            cols = s * D + j + offs_n
+            hv = tl.load(H + offs_t[:, None] * stride_h + cols[None, :],
+                         mask=tmask[:, None] & ((j + offs_n) < D)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(hv * hv, axis=1)
+        rstd = _rsqrt(ss * inv_d + eps)
+        if (pid_r == 0) & (k0 % D == 0):
+            tl.store(RSTD + offs_t * NS + s, rstd, mask=tmask)
+        hn = ((hk * rstd[:, None]) * (1.0 + nw)[None, :]).to(tl.bfloat16)
     acc = _dot(hn, tl.trans(w))  # [BLOCK_T, BLOCK_R] fp32
     RT: tl.constexpr = R + NI
     tl.store(PART + offs_t[:, None] * (n_split * RT) + pid_k * RT + out_col[None, :], acc,
@@ -99,7 +104,7 @@ def _hc_down_kernel(
     stride_h,
     R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
     KC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr, PF_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PF_BLOCK: tl.constexpr, PDL: tl.constexpr, HN_READY: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -111,15 +116,15 @@ def _hc_down_kernel(
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [WU + lin.to(tl.int64) * 64],
                                   dtype=tl.int32, is_pure=False, pack=1)
     _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid_r, pid_k, tl.num_programs(1),
-                  R, NI, D, NS, KC, BLOCK_R, BLOCK_T, NORM_BLOCK)
+                  R, NI, D, NS, KC, BLOCK_R, BLOCK_T, NORM_BLOCK, HN_READY)
 
 
 @triton.jit
 def _hc_up_load(H, NW, WU, T, stride_h, pid, R: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
-                R_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+                R_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, HN_READY: tl.constexpr):
     """Stage B's inputs that do not depend on stage A: the [n * BLOCK_D, r] slice of W_up for output columns
-    pid * BLOCK_D.., the H columns and norm weights (combined (stream, column) index i -> row s*D + j0 + i % BLOCK_D
-    of W_up / column of H)."""
+    pid * BLOCK_D.., the H columns (the Hn columns if HN_READY) and norm weights (combined (stream, column) index
+    i -> row s*D + j0 + i % BLOCK_D of W_up / column of H)."""
     j0 = pid * BLOCK_D
     offs_i = tl.arange(0, NS * BLOCK_D)
     col = (offs_i // BLOCK_D) * D + j0 + offs_i % BLOCK_D
@@ -129,7 +134,10 @@ def _hc_up_load(H, NW, WU, T, stride_h, pid, R: tl.constexpr, D: tl.constexpr, N
     offs_t = tl.arange(0, BLOCK_T)
     hk = tl.load(H + offs_t[:, None] * stride_h + col[None, :], mask=(offs_t < T)[:, None] & cmask[None, :],
                  other=0.0).to(tl.float32)
-    nw = tl.load(NW + col, mask=cmask, other=0.0).to(tl.float32)
+    if HN_READY:
+        nw = hk  # (unused)
+    else:
+        nw = tl.load(NW + col, mask=cmask, other=0.0).to(tl.float32)
     return w, hk, nw
 
 
@@ -152,7 +160,7 @@ def _inj_weight(z, inv_n):
 def _hc_up_finish(w, hk, nw, RSTD, PART, X, C, T, n_split, inv_n, stride_x, pid,
                   R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, R_P: tl.constexpr,
                   NI_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, NSPLIT_P: tl.constexpr,
-                  A_READY: tl.constexpr, C_IN_KERNEL: tl.constexpr):
+                  A_READY: tl.constexpr, C_IN_KERNEL: tl.constexpr, HN_READY: tl.constexpr):
     """Stage B after stage A: a from the partials, gamma = sigmoid(W_up a), the gated mean over the streams for
     output columns pid * BLOCK_D.. (PART and RSTD read through L2: another program of the same launch may have just
     written them)."""
@@ -176,10 +184,12 @@ def _hc_up_finish(w, hk, nw, RSTD, PART, X, C, T, n_split, inv_n, stride_x, pid,
             a = tl.where(offs_t[:, None] == t, _down_act(tl.sum(blk, axis=0), inv_n)[None, :], a)
     g = _rbf(_dot(a, tl.trans(w)))  # [BLOCK_T, NS*BLOCK_D]
     gamma = _rbf(_sigmoid(g))
-    # Hn at these columns, exactly as stage A built it
-    rstd = tl.load(RSTD + offs_t[:, None] * NS + (offs_i // BLOCK_D)[None, :], mask=tmask[:, None], other=0.0,
-                   cache_modifier=".cg")
-    hn = _rbf((hk * rstd) * (1.0 + nw)[None, :])
+    if HN_READY:  # hk holds the Hn columns
+        hn = hk
+    else:  # Hn at these columns, exactly as stage A built it
+        rstd = tl.load(RSTD + offs_t[:, None] * NS + (offs_i // BLOCK_D)[None, :], mask=tmask[:, None], other=0.0,
+                       cache_modifier=".cg")
+        hn = _rbf((hk * rstd) * (1.0 + nw)[None, :])
     prod = _rbf(gamma * hn)
     x = tl.sum(tl.reshape(prod, [BLOCK_T, NS, BLOCK_D]), axis=1) * inv_n
     offs_d = j0 + tl.arange(0, BLOCK_D)
@@ -204,14 +214,14 @@ def _hc_up_kernel(
     stride_h, stride_x,
     R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
     R_P: tl.constexpr, NI_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, NSPLIT_P: tl.constexpr,
-    PDL: tl.constexpr, A_READY: tl.constexpr, C_IN_KERNEL: tl.constexpr,
+    PDL: tl.constexpr, A_READY: tl.constexpr, C_IN_KERNEL: tl.constexpr, HN_READY: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    w, hk, nw = _hc_up_load(H, NW, WU, T, stride_h, pid, R, D, NS, R_P, BLOCK_D, BLOCK_T)
+    w, hk, nw = _hc_up_load(H, NW, WU, T, stride_h, pid, R, D, NS, R_P, BLOCK_D, BLOCK_T, HN_READY)
     if PDL:  # launched early (programmatic dependent launch): wait for kernel A's results
         gdc_wait()
     _hc_up_finish(w, hk, nw, RSTD, PART, X, C, T, n_split, inv_n, stride_x, pid, R, NI, D, NS, R_P, NI_P, BLOCK_D,
-                  BLOCK_T, NSPLIT_P, A_READY, C_IN_KERNEL)
+                  BLOCK_T, NSPLIT_P, A_READY, C_IN_KERNEL, HN_READY)
 
 
 @triton.jit
@@ -269,7 +279,7 @@ def _hc_fused_kernel(
     T, eps, inv_d, inv_n, stride_h, stride_x,
     R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, KC: tl.constexpr, BLOCK_R: tl.constexpr,
     NORM_BLOCK: tl.constexpr, R_P: tl.constexpr, NI_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    NSPLIT_P: tl.constexpr, PHASE: tl.constexpr,
+    NSPLIT_P: tl.constexpr, PHASE: tl.constexpr, HN_READY: tl.constexpr,
 ):
     """Stages A and B in ONE launch (few tokens): program p does stage A's (row block, K chunk) p, loads stage B's
     W_up slice for column block p (if p < D / BLOCK_D), waits at a grid barrier for every partial, then finishes
@@ -282,16 +292,16 @@ def _hc_fused_kernel(
     n_split: tl.constexpr = NK // KC
     if PHASE != 2:
         _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid % n_rb1, pid // n_rb1, n_split,
-                      R, NI, D, NS, KC, BLOCK_R, BLOCK_T, NORM_BLOCK)
+                      R, NI, D, NS, KC, BLOCK_R, BLOCK_T, NORM_BLOCK, HN_READY)
     if PHASE != 1:
         n_cb: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
         cb = tl.minimum(pid, n_cb - 1)  # programs past the column blocks load a valid slice and store nothing
-        w, hk, nw = _hc_up_load(H, NW, WU, T, stride_h, cb, R, D, NS, R_P, BLOCK_D, BLOCK_T)
+        w, hk, nw = _hc_up_load(H, NW, WU, T, stride_h, cb, R, D, NS, R_P, BLOCK_D, BLOCK_T, HN_READY)
         if PHASE == 3:
             _grid_barrier(SYNC, n_prog)
         if pid < n_cb:
             _hc_up_finish(w, hk, nw, RSTD, PART, X, C, T, n_split, inv_n, stride_x, pid, R, NI, D, NS, R_P, NI_P,
-                          BLOCK_D, BLOCK_T, NSPLIT_P, False, NI > 0)
+                          BLOCK_D, BLOCK_T, NSPLIT_P, False, NI > 0, HN_READY)
 
 
 @triton.jit
@@ -305,6 +315,25 @@ def _hc_inject_kernel(H, Cc, Y, O, NS: tl.constexpr, D: tl.constexpr, BLOCK: tl.
     c = tl.load(Cc + t * NS + s, mask=mask, other=0.0).to(tl.float32)
     cy = _rbf(y * c)
     tl.store(O + t * (NS * D) + offs, (h + cy).to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _hc_inject_norm_kernel(H, Cc, Y, NW, O, HN, eps, inv_d, NS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (token, stream): O = H + bf16(c_s * y) as ``_hc_inject_kernel``, then the grouped norm of the
+    new stream (the bf16 values just stored) as ``_rms_norm_kernel``: HN = bf16((o * rstd) * (1 + w))."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    row = t * (NS * D) + s * D
+    h = tl.load(H + row + offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(Y + t * D + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(NW + s * D + offs, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(Cc + t * NS + s).to(tl.float32)
+    o = _rbf(h + _rbf(y * c))
+    tl.store(O + row + offs, o.to(tl.bfloat16), mask=mask)
+    rstd = _rsqrt(tl.sum(o * o, axis=0) * inv_d + eps)
+    tl.store(HN + row + offs, _rbf((o * rstd) * (1.0 + w)).to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -339,20 +368,29 @@ FUSED = False  # up to IN_KERNEL_SILU_MAX_T tokens: both stages in one launch wi
 # 16.5 against 13.3 us for the two launches)
 MAX_T = 16  # up to here the two fused launches; more tokens: cuBLAS projections + the norm and gate-mean kernels
 # (H200, run 7, same bench_ops run: T=8 fused 29.0 vs 33.1 us, T=32 fused 41.6 vs 34.6 us; T=16 not timed)
+MAX_T_HN = 32  # the same when the caller hands in Hn (``hc_inject_norm``): kernel A is then a plain split-K GEMM
+# (no per-program norm of the streams, what made it slow past 16 tokens), so batch-32 decode takes this path
+A_KC_HN = 512  # kernel A's K chunk with Hn handed in (no norm loop: registers for the wider chunk)
 GATE_MEAN_BLOCK = 1024
 apply_knobs(globals(), "hc")  # QWEN4EXP_KNOBS=hc.<SETTING>=<value>,...
 
 
-def _split_for(D: int, NK: int, T: int = 1) -> int:
-    """K chunk (power of two dividing D): 512 for the real D = 2560 (256 past 16 tokens, for registers)."""
-    for kc in ((512, 256, 128, 64, 32, 16) if T <= 16 else (256, 128, 64, 32, 16)):
+def _split_for(D: int, NK: int, T: int = 1, hn_ready: bool = False) -> int:
+    """K chunk (power of two dividing D): 512 for the real D = 2560 (256 past 16 tokens, for registers, unless Hn
+    is handed in: A_KC_HN)."""
+    top = A_KC_HN if hn_ready else (512 if T <= 16 else 256)
+    for kc in (512, 256, 128, 64, 32, 16):
+        if kc > top:
+            continue
         if D % kc == 0:
             return kc
     return 0
 
 
-def supported(H, norm_weight, down, up, inj, n) -> bool:
+def supported(H, norm_weight, down, up, inj, n, Hn=None) -> bool:
     if not (H.is_cuda and H.dtype == torch.bfloat16 and down.dtype == torch.bfloat16 and up.dtype == torch.bfloat16):
+        return False
+    if Hn is not None and (Hn.dtype != torch.bfloat16 or Hn.shape != H.shape):
         return False
     if inj is not None and inj.dtype != torch.bfloat16:
         return False
@@ -360,7 +398,8 @@ def supported(H, norm_weight, down, up, inj, n) -> bool:
     D = NK // n
     R = down.shape[0]
     T = H.numel() // NK if NK else 0
-    return (0 < T <= MAX_T and n in (1, 2, 4, 8) and D * n == NK and _split_for(D, NK) > 0 and R <= 1024
+    max_t = MAX_T if Hn is None else max(MAX_T, MAX_T_HN)
+    return (0 < T <= max_t and n in (1, 2, 4, 8) and D * n == NK and _split_for(D, NK) > 0 and R <= 1024
             and down.shape == (R, NK) and up.shape == (NK, R) and (inj is None or inj.shape == (n, NK))
             and norm_weight.numel() == NK and (inj is None or n <= 16))
 
@@ -387,20 +426,22 @@ def _resident_programs(dev) -> int:
     return _sm_count(str(dev)) if _ON_GPU else 1 << 30
 
 
-def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, _stop_after_down: bool = False):
-    """(x [..., D], c [..., n] or an empty [..., 0] when inj is None)."""
+def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, Hn=None, _stop_after_down: bool = False):
+    """(x [..., D], c [..., n] or an empty [..., 0] when inj is None). ``Hn``: the streams' norm, when the caller
+    has it (the kernels then read it in place of H and skip the norm)."""
     NK = H.shape[-1]
     D = NK // n
     R = down.shape[0]
     lead = H.shape[:-1]
-    H2 = H.reshape(-1, NK)
+    hn_ready = Hn is not None
+    H2 = (H if Hn is None else Hn).reshape(-1, NK)  # what the kernels read: the streams, or their norm
     if H2.stride(-1) != 1:
         H2 = H2.contiguous()
     T = H2.shape[0]
     down, up, nw = down.contiguous(), up.contiguous(), norm_weight.contiguous()
     NI = 0 if inj is None else n
     wi = down if inj is None else inj.contiguous()
-    KC = A_KC if (A_KC and D % A_KC == 0 and T <= 16) else _split_for(D, NK, T)
+    KC = A_KC if (A_KC and D % A_KC == 0 and T <= 16) else _split_for(D, NK, T, hn_ready)
     n_split = NK // KC
     BLOCK_T = max(16, triton.next_power_of_2(T))
     BLOCK_R = A_BLOCK_R
@@ -425,7 +466,7 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, _stop_after
             LAUNCHED["hc_fused"] = _hc_fused_kernel[(P,)](
                 H2, nw, down, wi, up, rstd, part, x, c_buf, _sync_buffer(dev), T, float(eps), 1.0 / D, 1.0 / n,
                 H2.stride(0), x.stride(0), **shapes, **a_meta, **b_meta, BLOCK_D=BLOCK_D, PHASE=phase,
-                num_warps=A_WARPS)
+                HN_READY=hn_ready, num_warps=A_WARPS)
         return x.view(*lead, D), c.reshape(*lead, NI)
     pf_lines = triton.cdiv(up.numel() * up.element_size(), 128)  # 128-byte lines of W_up
     pf_per = triton.cdiv(pf_lines, P)
@@ -433,7 +474,7 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, _stop_after
     LAUNCHED["hc_down"] = _hc_down_kernel[grid](
         H2, nw, down, wi, rstd, part, up, T, float(eps), 1.0 / D, pf_lines, pf_per, H2.stride(0), **shapes, **a_meta,
         PREFETCH=PREFETCH_UP and up.element_size() == 2, PF_BLOCK=triton.next_power_of_2(pf_per),
-        PDL=USE_PDL and (finish or not a_ready), num_warps=A_WARPS)
+        PDL=USE_PDL and (finish or not a_ready), HN_READY=hn_ready, num_warps=A_WARPS)
     if _stop_after_down:  # (benchmark breakdown)
         return rstd, part
     if finish:  # finish the down projection once per token, in one launch
@@ -445,15 +486,17 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, _stop_after
     BLOCK_D = B_BLOCK_D
     LAUNCHED["hc_up"] = _hc_up_kernel[(triton.cdiv(D, BLOCK_D),)](
         H2, nw, up, rstd, part, x, c_buf, T, n_split, 1.0 / n, H2.stride(0), x.stride(0), **shapes, **b_meta,
-        BLOCK_D=BLOCK_D, PDL=USE_PDL, A_READY=a_ready, C_IN_KERNEL=(NI > 0) and not a_ready, num_warps=B_WARPS,
-        launch_pdl=USE_PDL)
+        BLOCK_D=BLOCK_D, PDL=USE_PDL, A_READY=a_ready, C_IN_KERNEL=(NI > 0) and not a_ready, HN_READY=hn_ready,
+        num_warps=B_WARPS, launch_pdl=USE_PDL)
     return x.view(*lead, D), c.reshape(*lead, NI)
 
 
-def gemm_path_supported(H, norm_weight, down, up, inj, n) -> bool:
+def gemm_path_supported(H, norm_weight, down, up, inj, n, Hn=None) -> bool:
     """Many tokens (past MAX_T): plain bf16 weights of the usual shapes, n a power of two (the mean is a product by
     1/n, exact only then)."""
     if not (H.is_cuda and H.dtype == down.dtype == up.dtype == torch.bfloat16 and n in (1, 2, 4, 8)):
+        return False
+    if Hn is not None and (Hn.dtype != torch.bfloat16 or Hn.shape != H.shape):
         return False
     NK = H.shape[-1]
     R = down.shape[0]
@@ -502,6 +545,19 @@ def hc_inject_supported(H, c, y) -> bool:
     D = y.shape[-1]
     return (H.shape[-1] == n * D and H.shape[:-1] == y.shape[:-1] == c.shape[:-1]
             and H.numel() // max(H.shape[-1], 1) < 65536)
+
+
+def hc_inject_norm_triton(H, c, y, norm_weight, n: int, eps: float):
+    """``_hc_inject_norm_kernel``: (H + c (x) y, its grouped norm), one program per (token, stream)."""
+    D = y.shape[-1]
+    H2, c2, y2 = H.reshape(-1, n * D).contiguous(), c.reshape(-1, n).contiguous(), y.reshape(-1, D).contiguous()
+    T = H2.shape[0]
+    out, hn = torch.empty_like(H2), torch.empty_like(H2)
+    if T:
+        BLOCK = triton.next_power_of_2(D)
+        _hc_inject_norm_kernel[(T, n)](H2, c2, y2, norm_weight.contiguous(), out, hn, float(eps), 1.0 / D, NS=n, D=D,
+                                       BLOCK=BLOCK, num_warps=min(8, max(1, BLOCK // 512)))
+    return out.view(H.shape), hn.view(H.shape)
 
 
 def hc_inject_triton(H, c, y):
