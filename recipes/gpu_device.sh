@@ -119,7 +119,7 @@ case "${1:-}" in
       echo "rc=$?" >> /tmp/bg/kernels.log
       [ "${BG_BENCH:-1}" = 1 ] || exit 0
       if [ -n "${BG_ONLY:-}" ]; then  # a few ops, no sweeps; BG_AB: once more with those knobs (an A/B)
-        timeout 200 python recipes/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --only "$BG_ONLY" \
+        timeout ${BG_TIMEOUT:-300} python recipes/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --only "$BG_ONLY" \
           > /tmp/bg/bench_ops.log 2>&1
         echo "rc=$?" >> /tmp/bg/bench_ops.log
         [ -n "${BG_AB:-}" ] && QWEN4EXP_KNOBS=$BG_AB timeout 150 python recipes/bench_ops.py \

@@ -12,10 +12,11 @@ Three stages, no host synchronisation (so the decode op can be captured in a CUD
    ``_qsa_topk_kernel`` (radix select over chunks); ties at the threshold go to the lower block ids, so the set is
    exactly the reference's.  ``TOPK = "torch"`` uses ``torch.topk`` on the keys instead (slower).  A query with at
    most m complete blocks takes all of them (the reference's dense regime).
-3. ``_qsa_attn_kernel`` (split over slot chunks, one program per (chunk, kv head, query)) + ``_qsa_merge_kernel``:
-   attention of the query heads of one GQA group over the selected tokens: slot i < m*r is token
-   ids[i // r] * r + i % r, slot m*r + j is tail token n_complete*r + j (<= q_pos).  Softmax in fp32 (exp2),
-   P rounded to bf16 for the P.V product (as flash kernels do), fp32 partials merged across chunks.
+3. ``_qsa_attn_kernel`` (split over slot ranges, one program per (range, kv head, query), an online softmax over
+   the range's chunks of ATTN_SLOT_BLOCK slots) + ``_qsa_merge_kernel``: attention of the query heads of one GQA
+   group over the selected tokens: slot i < m*r is token ids[i // r] * r + i % r, slot m*r + j is tail token
+   n_complete*r + j (<= q_pos).  Softmax in fp32 (exp2), P rounded to bf16 for the P.V product (as flash kernels
+   do), fp32 partials merged across ranges.
 
 Prefill (``qsa_prefill_paged_triton``): ``_qsa_score_prefill_kernel`` scores a tile of 64 queries against 64 block
 keys per program (one load of the keys serves the tile), the same top-k, and ``_qsa_attn_loop_kernel``: one program
@@ -328,51 +329,13 @@ def _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t
     return k_row, v_row, valid
 
 
-@triton.jit(do_not_specialize=['m', 'n_split', 'stride_bt', 'n_bt'], do_not_specialize_on_alignment=_ROW_VIEWS)
-def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_split, scale_log2,
-                     stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
-                     BT, stride_bt, n_bt, stride_kb, stride_vb,
-                     G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr, TAIL: tl.constexpr,
-                     KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
-    """One chunk of SB slots of one (query, KV head): fp32 partial output, max and sum for ``_qsa_merge_kernel``
-    (few queries: the split over slot chunks gives the GPU enough programs)."""
-    sp = tl.program_id(0)
-    g = tl.program_id(1)
-    t = tl.program_id(2)
-    n_kvh = tl.num_programs(1)
-    slots = sp * SB + tl.arange(0, SB)
-    k_row, v_row, valid = _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t, stride_bt,
-                                     n_bt, stride_kb, stride_vb, TAIL, KEYS, PAGED, PBS)
-    offs_g = tl.arange(0, G_P)
-    offs_d = tl.arange(0, HD)
-    gmask = offs_g < G
-    q = tl.load(Q + t * stride_qt + (g * G + offs_g)[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None],
-                other=0.0)
-    k = tl.load(K + k_row[:, None] + g * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)
-    v = tl.load(V + v_row[:, None] + g * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)
-    s = _dot(q, tl.trans(k)) * scale_log2  # [G_P, SB], log2 units
-    s = tl.where(valid[None, :], s, float("-inf"))
-    mx = tl.max(s, axis=1)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    p = tl.exp2(s - mx_safe[:, None])
-    l = tl.sum(p, axis=1)
-    o = _dot(p.to(tl.bfloat16), v)  # [G_P, HD] fp32
-    base = (t * n_kvh + g) * n_split + sp
-    tl.store(OP + (base * G_P + offs_g)[:, None] * HD + offs_d[None, :], o)
-    tl.store(MP + base * G_P + offs_g, mx)
-    tl.store(LP + base * G_P + offs_g, l)
-
-
-@triton.jit(do_not_specialize=['m', 'n_chunks', 'stride_bt', 'n_bt'], do_not_specialize_on_alignment=_ROW_VIEWS)
-def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
-                          stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
-                          BT, stride_bt, n_bt, stride_kb, stride_vb, stride_ot, stride_oh,
-                          G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr,
-                          TAIL: tl.constexpr, KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
-    """All slots of one (query, KV head) in one program, online softmax over chunks of SB slots (prefill: many
-    queries fill the GPU without a split, and no fp32 partials go through memory)."""
-    g = tl.program_id(0)
-    t = tl.program_id(1)
+@triton.jit
+def _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, c0, c1, r, m, scale_log2, stride_qt, stride_qh, stride_kl, stride_kh,
+                 stride_vl, stride_vh, stride_ids_t, stride_bt, n_bt, stride_kb, stride_vb,
+                 G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr, TAIL: tl.constexpr,
+                 KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
+    """Online softmax of the G query heads of KV head g of query t over slot chunks [c0, c1) of SB slots:
+    (acc [G_P, HD] = sum_j 2^(s_j - m) v_j unnormalised, m [G_P] the running max in log2 units, l = sum 2^(s_j - m))."""
     offs_g = tl.arange(0, G_P)
     offs_d = tl.arange(0, HD)
     gmask = offs_g < G
@@ -381,7 +344,7 @@ def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
     m_i = tl.full([G_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_P], dtype=tl.float32)
     acc = tl.zeros([G_P, HD], dtype=tl.float32)
-    for c in range(0, n_chunks):
+    for c in range(c0, c1):
         slots = c * SB + tl.arange(0, SB)
         k_row, v_row, valid = _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t,
                                          stride_bt, n_bt, stride_kb, stride_vb, TAIL, KEYS, PAGED, PBS)
@@ -398,9 +361,53 @@ def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(tl.bfloat16), v)
         m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=['m', 'n_chunks', 'cpp', 'stride_bt', 'n_bt'], do_not_specialize_on_alignment=_ROW_VIEWS)
+def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_chunks, cpp, scale_log2,
+                     stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
+                     BT, stride_bt, n_bt, stride_kb, stride_vb,
+                     G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr, TAIL: tl.constexpr,
+                     KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
+    """Slot chunks [sp * cpp, (sp + 1) * cpp) of one (query, KV head): fp32 partial output (unnormalised), max and
+    sum of its G heads for ``_qsa_merge_kernel`` (decode: the split over slot ranges gives the GPU enough programs;
+    ranges of several chunks keep the partials, written and read back through memory, few at batch 32)."""
+    sp = tl.program_id(0)
+    g = tl.program_id(1)
+    t = tl.program_id(2)
+    n_kvh = tl.num_programs(1)
+    n_split = tl.num_programs(0)
+    c0 = sp * cpp
+    acc, m_i, l_i = _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, c0, tl.minimum(c0 + cpp, n_chunks), r, m, scale_log2,
+                                 stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
+                                 stride_bt, n_bt, stride_kb, stride_vb, G, G_P, HD, SB, TAIL, KEYS, PAGED, PBS)
+    offs_g = tl.arange(0, G_P)
+    gmask = offs_g < G
+    base = (t * n_kvh + g) * n_split + sp
+    tl.store(OP + (base * G_P + offs_g)[:, None] * HD + tl.arange(0, HD)[None, :], acc, mask=gmask[:, None])
+    tl.store(MP + base * G_P + offs_g, m_i, mask=gmask)
+    tl.store(LP + base * G_P + offs_g, l_i, mask=gmask)
+
+
+@triton.jit(do_not_specialize=['m', 'n_chunks', 'stride_bt', 'n_bt'], do_not_specialize_on_alignment=_ROW_VIEWS)
+def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
+                          stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
+                          BT, stride_bt, n_bt, stride_kb, stride_vb, stride_ot, stride_oh,
+                          G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr,
+                          TAIL: tl.constexpr, KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
+    """All slots of one (query, KV head) in one program (prefill: many queries fill the GPU without a split, and no
+    fp32 partials go through memory)."""
+    g = tl.program_id(0)
+    t = tl.program_id(1)
+    acc, m_i, l_i = _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, 0, n_chunks, r, m, scale_log2, stride_qt, stride_qh,
+                                 stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t, stride_bt, n_bt,
+                                 stride_kb, stride_vb, G, G_P, HD, SB, TAIL, KEYS, PAGED, PBS)
+    offs_g = tl.arange(0, G_P)
+    offs_d = tl.arange(0, HD)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(O + t * stride_ot + (g * G + offs_g)[:, None] * stride_oh + offs_d[None, :], out.to(tl.bfloat16),
-             mask=gmask[:, None])
+             mask=(offs_g < G)[:, None])
 
 
 @triton.jit
@@ -434,7 +441,13 @@ def _qsa_merge_kernel(OP, MP, LP, O, n_split, stride_ot, stride_oh,
 
 
 LAUNCHED = {}  # the last compiled kernels (registers / spills for the notes)
-ATTN_SLOT_BLOCK = 64  # selected-token slots per program of the attention kernel
+ATTN_SLOT_BLOCK = 32  # selected-token slots per loop step of the decode attention kernel, and its warps: at the
+ATTN_WARPS = 8  # real widths (12 heads padded to 16 x 256) 32 slots x 8 warps compile to 254 registers and no spills
+# (ptxas, sm_90; 64 x 4 with the loop: ptxas falls back to 32 registers and spills 17.6 KB a thread)
+ATTN_PROGRAMS = 512  # decode attention: each (query, KV head) split over slot ranges so that about this many
+# programs run (batch 1: one 32-slot chunk a program, 130 programs; batch 32: 9 chunks, 512 programs). Before:
+# always one chunk a program, which at batch 32 wrote (and the merge read back) 35 MB of fp32 partials a layer
+ATTN_STAGES = 1  # software-pipeline stages of its loop over chunks
 TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch" (torch.topk on the keys)
 TOPK_CHUNK = 8192  # keys per pass step of the radix select
 TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register select instead of the chunked radix select
@@ -595,14 +608,17 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
             num_warps=LOOP_WARPS, num_stages=LOOP_STAGES)
         return out
     SB = ATTN_SLOT_BLOCK
-    n_split = triton.cdiv(max(n_slots, 1), SB)
+    n_chunks = triton.cdiv(max(n_slots, 1), SB)
+    cpp = triton.cdiv(n_chunks, min(n_chunks, max(1, triton.cdiv(ATTN_PROGRAMS, Tq * Hkv))))  # chunks a program
+    n_split = triton.cdiv(n_chunks, cpp)
     op = torch.empty(Tq * Hkv * n_split * G_P * HD, dtype=torch.float32, device=dev)
     mp = torch.empty(Tq * Hkv * n_split * G_P, dtype=torch.float32, device=dev)
     lp = torch.empty_like(mp)
     LAUNCHED["qsa_attn"] = _qsa_attn_kernel[(n_split, Hkv, Tq)](
-        q, k, v, q_pos, sel, op, mp, lp, r, m, n_split, scale_log2,
+        q, k, v, q_pos, sel, op, mp, lp, r, m, n_chunks, cpp, scale_log2,
         q.stride(0), q.stride(1), *strides, sel.stride(0), *paged,
-        G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs, num_warps=4)
+        G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
+        num_warps=ATTN_WARPS, num_stages=ATTN_STAGES)
     LAUNCHED["qsa_merge"] = _qsa_merge_kernel[(G, Hkv, Tq)](
         op, mp, lp, out, n_split, out.stride(0), out.stride(1),
         G=G, G_P=G_P, HD=HD, NSP=triton.next_power_of_2(n_split), CH=16, num_warps=4)
