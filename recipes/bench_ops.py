@@ -456,6 +456,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default="bench_out/bench_ops.csv")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-ref", action="store_true", help="time the kernels only (knob sweeps)")
+    ap.add_argument("--attn-sweep", action="store_true", help="also the decode attention's launch-setting sweep")
     ap.add_argument("--only", default="")
     ap.add_argument("--tune", action="store_true",
                     help="first sweep the launch shapes of hc_mix and qsa (kept for the table), time their stages")
@@ -494,8 +496,9 @@ def main():
                           lambda *a: hc_step_fused_norm(*a, many=True), None))
             cases.append(("hc_step", "T=32,inject_norm+mix,KC256", mk,
                           with_knobs(hc_step_fused_norm, hc_tk, A_KC_HN=256), None))
-            cases.append(("hc_step", "T=32,inject_norm+mix,BD32", mk,
-                          with_knobs(hc_step_fused_norm, hc_tk, B_BLOCK_D=32), None))
+        for bd in (16, 32):
+            cases.append(("hc_step", f"T={T},inject_norm+mix,BD{bd}", mk,
+                          with_knobs(hc_step_fused_norm, hc_tk, B_BLOCK_D=bd, B_BLOCK_D_MANY=bd), None))
     for Tq in (1, 32):
         cases.append(("qsa_attention", f"Tq={Tq},L=50000", lambda Tq=Tq: qsa_case(Tq), cuda.qsa_attention,
                       qsa_ref.qsa_attention))
@@ -508,10 +511,12 @@ def main():
     from qwen4exp.ops.qsa import triton_kernel as qsa_tk
     # the decode attention's launch settings side by side (ATTN_PROGRAMS=4096: one chunk a program, as the
     # kernel before the tenth session; the rest of the op is the same in every variant)
-    for B, knobs in ((32, dict(ATTN_PROGRAMS=4096)), (32, dict(ATTN_PROGRAMS=256)), (32, dict(ATTN_PROGRAMS=1024)),
-                     (32, dict(ATTN_SLOT_BLOCK=64)), (32, dict(ATTN_SLOT_BLOCK=16, ATTN_WARPS=4)),
-                     (32, dict(ATTN_STAGES=2)), (1, dict(ATTN_SLOT_BLOCK=64)),
-                     (1, dict(ATTN_SLOT_BLOCK=16, ATTN_WARPS=4))):
+    sweep = [(1, dict(PREFETCH_ROWS=False)), (32, dict(PREFETCH_ROWS=False)),
+             (1, dict(ATTN_SLOT_BLOCK=64)), (1, dict(ATTN_SLOT_BLOCK=16, ATTN_WARPS=4))]
+    sweep += [(32, dict(ATTN_SLOT_BLOCK_MANY=sb, ATTN_WARPS_MANY=w, ATTN_PROGRAMS=p))
+              for sb, w, p in ((16, 4, 1024), (16, 2, 512), (16, 1, 1024), (32, 2, 1024), (32, 4, 512),
+                               (32, 8, 512), (64, 8, 512))]
+    for B, knobs in sweep if args.attn_sweep else ():
         name = ",".join(f"{k.removeprefix('ATTN_').lower()}={v}" for k, v in knobs.items())
         cases.append(("qsa_decode_paged", f"B={B},L=50000,{name}", lambda B=B: paged_qsa_case(B),
                       with_knobs(cuda.qsa_decode_paged, qsa_tk, **knobs), None))  # (no reference timing again)
@@ -555,6 +560,8 @@ def main():
         tk, mk = time_calls(kern, sets)
         host_sync = op in ("qsa_attention", "qsa_prefill_paged", "gdn_chunk")  # these references sync with the host
         ref_graph = not host_sync and "pinned" not in case
+        if args.no_ref:
+            ref = None
         tr, mr = time_calls(ref, sets, graph=ref_graph) if ref is not None else (float("nan"), "-")
         tc, mc = float("nan"), "-"
         if (not args.no_compile and ref is not None and "pinned" not in case and "no-L2" not in case

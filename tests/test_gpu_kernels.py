@@ -218,8 +218,9 @@ def test_hc_mix_launch_variants(pdl, prefetch, block_d, finish):
     kernel between A and B, or by torch ops (T = 8, 16)."""
     from qwen4exp.ops.hyper_connection import reference as ref
     from qwen4exp.ops.hyper_connection import triton_kernel as tk
-    saved = tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D, tk.FINISH_KERNEL
-    tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D, tk.FINISH_KERNEL = pdl, prefetch, block_d, finish
+    saved = tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D, tk.B_BLOCK_D_MANY, tk.FINISH_KERNEL
+    tk.USE_PDL, tk.PREFETCH_UP, tk.FINISH_KERNEL = pdl, prefetch, finish
+    tk.B_BLOCK_D = tk.B_BLOCK_D_MANY = block_d
     try:
         for T in (1, 2, 3, 8, 16):
             H, nw, Wd, Wu, Wi = hc_case(T, 4, 2560, 320, True, seed=77 + T)
@@ -229,7 +230,7 @@ def test_hc_mix_launch_variants(pdl, prefetch, block_d, finish):
             bf16_close(x, xr, 0.95)
             bf16_close(c, cr, 0.5)
     finally:
-        tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D, tk.FINISH_KERNEL = saved
+        tk.USE_PDL, tk.PREFETCH_UP, tk.B_BLOCK_D, tk.B_BLOCK_D_MANY, tk.FINISH_KERNEL = saved
 
 
 def test_hc_mix_single_launch_with_grid_barrier():
@@ -583,7 +584,10 @@ def page_padded(t, pad=40):
 
 
 @pytest.mark.parametrize("lens,bs,ibs,padded", [([1, 7, 2051, 2052, 2056, 9001, 50_003], 16, 64, False),
-                                                ([50_000], 784, 3136, True), ([3, 4099, 20_000, 5], 64, 256, True)])
+                                                ([50_000], 784, 3136, True), ([3, 4099, 20_000, 5], 64, 256, True),
+                                                # 9 queries: the many-query attention settings (ATTN_*_MANY)
+                                                ([1, 7, 2051, 2052, 2056, 9001, 50_003, 3_000, 12_000], 16, 64,
+                                                 True)])
 def test_qsa_decode_paged_matches_reference(lens, bs, ibs, padded):
     """The paged decode kernels (score through the index cache's block table, radix top-k, split attention over
     paged K/V) against the torch reference on the same shuffled, garbage-filled paged caches, real widths; with

@@ -96,13 +96,20 @@ def check_qsa_decode():
     pos = torch.tensor(lens) - 1
     q, iq = torch.stack([s[0][-1] for s in seqs]), torch.stack([s[3][-1] for s in seqs])
     want = ref.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
-    saved = tk.ATTN_SLOT_BLOCK, tk.ATTN_PROGRAMS
-    try:  # slot ranges of one chunk, of all 3 chunks, of 2 + 1 (an uneven last range)
-        for tk.ATTN_SLOT_BLOCK, tk.ATTN_PROGRAMS in ((64, 512), (16, 10 ** 6), (16, 1), (16, 4 * len(lens))):
+    names = ("ATTN_SLOT_BLOCK", "ATTN_PROGRAMS", "PREFETCH_ROWS", "ATTN_MANY_QUERIES", "ATTN_SLOT_BLOCK_MANY")
+    saved = {k: getattr(tk, k) for k in names}
+    try:  # slot ranges of one chunk, of all 3 chunks, of 2 + 1 (an uneven last range); rows looked up ahead or not;
+        # the few-query and the many-query settings
+        for sb, programs, prefetch, many in ((64, 512, True, 99), (16, 10 ** 6, True, 99), (16, 1, True, 99),
+                                             (16, 4 * len(lens), True, 99), (16, 4 * len(lens), False, 99),
+                                             (16, 10 ** 6, False, 99), (64, 4 * len(lens), True, 1)):
+            tk.ATTN_SLOT_BLOCK = tk.ATTN_SLOT_BLOCK_MANY = sb
+            tk.ATTN_PROGRAMS, tk.PREFETCH_ROWS, tk.ATTN_MANY_QUERIES = programs, prefetch, many
             got = tk.qsa_decode_paged_triton(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
-            close(got, want, 0.05, f"decode paged SB={tk.ATTN_SLOT_BLOCK} programs={tk.ATTN_PROGRAMS}")
+            close(got, want, 0.05, f"decode paged SB={sb} programs={programs} prefetch={prefetch} many>={many}")
     finally:
-        tk.ATTN_SLOT_BLOCK, tk.ATTN_PROGRAMS = saved
+        for k, v in saved.items():
+            setattr(tk, k, v)
     L = 150
     qq, k, v, iqq, bk = seqs[3]
     p = torch.arange(L - 5, L)  # unpaged, five queries of one sequence
@@ -115,17 +122,21 @@ def check_qsa_prefill():
     r, budget = 4, 32
     lens = [9, 150, 203]
     seqs, (kv, bt, ikv, _) = _paged(lens, 500, True)
-    saved = tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES
-    # split attention / looping attention; one query chunk / chunks by the keys' bytes / by the query cap
-    for loop_min, keys_bytes, max_q in ((1, 1 << 30, 1 << 14), (10 ** 9, 8 * 7 * 50, 1 << 14), (5, 1 << 30, 7)):
-        tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES = loop_min, keys_bytes, max_q
+    saved = tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES, tk.PREFETCH_ROWS, tk.LOOP_SLOT_BLOCK
+    # split attention / looping attention (its rows looked up ahead or not, 32-slot steps); one query chunk / chunks
+    # by the keys' bytes / by the query cap
+    for loop_min, keys_bytes, max_q, pf in ((1, 1 << 30, 1 << 14, True), (10 ** 9, 8 * 7 * 50, 1 << 14, True),
+                                            (5, 1 << 30, 7, True), (1, 1 << 30, 1 << 14, False)):
+        tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES, tk.PREFETCH_ROWS = (loop_min, keys_bytes,
+                                                                                                max_q, pf)
+        tk.LOOP_SLOT_BLOCK = 128 if pf else 32
         for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
             for n in (1, min(L, 40)):
                 pos = torch.arange(L - n, L)
                 got = tk.qsa_prefill_paged_triton(q[-n:], pos, iq[-n:], kv, bt[b], ikv, L, r, budget, 0.3, 0.4)
                 want = ref.qsa_prefill_paged(q[-n:], pos, iq[-n:], kv, bt[b], ikv, L, r, budget, 0.3, 0.4)
                 close(got, want, 0.05, f"prefill L={L} n={n} loop_min={loop_min} keys_bytes={keys_bytes}")
-    tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES = saved
+    tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES, tk.PREFETCH_ROWS, tk.LOOP_SLOT_BLOCK = saved
 
 
 def check_qsa_fp8_caches():

@@ -333,9 +333,11 @@ def _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t
 def _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, c0, c1, r, m, scale_log2, stride_qt, stride_qh, stride_kl, stride_kh,
                  stride_vl, stride_vh, stride_ids_t, stride_bt, n_bt, stride_kb, stride_vb,
                  G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr, TAIL: tl.constexpr,
-                 KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
+                 KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr, PREFETCH: tl.constexpr):
     """Online softmax of the G query heads of KV head g of query t over slot chunks [c0, c1) of SB slots:
-    (acc [G_P, HD] = sum_j 2^(s_j - m) v_j unnormalised, m [G_P] the running max in log2 units, l = sum 2^(s_j - m))."""
+    (acc [G_P, HD] = sum_j 2^(s_j - m) v_j unnormalised, m [G_P] the running max in log2 units, l = sum 2^(s_j - m)).
+    PREFETCH: the next chunk's rows (selected ids -> block table -> row offsets: two dependent loads) are looked up
+    while this chunk's K/V loads are in flight, so an iteration waits on one memory round trip instead of three."""
     offs_g = tl.arange(0, G_P)
     offs_d = tl.arange(0, HD)
     gmask = offs_g < G
@@ -344,14 +346,22 @@ def _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, c0, c1, r, m, scale_log2, stride_
     m_i = tl.full([G_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_P], dtype=tl.float32)
     acc = tl.zeros([G_P, HD], dtype=tl.float32)
+    if PREFETCH:
+        k_row, v_row, valid = _slot_rows(IDS, QPOS, BT, t, c0 * SB + tl.arange(0, SB), r, m, stride_kl, stride_vl,
+                                         stride_ids_t, stride_bt, n_bt, stride_kb, stride_vb, TAIL, KEYS, PAGED, PBS)
     for c in range(c0, c1):
-        slots = c * SB + tl.arange(0, SB)
-        k_row, v_row, valid = _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t,
-                                         stride_bt, n_bt, stride_kb, stride_vb, TAIL, KEYS, PAGED, PBS)
+        if not PREFETCH:
+            k_row, v_row, valid = _slot_rows(IDS, QPOS, BT, t, c * SB + tl.arange(0, SB), r, m, stride_kl,
+                                             stride_vl, stride_ids_t, stride_bt, n_bt, stride_kb, stride_vb, TAIL,
+                                             KEYS, PAGED, PBS)
         k = tl.load(K + k_row[:, None] + g * stride_kh + offs_d[None, :], mask=valid[:, None],
                     other=0.0).to(tl.bfloat16)  # FP8 caches widen exactly
         v = tl.load(V + v_row[:, None] + g * stride_vh + offs_d[None, :], mask=valid[:, None],
                     other=0.0).to(tl.bfloat16)
+        if PREFETCH:  # (past the last chunk the slots are invalid: masked loads, nothing read)
+            nk_row, nv_row, nvalid = _slot_rows(IDS, QPOS, BT, t, (c + 1) * SB + tl.arange(0, SB), r, m, stride_kl,
+                                                stride_vl, stride_ids_t, stride_bt, n_bt, stride_kb, stride_vb, TAIL,
+                                                KEYS, PAGED, PBS)
         s = _dot(q, tl.trans(k)) * scale_log2  # [G_P, SB], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -361,6 +371,8 @@ def _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, c0, c1, r, m, scale_log2, stride_
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(tl.bfloat16), v)
         m_i = m_new
+        if PREFETCH:
+            k_row, v_row, valid = nk_row, nv_row, nvalid
     return acc, m_i, l_i
 
 
@@ -369,7 +381,7 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_chunks, cpp, scale_
                      stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                      BT, stride_bt, n_bt, stride_kb, stride_vb,
                      G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr, TAIL: tl.constexpr,
-                     KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
+                     KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr, PREFETCH: tl.constexpr):
     """Slot chunks [sp * cpp, (sp + 1) * cpp) of one (query, KV head): fp32 partial output (unnormalised), max and
     sum of its G heads for ``_qsa_merge_kernel`` (decode: the split over slot ranges gives the GPU enough programs;
     ranges of several chunks keep the partials, written and read back through memory, few at batch 32)."""
@@ -381,7 +393,8 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_chunks, cpp, scale_
     c0 = sp * cpp
     acc, m_i, l_i = _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, c0, tl.minimum(c0 + cpp, n_chunks), r, m, scale_log2,
                                  stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
-                                 stride_bt, n_bt, stride_kb, stride_vb, G, G_P, HD, SB, TAIL, KEYS, PAGED, PBS)
+                                 stride_bt, n_bt, stride_kb, stride_vb, G, G_P, HD, SB, TAIL, KEYS, PAGED, PBS,
+                                 PREFETCH)
     offs_g = tl.arange(0, G_P)
     gmask = offs_g < G
     base = (t * n_kvh + g) * n_split + sp
@@ -395,14 +408,15 @@ def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
                           stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                           BT, stride_bt, n_bt, stride_kb, stride_vb, stride_ot, stride_oh,
                           G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr,
-                          TAIL: tl.constexpr, KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
+                          TAIL: tl.constexpr, KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr,
+                          PREFETCH: tl.constexpr):
     """All slots of one (query, KV head) in one program (prefill: many queries fill the GPU without a split, and no
     fp32 partials go through memory)."""
     g = tl.program_id(0)
     t = tl.program_id(1)
     acc, m_i, l_i = _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, 0, n_chunks, r, m, scale_log2, stride_qt, stride_qh,
                                  stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t, stride_bt, n_bt,
-                                 stride_kb, stride_vb, G, G_P, HD, SB, TAIL, KEYS, PAGED, PBS)
+                                 stride_kb, stride_vb, G, G_P, HD, SB, TAIL, KEYS, PAGED, PBS, PREFETCH)
     offs_g = tl.arange(0, G_P)
     offs_d = tl.arange(0, HD)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -448,6 +462,10 @@ ATTN_PROGRAMS = 512  # decode attention: each (query, KV head) split over slot r
 # programs run (batch 1: one 32-slot chunk a program, 130 programs; batch 32: 9 chunks, 512 programs). Before:
 # always one chunk a program, which at batch 32 wrote (and the merge read back) 35 MB of fp32 partials a layer
 ATTN_STAGES = 1  # software-pipeline stages of its loop over chunks
+ATTN_MANY_QUERIES = 8  # from this many queries (batch-32 decode): 16 slots x 2 warps (H200 bench_ops, batch 32 x 50k,
+ATTN_SLOT_BLOCK_MANY = 16  # the whole op: 128 us, vs 16 x 4: 159 (135 without PREFETCH_ROWS: 2 programs an SM, two
+ATTN_WARPS_MANY = 2  # waves of 512), 32 x 8: 144-150, 64 x 8: 156; at batch 1 32 x 8 is the faster: 36.7 vs 39.7 us)
+PREFETCH_ROWS = True  # the attention loops look the next chunk's rows up while this chunk's K/V loads are in flight
 TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch" (torch.topk on the keys)
 TOPK_CHUNK = 8192  # keys per pass step of the radix select
 TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register select instead of the chunked radix select
@@ -605,9 +623,10 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
             q, k, v, q_pos, sel, out, r, m, triton.cdiv(max(n_slots, 1), SB), scale_log2,
             q.stride(0), q.stride(1), *strides, sel.stride(0), *paged, out.stride(0), out.stride(1),
             G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
-            num_warps=LOOP_WARPS, num_stages=LOOP_STAGES)
+            PREFETCH=PREFETCH_ROWS, num_warps=LOOP_WARPS, num_stages=LOOP_STAGES)
         return out
-    SB = ATTN_SLOT_BLOCK
+    many = Tq >= ATTN_MANY_QUERIES
+    SB, warps = (ATTN_SLOT_BLOCK_MANY, ATTN_WARPS_MANY) if many else (ATTN_SLOT_BLOCK, ATTN_WARPS)
     n_chunks = triton.cdiv(max(n_slots, 1), SB)
     cpp = triton.cdiv(n_chunks, min(n_chunks, max(1, triton.cdiv(ATTN_PROGRAMS, Tq * Hkv))))  # chunks a program
     n_split = triton.cdiv(n_chunks, cpp)
@@ -618,7 +637,7 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
         q, k, v, q_pos, sel, op, mp, lp, r, m, n_chunks, cpp, scale_log2,
         q.stride(0), q.stride(1), *strides, sel.stride(0), *paged,
         G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
-        num_warps=ATTN_WARPS, num_stages=ATTN_STAGES)
+        PREFETCH=PREFETCH_ROWS, num_warps=warps, num_stages=ATTN_STAGES)
     LAUNCHED["qsa_merge"] = _qsa_merge_kernel[(G, Hkv, Tq)](
         op, mp, lp, out, n_split, out.stride(0), out.stride(1),
         G=G, G_P=G_P, HD=HD, NSP=triton.next_power_of_2(n_split), CH=16, num_warps=4)
