@@ -488,7 +488,9 @@ def main():
     from qwen4exp.ops.hyper_connection import triton_kernel as hc_tk
     for T in (1, 8, 32):  # one HC transition (write-back + mixer) both ways, side by side
         mk = lambda T=T: hc_step_case(T)  # noqa: E731
-        cases.append(("hc_step", f"T={T},inject+mix", mk, hc_step_before, hc_step_ref))
+        cases.append(("hc_step", f"T={T},inject+mix(own norm)", mk,
+                      with_knobs(hc_step_before, hc_tk, IN_KERNEL_NORM_MAX_T=1 << 30), hc_step_ref))
+        cases.append(("hc_step", f"T={T},inject+mix", mk, hc_step_before, None))  # (norm kernel first past 4)
         cases.append(("hc_step", f"T={T},inject_norm+mix", mk, hc_step_fused_norm, hc_step_ref))
         if T == 32:
             cases.append(("hc_step", "T=32,inject+gemm-path", mk, lambda *a: hc_step_before(*a, many=True), None))

@@ -257,6 +257,12 @@ def check_norm_rope_ple():
         x = (torch.randn(shape, generator=g) * 3).to(BF)
         w = (torch.randn(shape[-1], generator=g) * 0.1).to(BF)
         close(ntk.rms_norm_triton(x, w, group, 1e-6), nref.grouped_rms_norm(x, w, group, 1e-6), 0.05, "rms_norm")
+    wide = (torch.randn(3, 1000, generator=g) * 3).to(BF)  # heads of a slice of a wider projection output
+    for xs in (wide[:, 100:612].view(3, 4, 128), wide[:, 8:264].view(3, 2, 128), wide[:, :128].view(3, 1, 128),
+               wide[:, :768].view(3, 2, 3, 128)[:, 1]):
+        w = (torch.randn(128, generator=g) * 0.1).to(BF)
+        close(ntk.rms_norm_triton(xs, w, 128, 1e-6), nref.grouped_rms_norm(xs, w, 128, 1e-6), 0.05,
+              f"rms_norm strided {tuple(xs.shape)} {xs.stride()}")
     x = torch.randn(3, 2, 2 * 128, generator=g).to(BF)[..., :128]  # strided, as q out of [q | gate]
     ang = torch.randn(3, 16, generator=g) * 50
     cos, sin = torch.cat([ang, ang], -1).cos().to(BF), torch.cat([ang, ang], -1).sin().to(BF)

@@ -88,6 +88,12 @@ def _(g, Hn, n):
 
 
 def hc_mix(H, norm_weight, down, up, inj, n, eps, Hn=None):
+    T = H.numel() // max(H.shape[-1], 1)
+    if (Hn is None and hc_tk.IN_KERNEL_NORM_MAX_T < T <= hc_tk.MAX_T_HN
+            and hc_tk.supported(H, norm_weight, down, up, inj, n, H)):
+        # no write-back before this mixer made the norm (the first layer's, the PLE layer's): past a few tokens one
+        # norm launch + the kernels' Hn path beat their in-kernel norm (8 tokens) and the cuBLAS path (32)
+        Hn = rms_norm(H, norm_weight, H.shape[-1] // n, eps)
     if hc_tk.supported(H, norm_weight, down, up, inj, n, Hn):  # decode sizes: two fused launches
         x, c = hc_mix_op(H, norm_weight, down, up, inj, n, eps, Hn)
         return x, (None if inj is None else c)

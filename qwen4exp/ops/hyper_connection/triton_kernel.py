@@ -1,5 +1,6 @@
-"""Triton kernels for the HC mixer (decode sizes, T <= MAX_T = 16 tokens) and the HC write-back. Imported only on
-the CUDA path (``qwen4exp.ops.cuda``).
+"""Triton kernels for the HC mixer (decode sizes: T <= MAX_T = 16 tokens, or MAX_T_HN = 32 when the caller hands in
+the streams' norm) and the HC write-back (alone, or with the next mixer's norm: ``hc_inject_norm``). Imported only
+on the CUDA path (``qwen4exp.ops.cuda``).
 
 ``hc_mix`` runs as two launches (a single kernel would need a grid-wide barrier between the down- and the
 up-projection, since every output needs all r down-projected values):
@@ -373,6 +374,10 @@ MAX_T = 16  # up to here the two fused launches; more tokens: cuBLAS projections
 MAX_T_HN = 32  # the same when the caller hands in Hn (``hc_inject_norm``): kernel A is then a plain split-K GEMM
 # (no per-program norm of the streams, what made it slow past 16 tokens), so batch-32 decode takes this path
 A_KC_HN = 512  # kernel A's K chunk with Hn handed in (no norm loop: registers for the wider chunk)
+IN_KERNEL_NORM_MAX_T = 4  # without Hn, up to here kernel A normalises; past it ``ops.cuda.hc_mix`` runs the norm
+# kernel first and takes the Hn path (H200 bench_ops, mixer alone, from the write-back + mixer figures: T=8 ~15.7
+# us with the in-kernel norm vs ~10.7 + 1.6 for the norm; T=32 ~21.8 on the cuBLAS path vs ~13.2 + 1.7; T=1
+# ~14.3 vs ~12.4 + 1.5: about even, and one launch fewer)
 GATE_MEAN_BLOCK = 1024
 apply_knobs(globals(), "hc")  # QWEN4EXP_KNOBS=hc.<SETTING>=<value>,...
 

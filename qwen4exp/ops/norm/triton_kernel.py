@@ -17,12 +17,15 @@ from ..triton_utils import rsqrt as _rsqrt
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, G, groups_per_w, eps, inv_g, stride_x, stride_y, BLOCK: tl.constexpr,
-                     BF16: tl.constexpr):
+def _rms_norm_kernel(X, W, Y, G, groups_per_w, eps, inv_g, n_inner, stride_outer, stride_inner, stride_y,
+                     BLOCK: tl.constexpr, BF16: tl.constexpr):
+    """Row r of the [rows, G] problem is X[r // n_inner, r % n_inner, :] of a [rows / n_inner, n_inner, G] strided
+    view (e.g. the heads of a slice of a wider projection output); Y is dense."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < G
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + (row // n_inner) * stride_outer + (row % n_inner) * stride_inner + offs, mask=mask,
+                other=0.0).to(tl.float32)
     rstd = _rsqrt(tl.sum(x * x, axis=0) * inv_g + eps)
     w = tl.load(W + (row % groups_per_w) * G + offs, mask=mask, other=0.0).to(tl.float32)
     y = (x * rstd) * (1.0 + w)
@@ -39,16 +42,27 @@ def supported(x, weight, group: int) -> bool:
             and x.shape[-1] % group == 0 and weight.numel() == x.shape[-1] and weight.is_contiguous())
 
 
+def _rows3(x, group: int):
+    """x [..., k * group] as a [outer, inner, group] view (last dim dense): the groups of the last dim and the
+    dimension before it as the inner rows, everything further out merged (a copy only if those do not merge)."""
+    v = x.unflatten(-1, (-1, group))  # [..., k, group]
+    if v.shape[-2] == 1 and v.dim() > 2:
+        v = v.squeeze(-2)  # [..., H, group]: a per-head norm
+    if v.dim() == 2:
+        v = v.unsqueeze(0)
+    if v.dim() > 3:
+        v = v.reshape(-1, *v.shape[-2:])
+    return v if v.stride(-1) == 1 else v.contiguous()
+
+
 def rms_norm_triton(x, weight, group: int, eps: float):
     dim = x.shape[-1]
-    x2 = x.reshape(-1, group)  # a view for the layouts the layers pass (row stride uniform), else a copy
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    rows = x2.shape[0]
+    x3 = _rows3(x, group)  # the layouts the layers pass are views: a slice of a wider projection output included
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = x3.shape[0] * x3.shape[1]
     if rows:
         BLOCK = triton.next_power_of_2(group)
-        _rms_norm_kernel[(rows,)](x2, weight, y, group, dim // group, float(eps), 1.0 / group, x2.stride(0),
-                                  y.stride(0), BLOCK=BLOCK, BF16=x.dtype == torch.bfloat16,
+        _rms_norm_kernel[(rows,)](x3, weight, y, group, dim // group, float(eps), 1.0 / group, x3.shape[1],
+                                  x3.stride(0), x3.stride(1), group, BLOCK=BLOCK, BF16=x.dtype == torch.bfloat16,
                                   num_warps=min(16, max(1, BLOCK // 256)))
-    return y.view(x.shape)
+    return y
