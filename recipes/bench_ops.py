@@ -513,7 +513,7 @@ def main():
     from qwen4exp.ops.qsa import triton_kernel as qsa_tk
     # the decode attention's launch settings side by side (ATTN_PROGRAMS=4096: one chunk a program, as the
     # kernel before the tenth session; the rest of the op is the same in every variant)
-    sweep = [(1, dict(PREFETCH_ROWS=False)), (32, dict(PREFETCH_ROWS=False)),
+    sweep = [(1, dict(ATTN_PREFETCH=True)), (32, dict(ATTN_PREFETCH_MANY=False)),
              (1, dict(ATTN_SLOT_BLOCK=64)), (1, dict(ATTN_SLOT_BLOCK=16, ATTN_WARPS=4))]
     sweep += [(32, dict(ATTN_SLOT_BLOCK_MANY=sb, ATTN_WARPS_MANY=w, ATTN_PROGRAMS=p))
               for sb, w, p in ((16, 4, 1024), (16, 2, 512), (16, 1, 1024), (32, 2, 1024), (32, 4, 512),

@@ -191,13 +191,13 @@ def test_merged_shared_expert_equals_reference_swiglu():
 
 
 def test_hc_down_and_inject_weights_colocated_for_one_gemm():
-    """``colocate_hc_projections``: each mixer's W_down and W_inj become the two row ranges of one buffer (so the
+    """``colocate_projections``: each mixer's W_down and W_inj become the two row ranges of one buffer (so the
     many-token GPU path runs one GEMM), same values, same output; a loader's in-place copy into either parameter
     lands in that buffer; the final mixer (no W_inj) is left alone."""
     from qwen4exp import presets
     from qwen4exp.layers.hyper_connection import HyperConnection
     from qwen4exp.ops.hyper_connection import adjacent_rows
-    from qwen4exp.vllm.layers import colocate_hc_projections
+    from qwen4exp.vllm.layers import colocate_projections
 
     cfg = presets.tiny_text()
     torch.manual_seed(0)
@@ -205,7 +205,7 @@ def test_hc_down_and_inject_weights_colocated_for_one_gemm():
     H = torch.randn(5, cfg.hc_count * cfg.hidden_size)
     before = [m(H) for m in mods]
     assert adjacent_rows(mods[0].input_mix_weight_down.weight, mods[0].block_inject_weight.weight) is None
-    assert colocate_hc_projections(mods) == 2
+    assert colocate_projections(mods) == 2
     for m, (x0, c0) in zip(mods, before):
         x, c = m(H)
         assert torch.equal(x, x0) and (c is None) == (c0 is None) and (c is None or torch.equal(c, c0))
@@ -218,3 +218,36 @@ def test_hc_down_and_inject_weights_colocated_for_one_gemm():
     wi.data.copy_(torch.full_like(wi, 3.0))  # (what a weight loader does)
     assert torch.equal(both[wd.shape[0]:], torch.full_like(wi, 3.0))
     assert adjacent_rows(wd, mods[1].block_inject_weight.weight) is None  # another mixer's rows: not adjacent
+
+
+def test_qsa_projections_colocated_for_one_gemm():
+    """``colocate_projections`` on a QSA layer: q, k, v and the indexer's projection become row ranges of one
+    (8-row padded) buffer, ``project`` then runs ONE GEMM and splits it (column slices, normed as strided heads):
+    the same projections as the four separate GEMMs; a weight whose rows are elsewhere falls back to four."""
+    from qwen4exp import presets
+    from qwen4exp.layers.linear import linear_weight, stacked_weight
+    from qwen4exp.layers.qsa import QSAAttention
+    from qwen4exp.layers.rope import RotaryEmbedding
+    from qwen4exp.vllm.layers import colocate_projections
+
+    cfg = presets.tiny_text()
+    torch.manual_seed(1)
+    attn = QSAAttention(cfg)
+    mods = (attn.q_proj, attn.k_proj, attn.v_proj, attn.indexer.index_qk_proj)
+    for m in mods:
+        m.weight.data.normal_(0, 0.2)
+    x = torch.randn(7, cfg.hidden_size)
+    cos, sin = RotaryEmbedding(cfg)(torch.arange(7), x.dtype)
+    assert stacked_weight([linear_weight(m) for m in mods]) is None
+    before = attn.project(x, cos, sin)
+    assert colocate_projections(attn) == 1
+    w = stacked_weight([linear_weight(m) for m in mods], pad=8)
+    rows = sum(m.weight.shape[0] for m in mods)
+    assert w is not None and w.shape[0] == -(-rows // 8) * 8
+    assert torch.equal(w[:rows], torch.cat([m.weight for m in mods]))
+    after = attn.project(x, cos, sin)
+    for f in ("q", "gate", "k", "v", "index_q", "index_k_raw"):
+        torch.testing.assert_close(getattr(after, f), getattr(before, f), rtol=1e-5, atol=1e-5, msg=f)
+    attn.v_proj.weight.data = attn.v_proj.weight.data.clone()  # (rows elsewhere: the four GEMMs again)
+    assert stacked_weight([linear_weight(m) for m in mods]) is None
+    torch.testing.assert_close(attn.project(x, cos, sin).v, before.v, rtol=1e-5, atol=1e-5)

@@ -96,7 +96,8 @@ def check_qsa_decode():
     pos = torch.tensor(lens) - 1
     q, iq = torch.stack([s[0][-1] for s in seqs]), torch.stack([s[3][-1] for s in seqs])
     want = ref.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
-    names = ("ATTN_SLOT_BLOCK", "ATTN_PROGRAMS", "PREFETCH_ROWS", "ATTN_MANY_QUERIES", "ATTN_SLOT_BLOCK_MANY")
+    names = ("ATTN_SLOT_BLOCK", "ATTN_PROGRAMS", "ATTN_PREFETCH", "ATTN_PREFETCH_MANY", "ATTN_MANY_QUERIES",
+             "ATTN_SLOT_BLOCK_MANY")
     saved = {k: getattr(tk, k) for k in names}
     try:  # slot ranges of one chunk, of all 3 chunks, of 2 + 1 (an uneven last range); rows looked up ahead or not;
         # the few-query and the many-query settings
@@ -104,7 +105,8 @@ def check_qsa_decode():
                                              (16, 4 * len(lens), True, 99), (16, 4 * len(lens), False, 99),
                                              (16, 10 ** 6, False, 99), (64, 4 * len(lens), True, 1)):
             tk.ATTN_SLOT_BLOCK = tk.ATTN_SLOT_BLOCK_MANY = sb
-            tk.ATTN_PROGRAMS, tk.PREFETCH_ROWS, tk.ATTN_MANY_QUERIES = programs, prefetch, many
+            tk.ATTN_PROGRAMS, tk.ATTN_MANY_QUERIES = programs, many
+            tk.ATTN_PREFETCH = tk.ATTN_PREFETCH_MANY = prefetch
             got = tk.qsa_decode_paged_triton(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
             close(got, want, 0.05, f"decode paged SB={sb} programs={programs} prefetch={prefetch} many>={many}")
     finally:
@@ -122,12 +124,12 @@ def check_qsa_prefill():
     r, budget = 4, 32
     lens = [9, 150, 203]
     seqs, (kv, bt, ikv, _) = _paged(lens, 500, True)
-    saved = tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES, tk.PREFETCH_ROWS, tk.LOOP_SLOT_BLOCK
+    saved = tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES, tk.LOOP_PREFETCH, tk.LOOP_SLOT_BLOCK
     # split attention / looping attention (its rows looked up ahead or not, 32-slot steps); one query chunk / chunks
     # by the keys' bytes / by the query cap
     for loop_min, keys_bytes, max_q, pf in ((1, 1 << 30, 1 << 14, True), (10 ** 9, 8 * 7 * 50, 1 << 14, True),
                                             (5, 1 << 30, 7, True), (1, 1 << 30, 1 << 14, False)):
-        tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES, tk.PREFETCH_ROWS = (loop_min, keys_bytes,
+        tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES, tk.LOOP_PREFETCH = (loop_min, keys_bytes,
                                                                                                 max_q, pf)
         tk.LOOP_SLOT_BLOCK = 128 if pf else 32
         for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
@@ -136,7 +138,7 @@ def check_qsa_prefill():
                 got = tk.qsa_prefill_paged_triton(q[-n:], pos, iq[-n:], kv, bt[b], ikv, L, r, budget, 0.3, 0.4)
                 want = ref.qsa_prefill_paged(q[-n:], pos, iq[-n:], kv, bt[b], ikv, L, r, budget, 0.3, 0.4)
                 close(got, want, 0.05, f"prefill L={L} n={n} loop_min={loop_min} keys_bytes={keys_bytes}")
-    tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES, tk.PREFETCH_ROWS, tk.LOOP_SLOT_BLOCK = saved
+    tk.LOOP_MIN_QUERIES, tk.PREFILL_KEYS_BYTES, tk.PREFILL_MAX_QUERIES, tk.LOOP_PREFETCH, tk.LOOP_SLOT_BLOCK = saved
 
 
 def check_qsa_fp8_caches():

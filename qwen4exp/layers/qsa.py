@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .linear import LinearFactory, default_linear
+from .linear import LinearFactory, default_linear, linear_weight, stacked_weight
 from .norms import RMSNorm
 from .rope import apply_rope
 
@@ -63,15 +64,26 @@ class QSAAttention(nn.Module):
         self.indexer = QSAIndexer(config, linear, f"{prefix}.indexer")
         self.index_scale = self.indexer.head_dim ** -0.5
 
+    def _linears(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x W^T for [Q | gate], K, V and the indexer's [q | kappa]: ONE GEMM where a runtime laid the four weights
+        out as row ranges of one buffer (``linear.stacked_weight``; the outputs are then column slices), else four."""
+        mods = (self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj)
+        ws = [linear_weight(m) for m in mods]
+        w = stacked_weight(ws, pad=8)
+        if w is None:
+            return [m(x) for m in mods]
+        sizes = [wi.shape[0] for wi in ws]
+        return list(F.linear(x, w)[..., :sum(sizes)].split(sizes, -1))
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> QSAProjections:
         T, d = x.shape[0], self.head_dim
-        qg = self.q_proj(x).view(T, self.n_heads, 2 * d)
+        qg, k, v, iqk = self._linears(x)
+        qg = qg.view(T, self.n_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(T, self.n_heads * d)
         q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.n_kv, d)), cos, sin)
-        v = self.v_proj(x).view(T, self.n_kv, d)
+        k = apply_rope(self.k_norm(k.view(T, self.n_kv, d)), cos, sin)
+        v = v.view(T, self.n_kv, d)
         ix = self.indexer
-        iqk = ix.index_qk_proj(x)
         iq = iqk[:, : ix.n_heads * ix.head_dim].view(T, ix.n_heads, ix.head_dim)
         iq = apply_rope(ix.q_layernorm(iq), cos, sin)
         return QSAProjections(q, gate, k, v, iq, iqk[:, ix.n_heads * ix.head_dim:])

@@ -37,7 +37,7 @@ from ..configuration import _INDEXED_ALIASES, INDEXED, LINEAR
 from ..layers.hyper_connection import HyperConnection
 from ..layers.rope import RotaryEmbedding
 from ..modeling import DecoderLayer, embed_streams, next_mixer
-from .layers import (GatedSharedExpert, MergedSwiGLU, StateSlots, check_cudagraph_mode, colocate_hc_projections,
+from .layers import (GatedSharedExpert, MergedSwiGLU, StateSlots, check_cudagraph_mode, colocate_projections,
                      eager_segment, fused_experts, gdn_mixer, our_gdn, ple_state_shapes, vllm_linear)
 from .qsa import QSAMixer
 from .weights import load_qwen4exp_weights
@@ -306,7 +306,7 @@ class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         self.vllm_config = vllm_config
         check_cudagraph_mode(vllm_config)
         self.model = Qwen4ExpVllmTextModel(vllm_config=vllm_config, prefix="model")
-        colocate_hc_projections(self.model)
+        colocate_projections(self.model)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
         logger.info("%s is served by the qwen4exp plugin (qwen4exp.vllm; GDN: %s, QSA: paged K/V + index cache, "

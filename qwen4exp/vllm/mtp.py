@@ -29,7 +29,7 @@ from ..configuration import INDEXED
 from ..layers.hyper_connection import HyperConnection
 from ..layers.mtp import MTPInput
 from ..layers.rope import RotaryEmbedding
-from .layers import colocate_hc_projections, vllm_linear
+from .layers import colocate_projections, vllm_linear
 from .model import decoder_layer
 from .qsa import QSAMixer
 from .weights import MTP_DRAFT, load_qwen4exp_weights
@@ -74,7 +74,7 @@ class Qwen4ExpMTP(nn.Module):
         config = vllm_config.model_config.hf_text_config
         self.config = config
         self.model = Qwen4ExpMTPModel(vllm_config=vllm_config, prefix="mtp")
-        colocate_hc_projections(self.model)
+        colocate_projections(self.model)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
 

@@ -1,5 +1,6 @@
 import torch
 
+from ...layers.linear import stacked_weight
 from .._dispatch import pick
 from . import reference
 from .reference import grouped_rms_norm
@@ -18,25 +19,11 @@ def hc_mix(H, norm_weight, down, up, inj, n, eps, Hn=None):
 
 def adjacent_rows(down, inj, pad: int = 1):
     """[W_down; W_inj] as ONE [R + n, nD] view when W_inj's rows follow W_down's in memory (the vLLM model lays
-    them out so: ``qwen4exp.vllm.layers.colocate_hc_projections``), else None: the many-token GPU path then runs
+    them out so: ``qwen4exp.vllm.layers.colocate_projections``), else None: the many-token GPU path then runs
     both projections as one GEMM. ``pad``: the view's rows rounded up to a multiple of it where the storage holds
     them (the vLLM layout zero-pads to 8 rows, so the GEMM's output rows are 16-byte aligned); rows past R + n are
     not W_inj's."""
-    if not (isinstance(down, torch.Tensor) and isinstance(inj, torch.Tensor)) or down.dim() != 2 or inj.dim() != 2:
-        return None
-    R, NK = down.shape
-    if inj.dtype != down.dtype or inj.device != down.device or inj.shape[1] != NK:
-        return None
-    if down.stride() != (NK, 1) or inj.stride() != (NK, 1):
-        return None
-    if (inj.untyped_storage().data_ptr() != down.untyped_storage().data_ptr()
-            or inj.storage_offset() != down.storage_offset() + R * NK):
-        return None
-    rows = R + inj.shape[0]
-    padded = -(-rows // pad) * pad
-    if (down.storage_offset() + padded * NK) * down.element_size() <= down.untyped_storage().nbytes():
-        rows = padded
-    return down.as_strided((rows, NK), (NK, 1))
+    return stacked_weight([down, inj], pad)
 
 
 def hc_inject(H, c, y):

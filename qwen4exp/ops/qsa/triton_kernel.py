@@ -463,9 +463,12 @@ ATTN_PROGRAMS = 512  # decode attention: each (query, KV head) split over slot r
 # always one chunk a program, which at batch 32 wrote (and the merge read back) 35 MB of fp32 partials a layer
 ATTN_STAGES = 1  # software-pipeline stages of its loop over chunks
 ATTN_MANY_QUERIES = 8  # from this many queries (batch-32 decode): 16 slots x 2 warps (H200 bench_ops, batch 32 x 50k,
-ATTN_SLOT_BLOCK_MANY = 16  # the whole op: 128 us, vs 16 x 4: 159 (135 without PREFETCH_ROWS: 2 programs an SM, two
+ATTN_SLOT_BLOCK_MANY = 16  # the whole op: 128 us, vs 16 x 4: 159 (135 without the row prefetch: 2 programs an SM, two
 ATTN_WARPS_MANY = 2  # waves of 512), 32 x 8: 144-150, 64 x 8: 156; at batch 1 32 x 8 is the faster: 36.7 vs 39.7 us)
-PREFETCH_ROWS = True  # the attention loops look the next chunk's rows up while this chunk's K/V loads are in flight
+# the attention loops can look the next chunk's rows up while this chunk's K/V loads are in flight (PREFETCH):
+ATTN_PREFETCH_MANY = True  # many-query decode (batch 32: 128 vs 141.8 us with 16 x 2)
+ATTN_PREFETCH = False  # few-query decode (batch 1: 36.7 vs 37.4 us, noise-level, and 32 x 8 then spills 140 B)
+LOOP_PREFETCH = False  # prefill loop (not timed with it)
 TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch" (torch.topk on the keys)
 TOPK_CHUNK = 8192  # keys per pass step of the radix select
 TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register select instead of the chunked radix select
@@ -623,7 +626,7 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
             q, k, v, q_pos, sel, out, r, m, triton.cdiv(max(n_slots, 1), SB), scale_log2,
             q.stride(0), q.stride(1), *strides, sel.stride(0), *paged, out.stride(0), out.stride(1),
             G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
-            PREFETCH=PREFETCH_ROWS, num_warps=LOOP_WARPS, num_stages=LOOP_STAGES)
+            PREFETCH=LOOP_PREFETCH, num_warps=LOOP_WARPS, num_stages=LOOP_STAGES)
         return out
     many = Tq >= ATTN_MANY_QUERIES
     SB, warps = (ATTN_SLOT_BLOCK_MANY, ATTN_WARPS_MANY) if many else (ATTN_SLOT_BLOCK, ATTN_WARPS)
@@ -637,7 +640,7 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
         q, k, v, q_pos, sel, op, mp, lp, r, m, n_chunks, cpp, scale_log2,
         q.stride(0), q.stride(1), *strides, sel.stride(0), *paged,
         G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
-        PREFETCH=PREFETCH_ROWS, num_warps=warps, num_stages=ATTN_STAGES)
+        PREFETCH=ATTN_PREFETCH_MANY if many else ATTN_PREFETCH, num_warps=warps, num_stages=ATTN_STAGES)
     LAUNCHED["qsa_merge"] = _qsa_merge_kernel[(G, Hkv, Tq)](
         op, mp, lp, out, n_split, out.stride(0), out.stride(1),
         G=G, G_P=G_P, HD=HD, NSP=triton.next_power_of_2(n_split), CH=16, num_warps=4)
