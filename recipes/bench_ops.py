@@ -233,6 +233,18 @@ def rope_case(T, H=24, d=256, R=64):
     return sets, by, 6 * T * H * R
 
 
+def norm_rope_case(T, H=24, d=256, R=64):
+    """The QSA query preparation: (x, norm weight, eps, cos, sin); x strided as q out of [q | gate]."""
+    sets, by, fl = rope_case(T, H, d, R)
+    return [(torch.randn(T, H, 2 * d, device="cuda").to(BF)[..., :d], (torch.randn(d, device="cuda") * 0.1).to(BF),
+             1e-6, c, s) for _, c, s in sets], by + d * 2, fl + 4 * T * H * d
+
+
+def norm_then_rope(x, w, eps, cos, sin):
+    from qwen4exp.ops import cuda
+    return cuda.apply_rope(cuda.rms_norm(x, w, x.shape[-1], eps), cos, sin)
+
+
 _TABLES = {}
 
 
@@ -528,6 +540,11 @@ def main():
     for shape, group in (((1, 24, 256), 256), ((32, 24, 256), 256), ((32, 10240), 2560)):
         cases.append(("rms_norm", "x".join(map(str, shape)) + f"/{group}", lambda a=shape, g=group: rms_norm_case(a, g),
                       cuda.rms_norm, norm_ref.grouped_rms_norm))
+    for T in (1, 32):  # the fused norm + RoPE and the two kernels it replaces
+        cases.append(("norm_rope", f"T={T},24x256,R=64", lambda T=T: norm_rope_case(T), cuda.norm_rope,
+                      rope_ref.norm_rope))
+        cases.append(("norm_rope", f"T={T},24x256,R=64,two-kernels", lambda T=T: norm_rope_case(T), norm_then_rope,
+                      None))
     for T in (1, 32):
         cases.append(("shared_gate_combine", f"T={T},D=2560", lambda T=T: moe_combine_case(T),
                       cuda.shared_gate_combine, moe_ref.shared_gate_combine))

@@ -724,6 +724,30 @@ def test_apply_rope_matches_reference(T, H, D, R, dtype):
         torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("T,H,D,R", [(1, 24, 256, 64), (32, 2, 256, 64), (32, 4, 128, 64), (3, 1, 128, 128)])
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_norm_rope_matches_reference(T, H, D, R, dtype):
+    """The QSA query / key preparation in one kernel (norm + RoPE of strided heads, the fused kernel taken) = the
+    norm kernel then the RoPE kernel (same rounding points), and the reference up to the norm's summation order."""
+    from qwen4exp.ops.rope import reference as ref, triton_kernel as tk
+    cuda = cuda_ops()
+    g = gen(T * H + D + R + 7)
+    x = rnd((T, H, 2 * D), g, 3.0, dtype)[..., :D]  # strided, as q out of [q | gate]
+    w = rnd((D,), g, 0.1, dtype)
+    ang = torch.randn(T, R // 2, generator=g, device="cuda") * 50
+    cos, sin = torch.cat([ang, ang], -1).cos().to(dtype), torch.cat([ang, ang], -1).sin().to(dtype)
+    assert tk.norm_rope_supported(x, w, cos, sin)
+    poison()
+    out = cuda.norm_rope(x, w, 1e-6, cos, sin)
+    two = cuda.apply_rope(cuda.rms_norm(x, w, D, 1e-6), cos, sin)
+    want = ref.norm_rope(x, w, 1e-6, cos, sin)
+    if dtype == BF:
+        assert torch.equal(out, two)  # the same reduction shape as the norm kernel: the same rstd
+        bf16_close(out, want, 0.98)
+    else:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("T,D", [(1, 2560), (32, 2560), (5, 640), (3, 100)])
 @pytest.mark.parametrize("dtype", [BF, torch.float32])
 def test_shared_gate_combine_matches_reference(T, D, dtype):

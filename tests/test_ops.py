@@ -777,6 +777,21 @@ def test_decoder_layer_hands_the_next_norm_on():
         layers[1](H, mix, lambda h: h, Hn)
 
 
+def test_norm_rope_is_rope_of_the_head_norm():
+    """``ops.rope.norm_rope`` (the QSA query / key preparation) = ``apply_rope`` of the per-head zero-centred norm:
+    bit for bit (the same ops), strided heads included."""
+    from qwen4exp.ops.rope import norm_rope, reference as rope_ref
+    g = torch.Generator().manual_seed(5)
+    for dt in (torch.float32, torch.bfloat16):
+        x = (torch.randn(4, 3, 2 * 16, generator=g) * 3).to(dt)[..., :16]
+        w = (torch.randn(16, generator=g) * 0.1).to(dt)
+        ang = torch.randn(4, 4, generator=g)
+        cos, sin = torch.cat([ang, ang], -1).cos().to(dt), torch.cat([ang, ang], -1).sin().to(dt)
+        want = rope_ref.apply_rope(hc_ref.grouped_rms_norm(x, w, 16, 1e-6), cos, sin)
+        assert torch.equal(norm_rope(x, w, 1e-6, cos, sin), want)
+        assert torch.equal(want[..., 8:], hc_ref.grouped_rms_norm(x, w, 16, 1e-6)[..., 8:])  # past R: the norm
+
+
 def test_grouped_rms_norm_matches_loop():
     x, w = torch.randn(3, 4 * 8), torch.randn(4 * 8) * 0.1
     out = hc_ref.grouped_rms_norm(x, w, 8, 1e-6)

@@ -54,7 +54,7 @@ def test_every_launch_compiles_for_hopper(launches):
     for kernel in ("_qsa_topk_small_kernel", "_qsa_attn_loop_kernel", "_qsa_score_prefill_kernel", "_hc_up_kernel",
                    "_hc_down_kernel", "_ple_gather_kernel", "_index_update_kernel", "_write_paged_kernel",
                    "_shared_gate_combine_kernel", "_ple_mix_decode_kernel", "_ngram_gather_decode_kernel",
-                   "_hc_finish_kernel", "_hc_inject_norm_kernel"):
+                   "_hc_finish_kernel", "_hc_inject_norm_kernel", "_norm_rope_kernel"):
         assert kernel in out, out
     assert "resources _ple_mix_decode_kernel" in out, out  # registers / spills read back (ptxas -v)
     assert "parameters not specialised on alignment" in out, out  # positions / block-table rows: no JIT mid-serving

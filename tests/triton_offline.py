@@ -269,6 +269,11 @@ def check_norm_rope_ple():
     ang = torch.randn(3, 16, generator=g) * 50
     cos, sin = torch.cat([ang, ang], -1).cos().to(BF), torch.cat([ang, ang], -1).sin().to(BF)
     close(rtk.apply_rope_triton(x, cos, sin), rref.apply_rope(x, cos, sin), 0.02, "apply_rope")
+    for dt in (BF, torch.float32):  # the QSA query / key preparation: norm + RoPE of strided heads in one kernel
+        xs = (torch.randn(3, 4 * 2 * 128, generator=g) * 3).to(dt).view(3, 4, 256)[..., :128]
+        w = (torch.randn(128, generator=g) * 0.1).to(dt)
+        close(rtk.norm_rope_triton(xs, w, 1e-6, cos.to(dt), sin.to(dt)),
+              rref.norm_rope(xs, w, 1e-6, cos.to(dt), sin.to(dt)), 0.02, f"norm_rope {dt}")
     table = (torch.randn(1001, 32, generator=g) * 120).clamp(-448, 448).to(torch.float8_e4m3fn)
     rows = torch.randint(0, 1001, (5, 4), generator=g)
     scale = torch.tensor(0.0173)
@@ -387,7 +392,7 @@ def check_op_registration():
 
     from qwen4exp.ops import cuda
     ops = {k: v for k, v in vars(cuda).items() if isinstance(v, cuda._CustomOp)}
-    assert len(ops) == 18, sorted(ops)
+    assert len(ops) == 19, sorted(ops)
     for name, op in ops.items():
         schema = str(getattr(torch.ops.qwen4exp, op.name).default._schema)
         assert ("(a0!)" in schema) == (op.name in ("qsa_write_paged", "qsa_index_update_decode")), (name, schema)
@@ -408,6 +413,7 @@ def check_op_registration():
         assert x.shape == (3, 64) and c.shape == (3, 4)
         assert cuda.rms_norm_op(t(2, 24, 256), t(256), 256, 1e-6).shape == (2, 24, 256)
         assert cuda.apply_rope_op(t(2, 24, 64), t(2, 64), t(2, 64)).shape == (2, 24, 64)
+        assert cuda.norm_rope_op(t(2, 24, 64), t(64), 1e-6, t(2, 32), t(2, 32)).shape == (2, 24, 64)
         assert cuda.shared_gate_combine_op(t(2, 64), t(1, 64), t(2, 64), t(2, 64)).shape == (2, 64)
         out, st = cuda.ple_mix_decode_op(t(3, 256), t(3, 256), t(3, 64), t(256), t(256), t(256, 4), t(3, 256, 9),
                                          4, 1e-6, 3)
@@ -520,7 +526,7 @@ def compile_all(path):
 # 255 registers + 136 B of spills, and took 36 us for 32 tokens)
 NO_SPILL = {"_ple_mix_decode_kernel", "_ngram_gather_decode_kernel", "_ple_gather_kernel", "_hc_finish_kernel",
             "_hc_inject_kernel", "_hc_inject_norm_kernel", "_hc_gate_mean_kernel", "_rms_norm_kernel",
-            "_shared_gate_combine_kernel"}
+            "_shared_gate_combine_kernel", "_norm_rope_kernel", "_rope_kernel"}
 NO_SPILL_AT = {"_qsa_attn_kernel": {"HD": 256}}  # these at the real widths (test widths compile to other layouts)
 
 

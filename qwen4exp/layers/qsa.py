@@ -20,7 +20,7 @@ from torch import nn
 
 from .linear import LinearFactory, default_linear, linear_weight, stacked_weight
 from .norms import RMSNorm
-from .rope import apply_rope
+from .rope import apply_rope, norm_rope
 
 
 @dataclass
@@ -80,12 +80,12 @@ class QSAAttention(nn.Module):
         qg, k, v, iqk = self._linears(x)
         qg = qg.view(T, self.n_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(T, self.n_heads * d)
-        q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(k.view(T, self.n_kv, d)), cos, sin)
+        q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
+        k = norm_rope(k.view(T, self.n_kv, d), self.k_norm.weight, self.k_norm.eps, cos, sin)
         v = v.view(T, self.n_kv, d)
         ix = self.indexer
         iq = iqk[:, : ix.n_heads * ix.head_dim].view(T, ix.n_heads, ix.head_dim)
-        iq = apply_rope(ix.q_layernorm(iq), cos, sin)
+        iq = norm_rope(iq, ix.q_layernorm.weight, ix.q_layernorm.eps, cos, sin)
         return QSAProjections(q, gate, k, v, iq, iqk[:, ix.n_heads * ix.head_dim:])
 
     def block_keys(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

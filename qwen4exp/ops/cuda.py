@@ -376,6 +376,22 @@ def _(x, cos, sin):
     return x.new_empty(x.shape)
 
 
+@_custom_op("qwen4exp::norm_rope", mutates_args=())
+def norm_rope_op(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+    return rope_tk.norm_rope_triton(x, weight, eps, cos, sin)
+
+
+@norm_rope_op.register_fake
+def _(x, weight, eps, cos, sin):
+    return x.new_empty(x.shape)
+
+
+def norm_rope(x, weight, eps, cos, sin):
+    if not rope_tk.norm_rope_supported(x, weight, cos, sin):  # (the two kernels, or their references)
+        return apply_rope(rms_norm(x, weight, x.shape[-1], eps), cos, sin)
+    return norm_rope_op(x, weight, float(eps), cos, sin)
+
+
 def apply_rope(x, cos, sin):
     if not rope_tk.supported(x, cos, sin):
         return rope_ref.apply_rope(x, cos, sin)
@@ -434,3 +450,4 @@ register_kernel("ngram_lookup_decode", "cuda", ngram_lookup_decode)
 register_kernel("rms_norm", "cuda", rms_norm)
 register_kernel("shared_gate_combine", "cuda", shared_gate_combine)
 register_kernel("apply_rope", "cuda", apply_rope)
+register_kernel("norm_rope", "cuda", norm_rope)

@@ -6,4 +6,8 @@ def apply_rope(x, cos, sin):
     return pick("apply_rope", x.device, reference.apply_rope)(x, cos, sin)
 
 
-__all__ = ["apply_rope", "reference"]
+def norm_rope(x, weight, eps, cos, sin):
+    return pick("norm_rope", x.device, reference.norm_rope)(x, weight, eps, cos, sin)
+
+
+__all__ = ["apply_rope", "norm_rope", "reference"]

@@ -14,3 +14,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rot = torch.cat([-x2, x1], -1)
     return torch.cat([xr * c + rot * s, xp], -1)
 
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of the zero-centred RMS norm of every head of x [T, H, d] (weight [d]): how the QSA layer prepares its
+    queries and keys (one pass on GPUs instead of two)."""
+    from ..norm.reference import grouped_rms_norm
+
+    return apply_rope(grouped_rms_norm(x, weight, x.shape[-1], eps), cos, sin)

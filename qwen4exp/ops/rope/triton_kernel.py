@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import round_bf16
+from ..triton_utils import rsqrt as _rsqrt
 
 
 @triton.jit
@@ -44,6 +45,41 @@ def _rope_kernel(X, COS, SIN, Y, H, R, D, stride_xt, stride_xh, stride_ct, strid
     tl.store(yp + p, tl.load(X + t * stride_xt + h * stride_xh + p, mask=pm, other=0.0), mask=pm)
 
 
+@triton.jit
+def _norm_rope_kernel(X, W, COS, SIN, Y, H, R, D, eps, inv_d, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh,
+                      HALF_P: tl.constexpr, D_P: tl.constexpr, FULL_P: tl.constexpr, ROUND: tl.constexpr):
+    """One (token, head) row: the zero-centred RMS norm as ``_rms_norm_kernel`` (fp32, one rounding), then RoPE as
+    ``_rope_kernel`` on the normed values; the row is read once from HBM (the partial loads hit L1)."""
+    pid = tl.program_id(0)
+    t = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    xrow = X + t * stride_xt + h * stride_xh
+    f = tl.arange(0, FULL_P)
+    xf = tl.load(xrow + f, mask=f < D, other=0.0).to(tl.float32)
+    rstd = _rsqrt(tl.sum(xf * xf, axis=0) * inv_d + eps)
+    half = R // 2
+    o = tl.arange(0, HALF_P)
+    m = o < half
+    n1 = _round((tl.load(xrow + o, mask=m, other=0.0).to(tl.float32) * rstd)
+                * (1.0 + tl.load(W + o, mask=m, other=0.0).to(tl.float32)), ROUND)
+    n2 = _round((tl.load(xrow + half + o, mask=m, other=0.0).to(tl.float32) * rstd)
+                * (1.0 + tl.load(W + half + o, mask=m, other=0.0).to(tl.float32)), ROUND)
+    c1 = tl.load(COS + t * stride_ct + o, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + t * stride_ct + half + o, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + t * stride_ct + o, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + t * stride_ct + half + o, mask=m, other=0.0).to(tl.float32)
+    y1 = _round(_round(n1 * c1, ROUND) + _round(-n2 * s1, ROUND), ROUND)
+    y2 = _round(_round(n2 * c2, ROUND) + _round(n1 * s2, ROUND), ROUND)
+    yp = Y + t * stride_yt + h * stride_yh
+    tl.store(yp + o, y1.to(Y.dtype.element_ty), mask=m)
+    tl.store(yp + half + o, y2.to(Y.dtype.element_ty), mask=m)
+    p = R + tl.arange(0, D_P)
+    pm = p < D
+    npass = (tl.load(xrow + p, mask=pm, other=0.0).to(tl.float32) * rstd) * (1.0 + tl.load(W + p, mask=pm,
+                                                                                          other=0.0).to(tl.float32))
+    tl.store(yp + p, _round(npass, ROUND).to(Y.dtype.element_ty), mask=pm)
+
+
 def supported(x, cos, sin) -> bool:
     if not (x.is_cuda and x.dim() == 3 and x.dtype == cos.dtype == sin.dtype):
         return False
@@ -63,4 +99,22 @@ def apply_rope_triton(x, cos, sin):
                                y.stride(1), HALF_P=triton.next_power_of_2(max(R // 2, 1)),
                                D_P=triton.next_power_of_2(max(D - R, 1)), ROUND=x.dtype == torch.bfloat16,
                                num_warps=1 if D <= 256 else 4)
+    return y
+
+
+def norm_rope_supported(x, weight, cos, sin) -> bool:
+    return (supported(x, cos, sin) and weight.dim() == 1 and weight.numel() == x.shape[-1] and weight.is_contiguous()
+            and weight.device == x.device)
+
+
+def norm_rope_triton(x, weight, eps: float, cos, sin):
+    T, H, D = x.shape
+    R = cos.shape[-1]
+    y = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    if T * H:
+        _norm_rope_kernel[(T * H,)](x, weight, cos, sin, y, H, R, D, float(eps), 1.0 / D, x.stride(0), x.stride(1),
+                                    cos.stride(0), y.stride(0), y.stride(1),
+                                    HALF_P=triton.next_power_of_2(max(R // 2, 1)),
+                                    D_P=triton.next_power_of_2(max(D - R, 1)), FULL_P=triton.next_power_of_2(D),
+                                    ROUND=x.dtype == torch.bfloat16, num_warps=1 if D <= 256 else 4)
     return y
