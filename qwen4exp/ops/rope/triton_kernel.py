@@ -21,6 +21,19 @@ def _round(x, ROUND: tl.constexpr):
 
 
 @triton.jit
+def _rotate_store(x1, x2, COS, SIN, yp, t, stride_ct, o, m, half, ROUND: tl.constexpr):
+    """The rotate-half of one row's rotary halves x1, x2 (fp32) with the token's cos/sin, stored at yp."""
+    c1 = tl.load(COS + t * stride_ct + o, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + t * stride_ct + half + o, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + t * stride_ct + o, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + t * stride_ct + half + o, mask=m, other=0.0).to(tl.float32)
+    y1 = _round(_round(x1 * c1, ROUND) + _round(-x2 * s1, ROUND), ROUND)
+    y2 = _round(_round(x2 * c2, ROUND) + _round(x1 * s2, ROUND), ROUND)
+    tl.store(yp + o, y1.to(yp.dtype.element_ty), mask=m)
+    tl.store(yp + half + o, y2.to(yp.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rope_kernel(X, COS, SIN, Y, H, R, D, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh,
                  HALF_P: tl.constexpr, D_P: tl.constexpr, ROUND: tl.constexpr):
     pid = tl.program_id(0)
@@ -31,15 +44,8 @@ def _rope_kernel(X, COS, SIN, Y, H, R, D, stride_xt, stride_xh, stride_ct, strid
     m = o < half
     x1 = tl.load(X + t * stride_xt + h * stride_xh + o, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(X + t * stride_xt + h * stride_xh + half + o, mask=m, other=0.0).to(tl.float32)
-    c1 = tl.load(COS + t * stride_ct + o, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + t * stride_ct + half + o, mask=m, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + t * stride_ct + o, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + t * stride_ct + half + o, mask=m, other=0.0).to(tl.float32)
-    y1 = _round(_round(x1 * c1, ROUND) + _round(-x2 * s1, ROUND), ROUND)
-    y2 = _round(_round(x2 * c2, ROUND) + _round(x1 * s2, ROUND), ROUND)
     yp = Y + t * stride_yt + h * stride_yh
-    tl.store(yp + o, y1.to(Y.dtype.element_ty), mask=m)
-    tl.store(yp + half + o, y2.to(Y.dtype.element_ty), mask=m)
+    _rotate_store(x1, x2, COS, SIN, yp, t, stride_ct, o, m, half, ROUND)
     p = R + tl.arange(0, D_P)
     pm = p < D
     tl.store(yp + p, tl.load(X + t * stride_xt + h * stride_xh + p, mask=pm, other=0.0), mask=pm)
@@ -64,15 +70,8 @@ def _norm_rope_kernel(X, W, COS, SIN, Y, H, R, D, eps, inv_d, stride_xt, stride_
                 * (1.0 + tl.load(W + o, mask=m, other=0.0).to(tl.float32)), ROUND)
     n2 = _round((tl.load(xrow + half + o, mask=m, other=0.0).to(tl.float32) * rstd)
                 * (1.0 + tl.load(W + half + o, mask=m, other=0.0).to(tl.float32)), ROUND)
-    c1 = tl.load(COS + t * stride_ct + o, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + t * stride_ct + half + o, mask=m, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + t * stride_ct + o, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + t * stride_ct + half + o, mask=m, other=0.0).to(tl.float32)
-    y1 = _round(_round(n1 * c1, ROUND) + _round(-n2 * s1, ROUND), ROUND)
-    y2 = _round(_round(n2 * c2, ROUND) + _round(n1 * s2, ROUND), ROUND)
     yp = Y + t * stride_yt + h * stride_yh
-    tl.store(yp + o, y1.to(Y.dtype.element_ty), mask=m)
-    tl.store(yp + half + o, y2.to(Y.dtype.element_ty), mask=m)
+    _rotate_store(n1, n2, COS, SIN, yp, t, stride_ct, o, m, half, ROUND)
     p = R + tl.arange(0, D_P)
     pm = p < D
     npass = (tl.load(xrow + p, mask=pm, other=0.0).to(tl.float32) * rstd) * (1.0 + tl.load(W + p, mask=pm,
