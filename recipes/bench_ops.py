@@ -523,8 +523,7 @@ def main():
     cases.append(("qsa_decode_paged", "B=1,L=10240,paged", lambda: paged_qsa_case(1, L=10_240),
                   cuda.qsa_decode_paged, qsa_ref.qsa_decode_paged))
     from qwen4exp.ops.qsa import triton_kernel as qsa_tk
-    # the decode attention's launch settings side by side (ATTN_PROGRAMS=4096: one chunk a program, as the
-    # kernel before the tenth session; the rest of the op is the same in every variant)
+    # the decode attention's launch settings side by side (the rest of the op is the same in every variant)
     sweep = [(1, dict(ATTN_PREFETCH=True)), (32, dict(ATTN_PREFETCH_MANY=False)),
              (1, dict(ATTN_SLOT_BLOCK=64)), (1, dict(ATTN_SLOT_BLOCK=16, ATTN_WARPS=4))]
     sweep += [(32, dict(ATTN_SLOT_BLOCK_MANY=sb, ATTN_WARPS_MANY=w, ATTN_PROGRAMS=p))

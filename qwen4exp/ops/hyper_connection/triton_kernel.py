@@ -394,10 +394,15 @@ def _split_for(D: int, NK: int, T: int = 1, hn_ready: bool = False) -> int:
     return 0
 
 
+def _norm_fits(H, Hn) -> bool:
+    """A handed-in norm (or none) that the kernels can read in place of H."""
+    return Hn is None or (Hn.dtype == torch.bfloat16 and Hn.shape == H.shape)
+
+
 def supported(H, norm_weight, down, up, inj, n, Hn=None) -> bool:
     if not (H.is_cuda and H.dtype == torch.bfloat16 and down.dtype == torch.bfloat16 and up.dtype == torch.bfloat16):
         return False
-    if Hn is not None and (Hn.dtype != torch.bfloat16 or Hn.shape != H.shape):
+    if not _norm_fits(H, Hn):
         return False
     if inj is not None and inj.dtype != torch.bfloat16:
         return False
@@ -453,8 +458,8 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, Hn=None, _s
     BLOCK_T = max(16, triton.next_power_of_2(T))
     BLOCK_R = A_BLOCK_R
     dev = H.device
-    rstd = torch.empty(T, n, dtype=torch.float32, device=dev)
     part = torch.empty(T, n_split, R + NI, dtype=torch.float32, device=dev)
+    rstd = part if hn_ready else torch.empty(T, n, dtype=torch.float32, device=dev)  # (with Hn: not touched)
     grid = (triton.cdiv(R, BLOCK_R) + (1 if NI else 0), n_split)
     # compile-time shapes: of both stages, of stage A, of stage B
     shapes = dict(R=R, NI=NI, D=D, NS=n, BLOCK_T=BLOCK_T)
@@ -503,7 +508,7 @@ def gemm_path_supported(H, norm_weight, down, up, inj, n, Hn=None) -> bool:
     1/n, exact only then)."""
     if not (H.is_cuda and H.dtype == down.dtype == up.dtype == torch.bfloat16 and n in (1, 2, 4, 8)):
         return False
-    if Hn is not None and (Hn.dtype != torch.bfloat16 or Hn.shape != H.shape):
+    if not _norm_fits(H, Hn):
         return False
     NK = H.shape[-1]
     R = down.shape[0]
