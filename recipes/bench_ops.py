@@ -451,6 +451,122 @@ def prefill_breakdown(Tq=4096):
     return out
 
 
+def decode_breakdown(bw):
+    """qsa_decode_paged at batch 1 and 32 (L=50,000, paged, shuffled blocks) by stage: the paged scores, the top-k
+    select and the split attention + merge, each over its launch settings (every variant's ids / output checked
+    against the default's first); bytes and the fraction of the measured bandwidth beside each. -> rows."""
+    import triton
+
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    try:  # vLLM's CUDA extension (its top-k kernel), where this runs inside the vLLM venv
+        import vllm._C  # noqa: F401
+    except ImportError:
+        pass
+    out = []
+
+    def timed(B, stage, fn, sets, by=None):
+        try:
+            t, _ = time_calls(fn, sets)
+        except Exception as e:  # noqa: BLE001  (out of registers / shared memory)
+            print(f"   B={B} {stage}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            return float("inf")
+        frac = f", {by / (t * 1e-6) / bw:.0%} of bandwidth" if by else ""
+        out.append(("qsa_decode_paged", f"B={B}", stage, t))
+        print(f"   B={B} {stage}: {t:.1f} us{frac}", flush=True)
+        return t
+
+    def knobs(**kw):
+        saved = {k: getattr(tk, k) for k in kw}
+        for k, v in kw.items():
+            setattr(tk, k, v)
+        return saved
+
+    for B in (1, 32):
+        sets, _, _ = paged_qsa_case(B)
+        q, pos, iq, kv, bt, ikv, ibt, nb, r, budget, sc, isc = sets[0]
+        HD, m, L = q.shape[-1], budget // r, int(pos[0]) + 1
+        n_vis = L // r
+        score_by = B * n_vis * iq.shape[-1] * 2
+        attn_by = B * (budget + r - 1) * kv.shape[1] * HD * 2 * 2
+
+        def score(s, B=B):
+            q, pos, iq, kv, bt, ikv, ibt, nb, r, budget, sc, isc = s
+            keys = torch.empty(B, nb, dtype=torch.int64, device="cuda")
+            tk._qsa_score_paged_kernel[(triton.cdiv(nb, tk.SCORE_PAGED_BLOCK_N), B)](
+                iq, ikv, ibt, pos, keys, nb, r, float(isc), ibt.shape[1], iq.stride(0), iq.stride(1),
+                ikv.stride(0), ikv.stride(2), ibt.stride(0), keys.stride(0), HI=iq.shape[1], HI_P=16,
+                DI=iq.shape[2], IBS=ikv.shape[2], BLOCK_N=tk.SCORE_PAGED_BLOCK_N, num_warps=tk.SCORE_PAGED_WARPS)
+            return keys
+
+        def score_logits(s, B=B):
+            q, pos, iq, kv, bt, ikv, ibt, nb, r, budget, sc, isc = s
+            lg = torch.empty(B, -(-nb // 4) * 4, dtype=torch.float32, device="cuda")[:, :nb]
+            tk._qsa_score_paged_kernel[(triton.cdiv(nb, tk.SCORE_PAGED_BLOCK_N), B)](
+                iq, ikv, ibt, pos, lg, nb, r, float(isc), ibt.shape[1], iq.stride(0), iq.stride(1),
+                ikv.stride(0), ikv.stride(2), ibt.stride(0), lg.stride(0), HI=iq.shape[1], HI_P=16,
+                DI=iq.shape[2], IBS=ikv.shape[2], BLOCK_N=tk.SCORE_PAGED_BLOCK_N, num_warps=tk.SCORE_PAGED_WARPS,
+                LOGITS=True)
+            return lg
+
+        want_keys = score(sets[0])
+        for bn, w in ((64, 4), (32, 2), (64, 2), (128, 4), (128, 8), (256, 8)):
+            saved = knobs(SCORE_PAGED_BLOCK_N=bn, SCORE_PAGED_WARPS=w)
+            ok = torch.equal(score(sets[0]), want_keys)
+            timed(B, f"scores BLOCK_N={bn} warps={w}{'' if ok else ' WRONG'}", score, [(s,) for s in sets],
+                  score_by)
+            knobs(**saved)
+        keys = [(score(s),) for s in sets]
+        want = tk.top_ids(keys[0][0], m).sort(dim=1).values
+        for split, w, bits in ((4096, 8, 0), (4096, 4, 0), (4096, 16, 0), (2048, 4, 0), (2048, 8, 0), (8192, 8, 0),
+                               (8192, 16, 0), (4096, 8, 2), (4096, 8, 4), (2048, 4, 2), (0, 8, 0)):
+            saved = knobs(TOPK_SPLIT=split, TOPK_SPLIT_WARPS=w, TOPK_SPLIT_BITS=bits, TOPK_SMALL_BITS=bits)
+            ok = torch.equal(tk.top_ids(keys[0][0], m).sort(dim=1).values, want)
+            timed(B, f"top-k split={split} warps={w} bits={bits}{'' if ok else ' WRONG'}",
+                  lambda kk, m=m: tk.top_ids(kk, m), keys)
+            knobs(**saved)
+        timed(B, "top-k torch.topk", lambda kk, m=m: tk.top_keys(kk, m), keys)
+        if tk.vllm_topk_covers(B, m):  # vLLM's CUDA select (inside the vLLM venv): fp32 scores in, ids out
+            timed(B, f"scores as fp32 logits BLOCK_N={tk.SCORE_PAGED_BLOCK_N}", score_logits, [(s,) for s in sets],
+                  score_by)
+            lsets = [(score_logits(s), s[1]) for s in sets]
+            got = tk.vllm_top_ids(lsets[0][0], lsets[0][1], r, m).sort(dim=1).values
+            agree = (got == want).all(dim=1).float().mean().item()
+            timed(B, f"top-k vLLM cooperative_topk (rows equal to the Triton select's: {agree:.0%})",
+                  lambda lg, p, r=r, m=m: tk.vllm_top_ids(lg, p, r, m), lsets)
+            saved = knobs(TOPK="vllm")
+            timed(B, "whole op (TOPK=vllm)", tk.qsa_decode_paged_triton, sets, score_by + attn_by)
+            knobs(**saved)
+            lsets = None
+        else:
+            print(f"   B={B}: vLLM's cooperative_topk not loaded (run inside the vLLM venv)", flush=True)
+        asets = [(s[0], s[3][..., :HD], s[3][..., HD:], s[1], tk.top_ids(kk[0], m), r, s[10], False, s[4])
+                 for s, kk in zip(sets, keys)]
+        ref = tk.sparse_attention_slots(*asets[0]).float()
+        many = B >= tk.ATTN_MANY_QUERIES
+        names = ("ATTN_SLOT_BLOCK_MANY", "ATTN_WARPS_MANY", "ATTN_PREFETCH_MANY") if many else (
+            "ATTN_SLOT_BLOCK", "ATTN_WARPS", "ATTN_PREFETCH")
+        shapes = ((16, 2), (16, 4), (32, 4), (32, 8)) if many else ((32, 8), (16, 4), (32, 4), (64, 8))
+        for sb, w in shapes:
+            for st in (1, 2, 3):
+                for pf in (True, False):
+                    for progs in ((512, 1024) if many else (512,)):
+                        saved = knobs(**dict(zip(names, (sb, w, pf))), ATTN_STAGES=st, ATTN_PROGRAMS=progs)
+                        try:
+                            o = tk.sparse_attention_slots(*asets[0]).float()
+                            ok = bool(((o - ref).norm() / ref.norm()) < 1e-2)
+                        except Exception as e:  # noqa: BLE001
+                            print(f"   B={B} attention {sb}x{w} stages={st}: {type(e).__name__}", flush=True)
+                            knobs(**saved)
+                            continue
+                        timed(B, f"attention+merge SB={sb} warps={w} stages={st} prefetch={pf} programs={progs}"
+                              f"{'' if ok else ' WRONG'}", tk.sparse_attention_slots, asets, attn_by)
+                        knobs(**saved)
+        timed(B, "whole op (defaults)", tk.qsa_decode_paged_triton, sets, score_by + attn_by)
+        sets = keys = asets = None
+        torch.cuda.empty_cache()
+    return out
+
+
 def profile_once():
     """A few eager calls of each kernel at decode size, for a profiler (ncu) to catch."""
     from qwen4exp.ops import cuda
@@ -474,6 +590,8 @@ def main():
     ap.add_argument("--tune", action="store_true",
                     help="first sweep the launch shapes of hc_mix and qsa (kept for the table), time their stages")
     ap.add_argument("--profile-once", action="store_true", help="only run each kernel twice (for ncu)")
+    ap.add_argument("--decode-breakdown", action="store_true",
+                    help="qsa_decode_paged by stage over launch settings, batch 1 and 32")
     ap.add_argument("--tune-prefill", action="store_true",
                     help="first time qsa_prefill_paged by stage and sweep its attention kernel's launch shapes")
     args = ap.parse_args()
@@ -487,6 +605,8 @@ def main():
     stages = tune_and_breakdown() if args.tune else []
     if args.tune_prefill:
         stages += prefill_breakdown()
+    if args.decode_breakdown:
+        stages += decode_breakdown(bw)
     only = set(filter(None, args.only.split(",")))
     cases = []
     for T in (1, 8, 16, 32, 16384):  # as dispatched (16384: a prefill chunk: cuBLAS projections + norm / gate-mean)
@@ -558,9 +678,17 @@ def main():
     for T in (1, 32):
         cases.append(("ngram_lookup_decode", f"T={T},fp8,pinned-host", lambda T=T: ngram_lookup_case(T, "pinned"),
                       cuda.ngram_lookup_decode, ple_ref.ngram_lookup_decode))
+    from qwen4exp.ops.ple import triton_kernel as ple_tk
     for T in (1, 32):
         cases.append(("ple_mix", f"T={T},4x2560,K=4,dil=3", lambda T=T: ple_mix_case(T), cuda.ple_mix,
                       ple_ref.ple_mix))
+        # the decode kernel's launch settings: programs (1 << 20: one channel block a program, the run-11 kernel),
+        # channels a block, warps
+        for progs, bc, w in ((1 << 20, 512, 8), (264, 512, 8), (132, 256, 8), (264, 256, 4), (528, 256, 4),
+                             (132, 512, 4), (264, 128, 4)):
+            cases.append(("ple_mix", f"T={T},4x2560,K=4,dil=3,programs={progs},block_c={bc},warps={w}",
+                          lambda T=T: ple_mix_case(T),
+                          with_knobs(cuda.ple_mix, ple_tk, MIX_PROGRAMS=progs, MIX_BLOCK_C=bc, MIX_WARPS=w), None))
     if cuda._FLA is not None:  # GDN through flash-linear-attention (the HF path's kernels; vLLM has its own copy)
         from qwen4exp.ops.gated_delta_rule import reference as gdn_ref
 

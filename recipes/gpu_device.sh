@@ -59,6 +59,11 @@ case "${1:-}" in
     register
     files=(tests/test_vllm_gpu.py)
     [ "${KERNELS:-0}" = 1 ] && files=(tests/test_gpu_kernels.py "${files[@]}")
+    if [ -n "${KERNELS_K:-}" ]; then  # kernel tests that need the vLLM venv (e.g. vllm_topk), before the check
+      timeout 150 python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_kernels.py -k "$KERNELS_K" \
+        > "$OUT/kernels-venv.log" 2>&1
+      echo "kernel tests in the vLLM venv: rc=$?"; tail -3 "$OUT/kernels-venv.log"
+    fi
     timeout 580 python -m pytest -q -rs -p no:cacheprovider "${files[@]}" > "$OUT/tests.log" 2>&1
     echo "rc=$?"; tail -15 "$OUT/tests.log" ;;
   check)

@@ -406,16 +406,17 @@ def select_each_way(q_pos, iq, bk, index_scale):
     the radix select, torch.topk on the sort keys, each in one launch; the split select (chunks of 4,096 / 1,024
     keys, then their candidates) where the rows are few. -> [(variant, ids)]."""
     from qwen4exp.ops.qsa import triton_kernel as tk
-    saved = tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT
+    saved = tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT, tk.TOPK_SPLIT_BITS
     out = []
     ways = [("triton", *v, 0) for v in tk.TOPK_SELECTS] + [("torch", True, 1, 0), ("triton", True, 0, 4096),
                                                              ("triton", True, 0, 1024), ("triton", True, 2, 4096)]
     for way in ways:
         tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT = way
+        tk.TOPK_SPLIT_BITS = way[2]
         try:
             out.append((way[0], tk.select_block_ids(q_pos, iq, bk, R_QSA, BUDGET, index_scale)))
         finally:
-            tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT = saved
+            tk.TOPK, tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT, tk.TOPK_SPLIT_BITS = saved
     return out
 
 
@@ -611,6 +612,49 @@ def test_qsa_decode_paged_matches_reference(lens, bs, ibs, padded):
     for b in range(len(lens)):
         err = _rel(out[b], want[b])
         assert err < 1e-2, (lens[b], err)
+
+
+def test_qsa_decode_paged_with_vllm_topk():
+    """TOPK = "vllm" (vLLM's CUDA select on fp32 scores, inside the vLLM venv: ``recipes/gpu_device.sh tests`` runs
+    this file's vllm_topk tests there): the same selections as the Triton select on untied random scores (set
+    equality per row, short rows included: -1 padded) and the paged decode output against the reference, eager and
+    in a CUDA graph."""
+    from qwen4exp.ops.qsa import reference as ref
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    try:
+        import vllm._C  # noqa: F401
+    except ImportError:
+        pytest.skip("vLLM's CUDA extension is not installed (the base GPU image): run inside the vLLM venv")
+    assert tk.vllm_topk_covers(4, BUDGET // R_QSA)
+    cuda = cuda_ops()
+    lens = [7, 2060, 9001, 50_003]
+    q, pos, iq, kv, bt, ikv, ibt = paged_decode_case(lens, 16, 64, seed=21)
+    scale, iscale = 256 ** -0.5, 128 ** -0.5
+    n_blocks = max(lens) // R_QSA + 9
+    m = BUDGET // R_QSA
+    lg = torch.randn(len(lens), -(-n_blocks // 4) * 4, device="cuda")[:, :n_blocks]
+    visible = (pos + 1) // R_QSA
+    keys = torch.where(torch.arange(n_blocks, device="cuda")[None] < visible[:, None], lg.float(), float("nan"))
+    bits = keys.contiguous().view(torch.int32).long()
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # orderable score bits, as the sort keys
+    sort_keys = torch.where(keys.isnan(), tk.INT64_MIN, (order << 32) + (4294967295 - torch.arange(n_blocks,
+                                                                                                   device="cuda")))
+    want = tk.top_ids(sort_keys, m).sort(dim=1).values
+    got = tk.vllm_top_ids(lg, pos, R_QSA, m).sort(dim=1).values
+    assert torch.equal(got, want)
+    saved = tk.TOPK
+    tk.TOPK = "vllm"
+    try:
+        out = cuda.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, n_blocks, R_QSA, BUDGET, scale, iscale)
+        g, graphed = capture(lambda: cuda.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, n_blocks, R_QSA, BUDGET,
+                                                           scale, iscale))
+        g.replay()
+    finally:
+        tk.TOPK = saved
+    want = ref.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, n_blocks, R_QSA, BUDGET, scale, iscale)
+    for b in range(len(lens)):
+        assert _rel(out[b], want[b]) < 1e-2, lens[b]
+    torch.testing.assert_close(graphed, out, rtol=0, atol=0)
 
 
 def test_qsa_decode_paged_in_cuda_graph():

@@ -49,7 +49,7 @@ def check_qsa_topk():
     from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
     torch.manual_seed(0)
     m = 16
-    saved = tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT
+    saved = tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT, tk.TOPK_SPLIT_BITS
     cases = ((10, 3, False), (17, 2, True), (300, 4, False), (300, 4, True), (2049, 2, True),
              (300, 3, "narrow"), (300, 3, "bf16"), (300, 3, "equal"), (40, 2, "none"),
              (5000, 1, False), (9000, 1, "bf16"))  # (the 4096 / 8192 / 16384-key variants too)
@@ -72,13 +72,13 @@ def check_qsa_topk():
         # the split select (TOPK_SPLIT: chunks of keys, then their candidates) at a small chunk too (many chunks)
         for (small, bits), split in [(v, 0) for v in tk.TOPK_SELECTS] + [((True, 0), 256), ((True, 0), 4096),
                                                                          ((True, 2), 256), ((True, 8), 512)]:
-            tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT = small, bits, split
+            tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT, tk.TOPK_SPLIT_BITS = small, bits, split, bits
             got = tk.top_ids(keys, m)
             for t in range(Tq):
                 a = [x for x in got[t].tolist() if x >= 0]
                 b = sorted(x for x in want[t].tolist() if x >= 0)
                 assert a == b and (got[t] >= 0).sum() == (want[t] >= 0).sum(), (Nb, ties, small, bits, split, t)
-    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT = saved
+    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS, tk.TOPK_SPLIT, tk.TOPK_SPLIT_BITS = saved
 
 
 def _paged(lens, seed, shared_table):
@@ -370,9 +370,13 @@ def check_real_widths():
     kv, bt, ikv, _ = paged_qsa_case([seq], [L], r, bs, bs, shared_table=True)
     q, k, v, iq, bk = seq
     pos = torch.tensor([L - 1])
-    got = tk.qsa_decode_paged_triton(q[-1:], pos, iq[-1:], kv, bt, ikv, bt, L // r, r, budget, 0.0625, 0.1)
-    close(got, ref.qsa_decode_paged(q[-1:], pos, iq[-1:], kv, bt, ikv, bt, L // r, r, budget, 0.0625, 0.1), 0.05,
-          "decode real widths")
+    want = ref.qsa_decode_paged(q[-1:], pos, iq[-1:], kv, bt, ikv, bt, L // r, r, budget, 0.0625, 0.1)
+    saved = tk.ATTN_MANY_QUERIES
+    for many in (saved, 1):  # the few- and the many-query (batch-32) launch settings of the decode attention
+        tk.ATTN_MANY_QUERIES = many
+        got = tk.qsa_decode_paged_triton(q[-1:], pos, iq[-1:], kv, bt, ikv, bt, L // r, r, budget, 0.0625, 0.1)
+        close(got, want, 0.05, f"decode real widths ATTN_MANY_QUERIES={many}")
+    tk.ATTN_MANY_QUERIES = saved
     saved = tk.LOOP_MIN_QUERIES
     for loop_min in (1, 10 ** 9):  # looping / split attention
         tk.LOOP_MIN_QUERIES = loop_min

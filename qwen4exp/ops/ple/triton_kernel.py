@@ -168,21 +168,24 @@ def ple_lookup_triton(table, rows, scale=None, out_dtype=None):
 MIX_BLOCK_C = 512  # channels of one stream per program (the conv state block is [MIX_BLOCK_C, S] in registers)
 MIX_BLOCK_R = 1024  # columns per step of the reductions over a stream's D
 MIX_WARPS = 8
+MIX_PROGRAMS = 132  # about this many programs (one H200 wave; at least one per (token, stream), at most one per
+# channel block): 32 tokens x 4 streams -> one program per (token, stream); 1 token -> one per channel block
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['CPP'])
 def _ple_mix_decode_kernel(H, KEY, VAL, QW, CW, WC, STATE, OUT, NEW,
                            stride_h, stride_k, stride_v, stride_sn, stride_sc, stride_o, stride_nn, stride_nc,
-                           eps, inv_d, sqrt_d,
+                           eps, inv_d, sqrt_d, CPP,
                            D: tl.constexpr, KS: tl.constexpr, S: tl.constexpr, S_P: tl.constexpr,
                            DIL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One program per (token, stream, block of BLOCK_C channels). Every program of a (token, stream) recomputes
-    the stream's three reductions (query RMS, key dot product, RMS of the gated values) BLOCK_R columns at a time,
-    reading its 4 rows of D through L2, then does its channels' conv. (Run 10 timed a first version holding whole
-    rows in registers with 4 warps at 36 us for 32 tokens, far above its bytes: ptxas -v gives it 255 registers and
-    136 bytes of spills; this one, 8 warps: 170 registers, no spills. Interpreter- and sm_90-compile-checked, not
-    yet timed.) The reference's rounding points: each torch op
-    rounds to bf16."""
+    """One program per (token, stream, range of CPP blocks of BLOCK_C channels). Every program of a (token, stream)
+    computes the stream's three reductions (query RMS, key dot product, RMS of the gated values) BLOCK_R columns at
+    a time, reading its 4 rows of D through L2, then loops over its channel blocks' conv. (Run 10: a first version
+    holding whole rows in registers, 4 warps: 255 registers + 136 B spilled, 36 us for 32 tokens. Run 11: one
+    channel block a program, 170 registers, no spills, still 33 us in the engine at 32 tokens: 640 programs of 8
+    warps, one resident an SM, five waves of the serial reductions, each redone by 5 programs of a (token, stream).
+    Now the launcher sizes the channel ranges so that about ``MIX_PROGRAMS`` programs run: one wave at 32 tokens.)
+    The reference's rounding points: each torch op rounds to bf16."""
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     cb = tl.program_id(2)
@@ -209,7 +212,17 @@ def _ple_mix_decode_kernel(H, KEY, VAL, QW, CW, WC, STATE, OUT, NEW,
         u = _rbf(g * tl.load(VAL + t * stride_v + c0 + offs, mask=c0 + offs < D, other=0.0).to(tl.float32))
         ssu += u * u
     rstd_u = _rsqrt(tl.sum(ssu, axis=0) * inv_d + eps)
-    # this program's channels
+    for cbi in range(cb * CPP, cb * CPP + CPP):  # this program's channel blocks
+        _ple_mix_channels(VAL, CW, WC, STATE, OUT, NEW, t, s, cbi, g, rstd_u, stride_v, stride_sn, stride_sc,
+                          stride_o, stride_nn, stride_nc, D, KS, S, S_P, DIL, BLOCK_C)
+
+
+@triton.jit
+def _ple_mix_channels(VAL, CW, WC, STATE, OUT, NEW, t, s, cb, g, rstd_u, stride_v, stride_sn, stride_sc, stride_o,
+                      stride_nn, stride_nc, D: tl.constexpr, KS: tl.constexpr, S: tl.constexpr, S_P: tl.constexpr,
+                      DIL: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Channels cb * BLOCK_C .. of stream s of token t: the normed gated value, its dilated conv over the state,
+    SiLU, the output and the shifted state (blocks past D: all masked)."""
     offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = offs_c < D
     ch = s * D + offs_c
@@ -270,9 +283,11 @@ def ple_mix_decode_triton(H, k, v, qw, cw, wc, state, n: int, eps: float, dilati
     new = torch.empty(T, nD, S, dtype=wc.dtype, device=H.device)
     if T:
         BLOCK_C = min(MIX_BLOCK_C, triton.next_power_of_2(D))
-        _ple_mix_decode_kernel[(T, n, triton.cdiv(D, BLOCK_C))](
+        n_cb = triton.cdiv(D, BLOCK_C)
+        cpp = triton.cdiv(n_cb, min(n_cb, max(1, triton.cdiv(MIX_PROGRAMS, T * n))))  # channel blocks a program
+        _ple_mix_decode_kernel[(T, n, triton.cdiv(n_cb, cpp))](
             H, k, v, qw, cw, wc, state, out, new, H.stride(0), k.stride(0), v.stride(0), state.stride(0),
-            state.stride(1), out.stride(0), new.stride(0), new.stride(1), float(eps), 1.0 / D, math.sqrt(D),
+            state.stride(1), out.stride(0), new.stride(0), new.stride(1), float(eps), 1.0 / D, math.sqrt(D), cpp,
             D=D, KS=KS, S=S, S_P=triton.next_power_of_2(S), DIL=dilation, BLOCK_C=BLOCK_C,
             BLOCK_R=min(MIX_BLOCK_R, triton.next_power_of_2(D)), num_warps=MIX_WARPS)
     return out, new

@@ -84,9 +84,10 @@ def _order_key(s, offs_n, n_complete, scale):
 def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, Nb, r, scale, n_bt,
                             stride_qt, stride_qh, stride_kvb, stride_kvl, stride_bt, stride_keys_t,
                             HI: tl.constexpr, HI_P: tl.constexpr, DI: tl.constexpr, IBS: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
+                            BLOCK_N: tl.constexpr, LOGITS: tl.constexpr = False):
     """``_qsa_score_kernel`` for a batch of single queries, each reading its own block keys out of the paged index
-    cache: block j's key is the V half of the row of token j*r + r - 1 (the token that completed it)."""
+    cache: block j's key is the V half of the row of token j*r + r - 1 (the token that completed it). LOGITS: the
+    fp32 scores themselves instead of sort keys (blocks past a query's end: 0; the select reads its visible count)."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,8 +103,12 @@ def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, Nb, r, scale, n_bt,
     phys = tl.load(IBT + t * stride_bt + page, mask=vis, other=0).to(tl.int64)
     row = phys * stride_kvb + (tok % IBS) * stride_kvl + DI
     k = tl.load(IKV + row[:, None] + offs_d[None, :], mask=vis[:, None], other=0.0).to(tl.bfloat16)  # FP8: exact
-    key = _order_key(_dot(k, tl.trans(q)), offs_n, n_complete, scale)
-    tl.store(KEYS + t * stride_keys_t + offs_n, key, mask=nmask)
+    if LOGITS:
+        sc = tl.sum(tl.maximum(_dot(k, tl.trans(q)), 0.0), axis=1) * scale
+        tl.store(KEYS + t * stride_keys_t + offs_n, sc + 0.0, mask=nmask)  # (-0.0 -> +0.0, as the sort keys)
+    else:
+        key = _order_key(_dot(k, tl.trans(q)), offs_n, n_complete, scale)
+        tl.store(KEYS + t * stride_keys_t + offs_n, key, mask=nmask)
 
 
 @triton.jit(do_not_specialize=['Tq', 'Nb', 'n_bt', 'stride_keys_t'], do_not_specialize_on_alignment=_ROW_VIEWS)
@@ -461,7 +466,9 @@ ATTN_WARPS = 8  # real widths (12 heads padded to 16 x 256) 32 slots x 8 warps c
 ATTN_PROGRAMS = 512  # decode attention: each (query, KV head) split over slot ranges so that about this many
 # programs run (batch 1: one 32-slot chunk a program, 130 programs; batch 32: 9 chunks, 512 programs). Before:
 # always one chunk a program, which at batch 32 wrote (and the merge read back) 35 MB of fp32 partials a layer
-ATTN_STAGES = 1  # software-pipeline stages of its loop over chunks
+ATTN_STAGES = 1  # software-pipeline stages of its loop over chunks (few queries; batch 1: 1-3 within noise)
+ATTN_STAGES_MANY = 3  # many queries (batch 32 x 50k, attention + merge at 16 x 2 + prefetch, H200 run 12: 1 stage
+# 73.1 us, 2: 67.7, 3: 59.9; Triton's pipeliner issues the next chunks' K/V loads (cp.async) ahead of the math)
 ATTN_MANY_QUERIES = 8  # from this many queries (batch-32 decode): 16 slots x 2 warps (H200 bench_ops, batch 32 x 50k,
 ATTN_SLOT_BLOCK_MANY = 16  # the whole op: 128 us, vs 16 x 4: 159 (135 without the row prefetch: 2 programs an SM, two
 ATTN_WARPS_MANY = 2  # waves of 512), 32 x 8: 144-150, 64 x 8: 156; at batch 1 32 x 8 is the faster: 36.7 vs 39.7 us)
@@ -469,7 +476,10 @@ ATTN_WARPS_MANY = 2  # waves of 512), 32 x 8: 144-150, 64 x 8: 156; at batch 1 3
 ATTN_PREFETCH_MANY = True  # many-query decode (batch 32: 128 vs 141.8 us with 16 x 2)
 ATTN_PREFETCH = False  # few-query decode (batch 1: 36.7 vs 37.4 us, noise-level, and 32 x 8 then spills 140 B)
 LOOP_PREFETCH = False  # prefill loop (not timed with it)
-TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch" (torch.topk on the keys)
+TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch" (torch.topk on the keys); "vllm":
+# paged decode of up to 64 rows through vLLM's CUDA top-k kernel where it is loaded (the in-tree model's select;
+# ties at the threshold are its choice, not the reference's lower ids), else "triton"
+VLLM_TOPK_WORKSPACE_BYTES = 1 << 20  # its scratch (the size vLLM's callers give it)
 TOPK_CHUNK = 8192  # keys per pass step of the radix select
 TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register select instead of the chunked radix select
 TOPK_SMALL_MAX = 16384  # (<= 2^16: the in-register kernel packs two counts into an int32)
@@ -489,6 +499,8 @@ TOPK_SPLIT = 4096  # past this many blocks, for up to TOPK_SPLIT_MAX_ROWS querie
 # its chunk's top m). 0: one launch, one program per query (prefill-sized batches always)
 TOPK_SPLIT_MAX_ROWS = 128
 TOPK_SPLIT_WARPS = 8
+TOPK_SPLIT_BITS = 2  # the split select's threshold bits a step (TOPK_SMALL_BITS' values; H200 run 12, bench_ops
+# --decode-breakdown, both launches at 50k: batch 1 18.1 us with 2 vs 21.9 with 0, batch 32 21.6 vs 23.8)
 # (2048 / 4096 / 8192 / 16384: four variants, each compiled at its first use; the kernels' integer sizes are not
 # specialised, so no other length compiles anything). Until run 9 every count past 2048 took N_P = 16384: a 10k
 # context (2,560 blocks) did 6x the work, and a decode graph captured for such a max_model_len ran it every step.
@@ -500,6 +512,8 @@ LOOP_STAGES = 2
 SCORE_WARPS = 4
 PREFILL_KEYS_BYTES = 256 << 20  # the int64 sort keys of one query chunk of qsa_prefill_paged_triton stay below this
 PREFILL_MAX_QUERIES = 16384  # and a chunk has at most this many queries
+SCORE_PAGED_BLOCK_N = 128  # block keys per program of the decode score kernel, and its warps (H200 run 12, 50k:
+SCORE_PAGED_WARPS = 8  # batch 32 32.2 us vs 34.4 with 64 x 4 (71 -> 76% of the bandwidth); batch 1 4.1 either way)
 SCORE_BLOCK_M = 64  # queries x block keys per program of the prefill score kernel
 SCORE_BLOCK_N = 64
 apply_knobs(globals(), "qsa")  # QWEN4EXP_KNOBS=qsa.<SETTING>=<value>,...
@@ -554,11 +568,11 @@ def top_ids(keys, m: int):
         M_P = triton.next_power_of_2(m)
         cand = torch.empty(Tq, n_chunks * m, dtype=torch.int64, device=keys.device)
         LAUNCHED["qsa_topk_split"] = _qsa_topk_small_kernel[(Tq, n_chunks)](
-            keys, cand, Nb, m, keys.stride(0), cand.stride(0), N_P=TOPK_SPLIT, M_P=M_P, BITS=TOPK_SMALL_BITS,
+            keys, cand, Nb, m, keys.stride(0), cand.stride(0), N_P=TOPK_SPLIT, M_P=M_P, BITS=TOPK_SPLIT_BITS,
             MODE=1, num_warps=TOPK_SPLIT_WARPS)
         N_P = max(TOPK_SMALL_MIN, triton.next_power_of_2(n_chunks * m))
         LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
-            cand, out, n_chunks * m, m, cand.stride(0), out.stride(0), N_P=N_P, M_P=M_P, BITS=TOPK_SMALL_BITS,
+            cand, out, n_chunks * m, m, cand.stride(0), out.stride(0), N_P=N_P, M_P=M_P, BITS=TOPK_SPLIT_BITS,
             MODE=2, num_warps=TOPK_SPLIT_WARPS)
     elif TOPK_SMALL and Nb <= TOPK_SMALL_MAX:  # keys in registers, the threshold by TOPK_SMALL_BITS a step
         N_P = min(max(TOPK_SMALL_MIN, triton.next_power_of_2(max(Nb, 1))), TOPK_SMALL_MAX)
@@ -568,6 +582,35 @@ def top_ids(keys, m: int):
     else:  # radix select over chunks of keys
         LAUNCHED["qsa_topk"] = _qsa_topk_kernel[(Tq,)](keys, out, Nb, m, keys.stride(0), out.stride(0),
                                                        CH=TOPK_CHUNK, M_P=triton.next_power_of_2(m), num_warps=16)
+    return out
+
+
+_VLLM_TOPK_WORKSPACE = {}
+
+
+def vllm_topk_covers(rows: int, m: int) -> bool:
+    """Whether vLLM's own top-k kernel (``torch.ops._C.cooperative_topk``: the CUDA build's, as the in-tree model
+    uses it; registered once vLLM's extension is loaded) serves ``rows`` rows of top ``m``."""
+    if rows > 64 or m not in (512, 1024, 2048):  # its row limit (one cluster wave) and its k values
+        return False
+    try:
+        return hasattr(torch.ops._C, "cooperative_topk")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def vllm_top_ids(logits, q_pos, r: int, m: int):
+    """Top-m block ids [rows, m] (int32, -1 pad) of fp32 scores by vLLM's select. It reads each row's first
+    n_complete = (q_pos + 1) // r scores; unlike ``top_ids`` its choice among blocks tied at the threshold is its
+    own (not the lower ids): the set can differ from the reference's where scores tie exactly."""
+    rows, n_blocks = logits.shape
+    dev = logits.device
+    ws = _VLLM_TOPK_WORKSPACE.get(dev)
+    if ws is None:  # one per device, kept: its address stays fixed across CUDA-graph replays
+        ws = _VLLM_TOPK_WORKSPACE[dev] = torch.empty(VLLM_TOPK_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+    visible = torch.clamp(torch.div(q_pos + 1, r, rounding_mode="floor"), max=n_blocks).to(torch.int32)
+    out = torch.empty(rows, m, dtype=torch.int32, device=dev)
+    torch.ops._C.cooperative_topk(logits, visible, out, ws, m, n_blocks)
     return out
 
 
@@ -640,7 +683,8 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
         q, k, v, q_pos, sel, op, mp, lp, r, m, n_chunks, cpp, scale_log2,
         q.stride(0), q.stride(1), *strides, sel.stride(0), *paged,
         G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
-        PREFETCH=ATTN_PREFETCH_MANY if many else ATTN_PREFETCH, num_warps=warps, num_stages=ATTN_STAGES)
+        PREFETCH=ATTN_PREFETCH_MANY if many else ATTN_PREFETCH, num_warps=warps,
+        num_stages=ATTN_STAGES_MANY if many else ATTN_STAGES)
     LAUNCHED["qsa_merge"] = _qsa_merge_kernel[(G, Hkv, Tq)](
         op, mp, lp, out, n_split, out.stride(0), out.stride(1),
         G=G, G_P=G_P, HD=HD, NSP=triton.next_power_of_2(n_split), CH=16, num_warps=4)
@@ -689,15 +733,19 @@ def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_
     if n_blocks > m and m > 0:
         B = q.shape[0]
         HI, DI = index_q.shape[1], index_q.shape[2]
-        keys = torch.empty(B, n_blocks, dtype=torch.int64, device=q.device)
-        BLOCK_N = 64
+        logits = TOPK == "vllm" and vllm_topk_covers(B, m)
+        if logits:  # fp32 scores, rows 16-byte aligned (the select reads them with TMA)
+            keys = torch.empty(B, -(-n_blocks // 4) * 4, dtype=torch.float32, device=q.device)[:, :n_blocks]
+        else:
+            keys = torch.empty(B, n_blocks, dtype=torch.int64, device=q.device)
+        BLOCK_N = SCORE_PAGED_BLOCK_N
         LAUNCHED["qsa_score_paged"] = _qsa_score_paged_kernel[(triton.cdiv(n_blocks, BLOCK_N), B)](
             index_q, index_kv, index_block_table, q_pos, keys, n_blocks, r, float(index_scale),
             index_block_table.shape[1], index_q.stride(0), index_q.stride(1), index_kv.stride(0),
             index_kv.stride(2), index_block_table.stride(0), keys.stride(0),
             HI=HI, HI_P=max(16, triton.next_power_of_2(HI)), DI=DI, IBS=index_kv.shape[2], BLOCK_N=BLOCK_N,
-            num_warps=4)
-        sel = top_ids(keys, m)
+            LOGITS=logits, num_warps=SCORE_PAGED_WARPS)
+        sel = vllm_top_ids(keys, q_pos, r, m) if logits else top_ids(keys, m)
     else:
         sel = _dense_ids(q_pos, r, m)
     return sparse_attention_slots(q, kv[..., :HD], kv[..., HD:], q_pos, sel, r, scale, keys=False,
