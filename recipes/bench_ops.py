@@ -458,10 +458,7 @@ def decode_breakdown(bw):
     import triton
 
     from qwen4exp.ops.qsa import triton_kernel as tk
-    try:  # vLLM's CUDA extension (its top-k kernel), where this runs inside the vLLM venv
-        import vllm._C  # noqa: F401
-    except ImportError:
-        pass
+    tk.load_vllm_kernels()  # vLLM's CUDA extension (its top-k kernel), where this runs inside the vLLM venv
     out = []
 
     def timed(B, stage, fn, sets, by=None):

@@ -165,11 +165,13 @@ def ple_lookup_triton(table, rows, scale=None, out_dtype=None):
 
 
 # ------------------------------------------------------------------------------------------------- the decode mix
-MIX_BLOCK_C = 512  # channels of one stream per program (the conv state block is [MIX_BLOCK_C, S] in registers)
+MIX_BLOCK_C = 128  # channels of one stream per block (the conv state block is [MIX_BLOCK_C, S] in registers)
 MIX_BLOCK_R = 1024  # columns per step of the reductions over a stream's D
-MIX_WARPS = 8
-MIX_PROGRAMS = 132  # about this many programs (one H200 wave; at least one per (token, stream), at most one per
-# channel block): 32 tokens x 4 streams -> one program per (token, stream); 1 token -> one per channel block
+MIX_WARPS = 4
+MIX_PROGRAMS = 264  # about this many programs (at least one per (token, stream), at most one per channel block).
+# H200 run 12 (bench_ops, 4 x 2560, K 4, dilation 3), T = 32 / T = 1 tokens: 128 channels, 4 warps, 264 programs
+# 22.3 / 4.3 us; 256 ch, 4 w, 264 p 24.6 / 6.3; 256 ch, 8 w, 132 p 27.1 / 6.5; the run-11 launch (512 ch, 8 w, one
+# block a program) 41.0 / 8.0 (the engine profile: 36.3 us at 32 tokens)
 
 
 @triton.jit(do_not_specialize=['CPP'])
@@ -184,7 +186,7 @@ def _ple_mix_decode_kernel(H, KEY, VAL, QW, CW, WC, STATE, OUT, NEW,
     holding whole rows in registers, 4 warps: 255 registers + 136 B spilled, 36 us for 32 tokens. Run 11: one
     channel block a program, 170 registers, no spills, still 33 us in the engine at 32 tokens: 640 programs of 8
     warps, one resident an SM, five waves of the serial reductions, each redone by 5 programs of a (token, stream).
-    Now the launcher sizes the channel ranges so that about ``MIX_PROGRAMS`` programs run: one wave at 32 tokens.)
+    Now the launcher sizes the channel ranges so that about ``MIX_PROGRAMS`` programs run.)
     The reference's rounding points: each torch op rounds to bf16."""
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)

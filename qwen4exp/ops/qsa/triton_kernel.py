@@ -599,6 +599,17 @@ def vllm_topk_covers(rows: int, m: int) -> bool:
         return False
 
 
+def load_vllm_kernels() -> bool:
+    """Registers vLLM's CUDA operators the way its platform does at engine start (outside an engine: benchmarks,
+    tests); False where vLLM is not installed."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    current_platform.import_kernels()
+    return True
+
+
 def vllm_top_ids(logits, q_pos, r: int, m: int):
     """Top-m block ids [rows, m] (int32, -1 pad) of fp32 scores by vLLM's select. It reads each row's first
     n_complete = (q_pos + 1) // r scores; unlike ``top_ids`` its choice among blocks tied at the threshold is its
