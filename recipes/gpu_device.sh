@@ -55,7 +55,7 @@ register() {
 
 case "${1:-}" in
   register) register ;;
-  tests)  # the plugin's GPU check (3 variants, ~5 min); the kernel tests run in `bg` (or here with KERNELS=1)
+  tests)  # the plugin's GPU check (3 variants, ~7 min alone; > 8.5 min beside `bg`, run 12: start it after `bg` is done)
     register
     files=(tests/test_vllm_gpu.py)
     [ "${KERNELS:-0}" = 1 ] && files=(tests/test_gpu_kernels.py "${files[@]}")

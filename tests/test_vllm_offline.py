@@ -49,6 +49,14 @@ def _engine(**kw):
     return e
 
 
+def _cpu_fp8_kv_supported() -> bool:
+    """vLLM's CPU attention backend (whose metadata builder the QSA cache layers use) accepts an FP8 KV cache only
+    with AVX-512 or AMX (0.32: ``cpu_attn._get_attn_isa``)."""
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+FP8_SKIP = "this CPU has neither AVX-512 nor AMX, which vLLM's CPU attention backend needs for an FP8 KV cache"
+
 _RUNS = {
     # chunked prefill off, one request at a time
     "single_nochunk": dict(engine=_engine(enable_chunked_prefill=False, max_num_batched_tokens=MAX_LEN),
@@ -72,6 +80,8 @@ def runs(setup, tmp_path_factory):
     out = {}
     n = len(setup["prompts"])
     for name, r in _RUNS.items():
+        if name.startswith("fp8") and not _cpu_fp8_kv_supported():
+            continue  # (test_fp8_kv_cache_vs_hf_fp32 skips, naming why)
         spec = dict(model=setup["ckpt"], engine=r["engine"], prompts=setup["prompts"], full_prompt_logprobs=True,
                     sampling=dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, prompt_logprobs=-1,
                                   detokenize=False),
@@ -106,10 +116,17 @@ def _centered(lp):
 @pytest.mark.parametrize("run", BF16_RUNS)
 def test_prompt_logprobs_vs_hf_fp32(setup, runs, run):
     """bf16 engine vs HF fp32, teacher-forced. Logits: relative error (centred log-probs) within 1.25x of the HF
-    bf16 run's. Top-1: agreement with the fp32 argmax no worse than the HF bf16 run's (both runtimes share the bf16
-    numerics, routed experts included: fp32 accumulation and top-k combine, see qwen4exp/vllm/README.md)."""
+    bf16 run's. Top-1, on the decisive positions (``recipes/vllm_gpu_check.py``'s rule, the one the GPU check
+    holds: the fp32 top-2 gap exceeds twice the HF bf16 run's 99th-percentile error of that gap): the plugin wrong
+    no more often than the HF bf16 run; over all positions within 0.5% of the HF bf16 run's agreement (two bf16
+    runtimes flip near-ties differently: with AVX-512 the counts were equal, 1047 / 1047 of 1069; without it
+    1047 / 1048). Both runtimes share the bf16 numerics, routed experts included (fp32 accumulation and top-k
+    combine, see qwen4exp/vllm/README.md)."""
+    from recipe_loader import load_recipe
+
     res = runs[run]
     agree_v = agree_b = total = v_only = b_only = 0
+    tops, gaps, gap_errs, oks_v, oks_b = [], [], [], [], []
     for i, p in enumerate(setup["prompts"]):
         if len(p) < 2:
             continue
@@ -117,8 +134,14 @@ def test_prompt_logprobs_vs_hf_fp32(setup, runs, run):
         f, b = setup["f32"][i][:-1], setup["b16"][i][:-1]
         assert lp.shape == (len(p) - 1, setup["V"]) and not torch.isnan(lp).any()
         fl, bl = torch.log_softmax(f, -1), torch.log_softmax(b, -1)
-        top = f.argmax(-1)
+        v2, i2 = f.topk(2, dim=-1)
+        gaps.append(v2[:, 0] - v2[:, 1])
+        g16 = b.gather(1, i2)
+        gap_errs.append(((g16[:, 0] - g16[:, 1]) - gaps[-1]).abs())
+        top = i2[:, 0]
         ok_v, ok_b = lp.argmax(-1) == top, b.argmax(-1) == top
+        oks_v.append(ok_v)
+        oks_b.append(ok_b)
         agree_v += ok_v.sum().item()
         agree_b += ok_b.sum().item()
         v_only += (~ok_v & ok_b).sum().item()
@@ -128,9 +151,16 @@ def test_prompt_logprobs_vs_hf_fp32(setup, runs, run):
         err_b = ((_centered(bl) - _centered(fl)).norm() / _centered(fl).norm()).item()
         print(f"{run} prompt {i} len {len(p)}: rel err vLLM {err_v:.4f} HF-bf16 {err_b:.4f}")
         assert err_v <= 1.25 * err_b + 1e-3, (i, err_v, err_b)
+    dec, thr = load_recipe("vllm_gpu_check").decisive_mask(gaps, gap_errs)
+    n_dec = sum(int(m.sum()) for m in dec)
+    v_dec_wrong = sum(int((~o & m).sum()) for o, m in zip(oks_v, dec))
+    b_dec_wrong = sum(int((~o & m).sum()) for o, m in zip(oks_b, dec))
     print(f"{run}: top-1 agreement with HF fp32: vLLM {agree_v}/{total}, HF bf16 {agree_b}/{total}; "
-          f"only vLLM wrong {v_only}, only HF-bf16 wrong {b_only}")
-    assert agree_v >= agree_b, (agree_v, agree_b)
+          f"only vLLM wrong {v_only}, only HF-bf16 wrong {b_only}; decisive positions (gap > {thr:.4f}) {n_dec}: "
+          f"vLLM wrong {v_dec_wrong}, HF bf16 wrong {b_dec_wrong}")
+    assert n_dec > 0, (n_dec, total)
+    assert v_dec_wrong <= b_dec_wrong, (v_dec_wrong, b_dec_wrong)
+    assert agree_v >= agree_b - 0.005 * total, (agree_v, agree_b)
 
 
 def test_fp32_matches_hf_fp32(setup, runs):
@@ -151,6 +181,8 @@ def test_fp8_kv_cache_vs_hf_fp32(setup, runs):
     """``kv_cache_dtype="fp8"``: K/V (and indexer keys) are stored in e4m3 and read back widened. The logits move
     away from the bf16-cache run's (so the cache really is FP8), but stay close to HF fp32: relative error within
     2x the HF bf16 run's, top-1 agreement within 2% of the positions of the HF bf16 run's."""
+    if not _cpu_fp8_kv_supported():
+        pytest.skip(FP8_SKIP)
     res, ref = runs["fp8kv_batched_chunk32"], runs["batched_chunk32"]
     agree_8 = agree_b = total = 0
     moved = False
@@ -208,21 +240,31 @@ def test_prefix_caching_same_tokens(setup, tmp_path_factory):
 
 
 def test_preemption_same_tokens(setup, tmp_path_factory):
-    """A KV pool that admits several 378-token prompts but has no room for them to grow past the 384-token block
-    forces recompute-preemption; tokens must equal those of an engine with a large pool. A request holds one block
-    per cache group (3: GDN, PLE, QSA) until it grows into a second QSA block: 10 blocks less vLLM's null block
-    admit three requests and leave none to grow into."""
+    """A KV pool that admits several prompts one QSA block long less 6 tokens but has no room for them to grow into
+    a second block forces recompute-preemption; tokens must equal those of an engine with a large pool. A request
+    holds one block per cache group (3: GDN, PLE, QSA) until it grows into a second QSA block: 10 blocks less
+    vLLM's null block admit three requests and leave none to grow into. The QSA block size comes from vLLM's page
+    layout, which depends on the CPU's attention kernels (384 tokens with AVX-512, 256 without): a probe engine
+    reads it first."""
     from qwen4exp.vllm.offline import run_offline
 
     V, eos = setup["V"], setup["eos"]
-    prompts = [_prompt(378, V, eos, 20 + i, (100 * i,)) for i in range(4)]
     sampling = dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, detokenize=False)
     common = dict(enable_chunked_prefill=True, max_num_batched_tokens=64, disable_log_stats=False)
+    probe = run_offline(dict(model=setup["ckpt"], prompts=[[1, 2, 3]], sampling=dict(sampling, max_tokens=1),
+                             engine=_engine(num_gpu_blocks_override=10, **common)),
+                        str(tmp_path_factory.mktemp("probe")))
+    kinds = [{_cache_kind(n) for n in g} for g in probe["kv_cache_groups"]]
+    block = probe["kv_cache_block_sizes"][kinds.index({"self_attn"})]
+    n = block - GEN // 2  # grows past the block within its GEN tokens
+    common["max_model_len"] = max(MAX_LEN, 2 * block)
+    prompts = [_prompt(n, V, eos, 20 + i, (100 * i,)) for i in range(4)]
     ref = run_offline(dict(model=setup["ckpt"], prompts=prompts, sampling=sampling, engine=_engine(**common)),
                       str(tmp_path_factory.mktemp("no_preempt")))
     res = run_offline(dict(model=setup["ckpt"], prompts=prompts, sampling=sampling,
                            engine=_engine(num_gpu_blocks_override=10, **common)),
                       str(tmp_path_factory.mktemp("preempt")))
-    print("preemptions:", res["num_preemptions"], "(large pool:", ref["num_preemptions"], ")")
+    print(f"QSA block {block} tokens, prompts {n}; preemptions:", res["num_preemptions"], "(large pool:",
+          ref["num_preemptions"], ")")
     assert res["num_preemptions"], "the small KV pool did not force a preemption"
     assert res["tokens"] == ref["tokens"]

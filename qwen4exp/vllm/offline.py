@@ -11,7 +11,8 @@ spec: {"model": dir, "engine": {LLM kwargs}, "env": {extra environment} (run_off
 out (torch.save): {"tokens": [[ids]...], "logprobs": [[{id: logprob} per generated token]] or None (sampling
        "logprobs": k), "prompt_logprobs": [tensor [L-1, V] or None],
        "prompt_top1": [[ids of positions 1..L-1]] or None, "tp_layout": [per rank] or None, "startup_s", "run_s",
-       "metrics" (counters/gauges when disable_log_stats=False), "num_preemptions"}
+       "metrics" (counters/gauges when disable_log_stats=False), "num_preemptions", "kv_cache_groups",
+       "kv_cache_block_sizes"}
 
 Tensor parallelism (``--tensor-parallel-size`` or engine ``tensor_parallel_size``): one worker process per rank
 (vLLM's "mp" executor). On CPU vLLM binds each rank's OpenMP threads to the cores of one NUMA node
@@ -95,11 +96,23 @@ def tp_layout(model) -> dict:
             "partitions": parts, "sums": sums}
 
 
+def _kv_cache_config(llm):
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    return getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
+
+
 def kv_cache_groups(llm) -> list[list[str]] | None:
     """The layer names of each KV cache group of an in-process engine (None where the engine core runs elsewhere)."""
-    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
-    cfg = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
+    cfg = _kv_cache_config(llm)
     return None if cfg is None else [list(g.layer_names) for g in cfg.kv_cache_groups]
+
+
+def kv_cache_block_sizes(llm) -> list[int] | None:
+    """Tokens per block of each KV cache group (as ``kv_cache_groups``). vLLM derives them from the page size the
+    hybrid groups share, which depends on the CPU attention kernels (e.g. 384-token QSA blocks with AVX-512, 256
+    without)."""
+    cfg = _kv_cache_config(llm)
+    return None if cfg is None else [int(g.kv_cache_spec.block_size) for g in cfg.kv_cache_groups]
 
 
 def _main(spec_path: str, out_path: str, tensor_parallel_size: int | None = None) -> None:
@@ -163,7 +176,8 @@ def _main(spec_path: str, out_path: str, tensor_parallel_size: int | None = None
         layout = llm.apply_model(fn)
     torch.save({"tokens": tokens, "logprobs": lps, "prompt_logprobs": plps, "prompt_top1": top1, "startup_s": startup,
                 "run_s": run, "metrics": metrics, "num_preemptions": metrics.get("vllm:num_preemptions"),
-                "tp_layout": layout, "kv_cache_groups": kv_cache_groups(llm)}, out_path)
+                "tp_layout": layout, "kv_cache_groups": kv_cache_groups(llm),
+                "kv_cache_block_sizes": kv_cache_block_sizes(llm)}, out_path)
 
 
 if __name__ == "__main__":
