@@ -126,7 +126,7 @@ def test_prompt_logprobs_vs_hf_fp32(setup, runs, run):
 
     res = runs[run]
     agree_v = agree_b = total = v_only = b_only = 0
-    tops, gaps, gap_errs, oks_v, oks_b = [], [], [], [], []
+    gaps, gap_errs, oks_v, oks_b = [], [], [], []
     for i, p in enumerate(setup["prompts"]):
         if len(p) < 2:
             continue
