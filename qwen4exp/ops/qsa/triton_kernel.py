@@ -10,8 +10,9 @@ Three stages, no host synchronisation (so the decode op can be captured in a CUD
 2. Selection of the top m = budget / r blocks per query, one program per query: ``_qsa_topk_small_kernel`` (up to
    TOPK_SMALL_MAX blocks, keys held in registers, the threshold bit by bit or byte by byte: TOPK_SMALL_BITS) or
    ``_qsa_topk_kernel`` (radix select over chunks); ties at the threshold go to the lower block ids, so the set is
-   exactly the reference's.  ``TOPK = "torch"`` uses ``torch.topk`` on the keys instead (slower).  A query with at
-   most m complete blocks takes all of them (the reference's dense regime).
+   exactly the reference's.  ``TOPK = "torch"`` uses ``torch.topk`` on the keys instead (slower); ``TOPK = "vllm"``
+   (opt-in, paged decode inside a vLLM engine) hands fp32 scores to vLLM's own CUDA select (ties: its choice).  A
+   query with at most m complete blocks takes all of them (the reference's dense regime).
 3. ``_qsa_attn_kernel`` (split over slot ranges, one program per (range, kv head, query), an online softmax over
    the range's chunks of ATTN_SLOT_BLOCK slots) + ``_qsa_merge_kernel``: attention of the query heads of one GQA
    group over the selected tokens: slot i < m*r is token ids[i // r] * r + i % r, slot m*r + j is tail token
