@@ -455,8 +455,6 @@ def decode_breakdown(bw):
     """qsa_decode_paged at batch 1 and 32 (L=50,000, paged, shuffled blocks) by stage: the paged scores, the top-k
     select and the split attention + merge, each over its launch settings (every variant's ids / output checked
     against the default's first); bytes and the fraction of the measured bandwidth beside each. -> rows."""
-    import triton
-
     from qwen4exp.ops.qsa import triton_kernel as tk
     tk.load_vllm_kernels()  # vLLM's CUDA extension (its top-k kernel), where this runs inside the vLLM venv
     out = []
@@ -486,24 +484,12 @@ def decode_breakdown(bw):
         score_by = B * n_vis * iq.shape[-1] * 2
         attn_by = B * (budget + r - 1) * kv.shape[1] * HD * 2 * 2
 
-        def score(s, B=B):
+        def score(s, logits=False):
             q, pos, iq, kv, bt, ikv, ibt, nb, r, budget, sc, isc = s
-            keys = torch.empty(B, nb, dtype=torch.int64, device="cuda")
-            tk._qsa_score_paged_kernel[(triton.cdiv(nb, tk.SCORE_PAGED_BLOCK_N), B)](
-                iq, ikv, ibt, pos, keys, nb, r, float(isc), ibt.shape[1], iq.stride(0), iq.stride(1),
-                ikv.stride(0), ikv.stride(2), ibt.stride(0), keys.stride(0), HI=iq.shape[1], HI_P=16,
-                DI=iq.shape[2], IBS=ikv.shape[2], BLOCK_N=tk.SCORE_PAGED_BLOCK_N, num_warps=tk.SCORE_PAGED_WARPS)
-            return keys
+            return tk.paged_score_keys(pos, iq, ikv, ibt, nb, r, isc, logits)
 
-        def score_logits(s, B=B):
-            q, pos, iq, kv, bt, ikv, ibt, nb, r, budget, sc, isc = s
-            lg = torch.empty(B, -(-nb // 4) * 4, dtype=torch.float32, device="cuda")[:, :nb]
-            tk._qsa_score_paged_kernel[(triton.cdiv(nb, tk.SCORE_PAGED_BLOCK_N), B)](
-                iq, ikv, ibt, pos, lg, nb, r, float(isc), ibt.shape[1], iq.stride(0), iq.stride(1),
-                ikv.stride(0), ikv.stride(2), ibt.stride(0), lg.stride(0), HI=iq.shape[1], HI_P=16,
-                DI=iq.shape[2], IBS=ikv.shape[2], BLOCK_N=tk.SCORE_PAGED_BLOCK_N, num_warps=tk.SCORE_PAGED_WARPS,
-                LOGITS=True)
-            return lg
+        def score_logits(s):
+            return score(s, logits=True)
 
         want_keys = score(sets[0])
         for bn, w in ((64, 4), (32, 2), (64, 2), (128, 4), (128, 8), (256, 8)):

@@ -735,6 +735,24 @@ def paged_supported(q, q_pos, index_q, kv, block_table, index_kv, index_block_ta
             and block_table.dim() == index_block_table.dim() == 2)
 
 
+def paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks: int, r: int, index_scale: float,
+                     logits: bool = False):
+    """[B, n_blocks] int64 sort keys of single queries against their paged block keys (``_qsa_score_paged_kernel``);
+    ``logits``: the fp32 scores instead, rows 16-byte aligned (vLLM's select reads them with TMA)."""
+    B, HI, DI = index_q.shape
+    if logits:
+        keys = torch.empty(B, -(-n_blocks // 4) * 4, dtype=torch.float32, device=index_q.device)[:, :n_blocks]
+    else:
+        keys = torch.empty(B, n_blocks, dtype=torch.int64, device=index_q.device)
+    LAUNCHED["qsa_score_paged"] = _qsa_score_paged_kernel[(triton.cdiv(n_blocks, SCORE_PAGED_BLOCK_N), B)](
+        index_q, index_kv, index_block_table, q_pos, keys, n_blocks, r, float(index_scale),
+        index_block_table.shape[1], index_q.stride(0), index_q.stride(1), index_kv.stride(0),
+        index_kv.stride(2), index_block_table.stride(0), keys.stride(0),
+        HI=HI, HI_P=max(16, triton.next_power_of_2(HI)), DI=DI, IBS=index_kv.shape[2], BLOCK_N=SCORE_PAGED_BLOCK_N,
+        LOGITS=logits, num_warps=SCORE_PAGED_WARPS)
+    return keys
+
+
 def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks: int, r: int,
                             budget: int, scale: float, index_scale: float):
     """One query per sequence, caches read through the block tables (``qwen4exp.ops.qsa.reference.
@@ -743,20 +761,8 @@ def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_
     m = budget // r
     HD = q.shape[-1]
     if n_blocks > m and m > 0:
-        B = q.shape[0]
-        HI, DI = index_q.shape[1], index_q.shape[2]
-        logits = TOPK == "vllm" and vllm_topk_covers(B, m)
-        if logits:  # fp32 scores, rows 16-byte aligned (the select reads them with TMA)
-            keys = torch.empty(B, -(-n_blocks // 4) * 4, dtype=torch.float32, device=q.device)[:, :n_blocks]
-        else:
-            keys = torch.empty(B, n_blocks, dtype=torch.int64, device=q.device)
-        BLOCK_N = SCORE_PAGED_BLOCK_N
-        LAUNCHED["qsa_score_paged"] = _qsa_score_paged_kernel[(triton.cdiv(n_blocks, BLOCK_N), B)](
-            index_q, index_kv, index_block_table, q_pos, keys, n_blocks, r, float(index_scale),
-            index_block_table.shape[1], index_q.stride(0), index_q.stride(1), index_kv.stride(0),
-            index_kv.stride(2), index_block_table.stride(0), keys.stride(0),
-            HI=HI, HI_P=max(16, triton.next_power_of_2(HI)), DI=DI, IBS=index_kv.shape[2], BLOCK_N=BLOCK_N,
-            LOGITS=logits, num_warps=SCORE_PAGED_WARPS)
+        logits = TOPK == "vllm" and vllm_topk_covers(q.shape[0], m)
+        keys = paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks, r, index_scale, logits)
         sel = vllm_top_ids(keys, q_pos, r, m) if logits else top_ids(keys, m)
     else:
         sel = _dense_ids(q_pos, r, m)
