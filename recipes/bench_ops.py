@@ -528,11 +528,15 @@ def decode_breakdown(bw):
         many = B >= tk.ATTN_MANY_QUERIES
         names = ("ATTN_SLOT_BLOCK_MANY", "ATTN_WARPS_MANY", "ATTN_PREFETCH_MANY") if many else (
             "ATTN_SLOT_BLOCK", "ATTN_WARPS", "ATTN_PREFETCH")
-        shapes = ((16, 2), (16, 4), (32, 4), (32, 8)) if many else ((32, 8), (16, 4), (32, 4), (64, 8))
+        # (run 12 swept 16/32 slots x 2-8 warps x 1-3 stages x prefetch x 512/1024 programs: 16 x 2, 3 stages,
+        # prefetch, 512 programs best at batch 32; 32 x 8 / 64 x 8 at batch 1.) Now: one-warp programs (upstream's
+        # decode attention at batch 32 runs 1,024 of them: 32 slots, 1 warp) and more programs, beside the default.
+        shapes = ((16, 2), (16, 1), (32, 1), (32, 2), (64, 2)) if many else ((32, 8), (64, 8), (32, 4), (32, 2),
+                                                                              (64, 4), (32, 1))
         for sb, w in shapes:
-            for st in (1, 2, 3):
-                for pf in (True, False):
-                    for progs in ((512, 1024) if many else (512,)):
+            for st in ((2, 3) if many else (1, 2)):
+                for pf in ((True,) if many else (False,)):
+                    for progs in ((512, 1024, 2048) if many else (512,)):
                         saved = knobs(**dict(zip(names, (sb, w, pf))), ATTN_STAGES=st, ATTN_PROGRAMS=progs)
                         try:
                             o = tk.sparse_attention_slots(*asets[0]).float()

@@ -147,15 +147,32 @@ def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None, gpu_only
         f.write(tables + report(summarize(load(trace)), row_limit) + "\n")
 
 
+def _sample_window(label: str | None) -> None:
+    """Turn the host samplers (``--host-sample``: ``qwen4exp.vllm.host_sampler`` in every vLLM process) on with a
+    label, or off (None)."""
+    folder = os.environ.get("QWEN4EXP_HOST_SAMPLE")
+    if not folder:
+        return
+    on = os.path.join(folder, "on")
+    if label is None:
+        if os.path.exists(on):
+            os.remove(on)
+    else:
+        with open(on + ".tmp", "w") as f:
+            f.write(label)
+        os.replace(on + ".tmp", on)
+
+
 def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, prefill_steps: list | None = None,
-           profile_prefill: int = 0, llm=None, gpu_only: bool = False):
+           profile_prefill: int = 0, llm=None, gpu_only: bool = False, sample: tuple | None = None):
     """Add the prompts, step until done. Returns (t_first_all, t_end, step_times_while_all_decoding, tokens):
     the step times are of steps in which every request is decoding and none has finished (all of the batch in the
     step; with long prompts the first requests decode while later ones prefill, so max_tokens must outlast the
     batch's prefill for there to be such steps)
     ``profile_to``: write a torch-profiler table of decode steps 32..39 there (the steps stay out of the timings),
     or with ``profile_prefill`` = k of the first k steps (prefill chunks). ``prefill_steps``: gets the wall time
-    of every step before all first tokens. ``llm``: profile through vLLM's profiler (``--mp``)."""
+    of every step before all first tokens. ``llm``: profile through vLLM's profiler (``--mp``). ``sample``:
+    (label, first, last): the host samplers count from the first-th to the last-th timed decode step."""
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -179,6 +196,8 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
             # a profile are not timed there.
             timing = llm is None
             continue
+        if sample and len(steps) in (sample[1], sample[2]):
+            _sample_window(sample[0] if len(steps) == sample[1] else None)
         ts = time.perf_counter()
         outs = engine.step()
         te = time.perf_counter()
@@ -191,6 +210,8 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
             t_first = te - t0
         elif all_started and outs and max(got.values()) < max_tokens and timing:  # all decoding, none done
             steps.append(te - ts)
+    if sample:
+        _sample_window(None)
     return t_first, time.perf_counter() - t0, steps, sum(got.values())
 
 
@@ -255,7 +276,8 @@ def worker(args) -> None:
     _drive(engine, prompts(1, 64), 8)  # warm-up (kernels, allocator) outside every figure
     res.update(self_consistency(llm, prompts(1, min(args.ctx, 3000))[0]))
     chunks = []
-    t_first, t_end, steps, ntok = _drive(engine, prompts(1, args.ctx), args.out_tokens, prefill_steps=chunks)
+    t_first, t_end, steps, ntok = _drive(engine, prompts(1, args.ctx), args.out_tokens, prefill_steps=chunks,
+                                         sample=("bs1", 4, 1 << 30))
     res.update(bs1_ctx=args.ctx, bs1_prefill_s=t_first, bs1_e2e_s=t_end,
                bs1_tpot_ms=1e3 * (t_end - t_first) / max(ntok - 1, 1),
                bs1_step_ms=1e3 * statistics.median(steps) if steps else None, bs1_prefill_steps_s=chunks)
@@ -275,7 +297,7 @@ def worker(args) -> None:
     if args.bs32_ctx > 0:
         prof32 = os.path.join(os.path.dirname(args.result), f"{args.impl}.profile-bs32.txt") if args.profile else None
         t_first, t_end, steps, ntok = _drive(engine, prompts(32, args.bs32_ctx), args.bs32_tokens, prof32,
-                                             llm=plm, gpu_only=args.profile_gpu_only)
+                                             llm=plm, gpu_only=args.profile_gpu_only, sample=("bs32", 4, 28))
         step = statistics.median(steps) if steps else float("nan")
         res.update(bs32_ctx=args.bs32_ctx, bs32_prefill_s=t_first, bs32_e2e_s=t_end, bs32_step_ms=1e3 * step,
                    bs32_steps=len(steps), bs32_decode_tok_s=32 / step, bs32_e2e_out_tok_s=ntok / t_end)
@@ -334,6 +356,9 @@ def main() -> None:
     ap.add_argument("--profile-host-stacks", action="store_true", help="with --profile --mp: record Python stacks "
                     "in the engine core's traces (trace_summary.py then tables host time by Python function; the "
                     "profiled steps' host runs several times slower, so read its shares, not its absolute times)")
+    ap.add_argument("--host-sample", action="store_true", help="sample the Python stacks of every vLLM process "
+                    "(qwen4exp.vllm.host_sampler; also for upstream) during batch-1 decode and batch-32 decode steps "
+                    "4-27: tables in OUT/host-IMPL/host-PID.txt")
     ap.add_argument("--mp", action="store_true", help="the engine core in its own process, as `vllm serve` and "
                     "`LLM` run it by default (and as the upstream anchor was measured): its host work (schedule, "
                     "inputs, outputs) overlaps this process's; default: in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
@@ -371,6 +396,8 @@ def main() -> None:
         # both: vLLM's FlashInfer top-k/top-p sampler is JIT-built on a fresh machine (~2 min of start-up, seen on
         # the H200); greedy sampling does not use it
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        if args.host_sample:
+            env["QWEN4EXP_HOST_SAMPLE"] = os.path.abspath(os.path.join(args.out, f"host-{impl}"))
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--impl", impl, "--model", model,

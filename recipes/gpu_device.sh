@@ -29,6 +29,8 @@
 #                                                   # recipes/bench_ops.py --tune, on GPU (default 1), with the
 #                                                   # image's torch (no vLLM needed), so they run while later calls
 #                                                   # stage vLLM; results in /tmp/bg
+#   bash recipes/gpu_device.sh tune-decode          # vLLM venv: the vLLM top-k test, bench_ops --decode-breakdown,
+#                                                   # recipes/pick_knobs.py -> /tmp/knobs.txt (QWEN4EXP_KNOBS value)
 #   bash recipes/gpu_device.sh bgresult             # what `bg` has written so far, copied to OUT/bg and summarised
 #   bash recipes/gpu_device.sh tp2 [models]         # recipes/vllm_tp_check.py: tensor_parallel_size 2 vs 1, greedy
 #                                                   # tokens + teacher-forced top-1 + what is sharded (default coder,fn4;
@@ -113,6 +115,19 @@ case "${1:-}" in
     done
     wait
     for f in check-ours check-upstream bench_ops; do echo "== $f"; tail -12 "$OUT/$f.log"; done ;;
+  tune-decode)  # in the vLLM venv: the vLLM top-k kernel test, then bench_ops' QSA decode breakdown (+ the PLE mix
+    # table), then recipes/pick_knobs.py -> OUT/knobs.txt and /tmp/knobs.txt: the QWEN4EXP_KNOBS value for the
+    # engine runs later in the lease (the machine is released 30 s after a call: no time to choose by hand)
+    register >/dev/null
+    timeout 150 python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_kernels.py -k vllm_topk \
+      > "$OUT/kernels-venv.log" 2>&1
+    rc=$?; echo "vllm_topk test: rc=$rc"; tail -3 "$OUT/kernels-venv.log"
+    ok=""; [ $rc = 0 ] && grep -q "1 passed" "$OUT/kernels-venv.log" && ok=--vllm-topk-ok
+    timeout "${TUNE_TIMEOUT:-330}" python recipes/bench_ops.py --only "${TUNE_ONLY:-ple_mix}" --no-compile --no-ref \
+      --decode-breakdown --csv "$OUT/ops.csv" > "$OUT/ops.log" 2>&1
+    echo "bench_ops: rc=$?"
+    python recipes/pick_knobs.py "$OUT/ops_stages.csv" $ok > /tmp/knobs.txt 2> "$OUT/knobs-why.txt"
+    cp /tmp/knobs.txt "$OUT/knobs.txt"; cat "$OUT/knobs-why.txt"; echo "knobs: $(cat /tmp/knobs.txt)" ;;
   bg)
     mkdir -p /tmp/bg
     # .whl/fla (flash-linear-attention, `pip install --target .whl/fla --no-deps fla-core==0.6.0 einops`, carried

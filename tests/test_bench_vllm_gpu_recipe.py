@@ -74,3 +74,44 @@ def test_steps_after_a_profile_of_an_engine_in_its_own_process_are_not_timed(mon
         else:
             assert len(steps) == want_at_most
     assert calls == [8, 8]
+
+
+def _spin_in_python(seconds: float) -> int:
+    n, end = 0, __import__("time").perf_counter() + seconds
+    while __import__("time").perf_counter() < end:
+        n += 1
+    return n
+
+
+def test_host_sampler_counts_the_busy_function_only_inside_a_labelled_window(tmp_path, monkeypatch):
+    """``--host-sample``: the sampler thread (started in every vLLM process by the plugin's ``register``) counts
+    the other threads' Python stacks while ``<folder>/on`` exists, one table per window label; ``_drive`` opens
+    the window at the first-th timed decode step and closes it at the last-th (or at the end)."""
+    import sys
+
+    from qwen4exp.vllm.host_sampler import HostSampler
+
+    switch = sys.getswitchinterval()
+    sampler = HostSampler(str(tmp_path), interval=0.001, write_every=0.1).start()
+    try:
+        _spin_in_python(0.2)  # no window: nothing counted
+        assert sum(sampler.samples.values()) == 0
+        monkeypatch.setenv("QWEN4EXP_HOST_SAMPLE", str(tmp_path))
+
+        class SpinningEngine(ScriptedEngine):
+            def step(self):
+                _spin_in_python(0.01)
+                return super().step()
+
+        eng = SpinningEngine(prefill_steps=1)
+        bench._drive(eng, [[1]], 60, sample=("decode", 4, 40))
+        assert not (tmp_path / "on").exists()  # closed again
+        _spin_in_python(0.2)
+    finally:
+        sampler.stop()
+        sys.setswitchinterval(switch)
+    assert set(sampler.samples) == {"decode"} and sampler.samples["decode"] >= 20, sampler.samples
+    table = (tmp_path / f"host-{__import__('os').getpid()}.txt").read_text()
+    assert "== decode: thread MainThread" in table
+    main = [line for line in table.splitlines() if line.strip().endswith(":_spin_in_python")]
+    assert main and float(main[0].split("%")[0]) > 50, table[:2000]  # the step's busy function dominates

@@ -1,0 +1,143 @@
+"""A sampling profiler of the host (Python) side of a vLLM process, for the question "where does a decode step's
+host time go" (the batch-1 TPOT on the H200 is host-bound for both engines, see notes/vllm-gpu.md).
+
+vLLM's torch profiler with Python stacks hooks every call and slows the host several-fold, so its tables rank
+functions but do not give the unprofiled split. This samples instead: a daemon thread wakes every ``interval``
+seconds, reads every other thread's current Python stack (``sys._current_frames``) and counts it. It is enabled by
+``QWEN4EXP_HOST_SAMPLE=<folder>`` in every process that loads vLLM's plugins (``qwen4exp.vllm.register`` starts it,
+so also the engine-core process of ``--mp`` / ``vllm serve``, and also with ``QWEN4EXP_VLLM=0``: upstream gets the
+same profile), and it only counts while the file ``<folder>/on`` exists, so a driver can frame the steps of interest
+(``recipes/bench_vllm_gpu.py --host-sample``); the file's text labels the samples (one table per label, e.g.
+"bs1" and "bs32"). Each process rewrites ``<folder>/host-<pid>.txt`` every
+``QWEN4EXP_HOST_SAMPLE_WRITE`` seconds (a killed engine core still leaves its table).
+
+The GIL biases Python-level samplers: the sampler runs only when the busy thread lets go of the GIL (a blocking call,
+or the interpreter's switch interval). The switch interval is lowered to the sampling interval in a sampled process
+(its own cost is part of what is measured: compare processes sampled alike, e.g. ours against upstream).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+
+ENV = "QWEN4EXP_HOST_SAMPLE"
+_started: "HostSampler | None" = None
+
+
+def _frame_name(code) -> str:
+    return f"{os.path.basename(code.co_filename)}:{getattr(code, 'co_qualname', code.co_name)}"
+
+
+class HostSampler:
+    """Counts the Python stacks of this process's other threads while ``<folder>/on`` exists."""
+
+    def __init__(self, folder: str, interval: float = 0.0005, write_every: float = 2.0, max_depth: int = 64):
+        self.folder, self.interval, self.write_every, self.max_depth = folder, interval, write_every, max_depth
+        self.stacks: collections.Counter = collections.Counter()  # (label, thread, frames outermost first) -> n
+        self.samples: collections.Counter = collections.Counter()  # label -> samples
+        self.label = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="qwen4exp-host-sampler", daemon=True)
+        self.path = os.path.join(folder, f"host-{os.getpid()}.txt")
+
+    def start(self) -> "HostSampler":
+        os.makedirs(self.folder, exist_ok=True)
+        if sys.getswitchinterval() > self.interval:
+            sys.setswitchinterval(self.interval)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.write()
+
+    def _sample(self, me: int, names: dict) -> None:
+        label = self.label
+        for tid, frame in sys._current_frames().items():
+            if tid == me:
+                continue
+            frames = []
+            while frame is not None and len(frames) < self.max_depth:
+                frames.append(_frame_name(frame.f_code))
+                frame = frame.f_back
+            self.stacks[(label, names.get(tid, str(tid)), tuple(reversed(frames)))] += 1
+        self.samples[label] += 1
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        on = os.path.join(self.folder, "on")
+        last_write = time.monotonic()
+        was_on = False
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if os.path.exists(on):
+                t0 = time.perf_counter()
+                if not was_on:  # a new window: its label
+                    try:
+                        with open(on) as f:
+                            self.label = f.read().strip()
+                    except OSError:
+                        self.label = ""
+                self._sample(me, {t.ident: t.name for t in threading.enumerate()})
+                was_on = True
+                time.sleep(max(0.0, self.interval - (time.perf_counter() - t0)))
+            else:
+                if was_on or now - last_write > self.write_every:
+                    if self.samples:
+                        self.write()
+                    last_write, was_on = now, False
+                time.sleep(0.01)
+                continue
+            if now - last_write > self.write_every:
+                self.write()
+                last_write = now
+
+    def table(self, top: int = 60) -> str:
+        """Per label and thread: samples, then functions by inclusive and by self share, then the hottest stacks."""
+        by_thread: dict = collections.defaultdict(collections.Counter)
+        for (label, thread, frames), n in self.stacks.items():
+            by_thread[(label, thread)][frames] += n
+        out = [f"pid {os.getpid()} ({os.path.basename(sys.argv[0]) if sys.argv else ''}): samples every "
+               f"{self.interval * 1e3:.2f} ms: " + ", ".join(f"{k or '-'} {n}" for k, n in self.samples.items())]
+        for (label, thread), stacks in sorted(by_thread.items(), key=lambda kv: (kv[0][0], -sum(kv[1].values()))):
+            total = sum(stacks.values())
+            incl, self_ = collections.Counter(), collections.Counter()
+            for frames, n in stacks.items():
+                for f in set(frames):
+                    incl[f] += n
+                if frames:
+                    self_[frames[-1]] += n
+            out.append(f"\n== {label or '-'}: thread {thread}: {total} samples")
+            out.append("  inclusive  self    function")
+            for f, n in incl.most_common(top):
+                out.append(f"  {n / total:8.1%}  {self_[f] / total:6.1%}  {f}")
+            out.append("  -- hottest stacks (innermost 8 frames)")
+            for frames, n in stacks.most_common(12):
+                out.append(f"  {n / total:6.1%}  {' > '.join(frames[-8:])}")
+        return "\n".join(out) + "\n"
+
+    def write(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(self.table())
+        os.replace(tmp, self.path)
+
+
+def maybe_start() -> "HostSampler | None":
+    """Start this process's sampler once if ``QWEN4EXP_HOST_SAMPLE`` names a folder (never raises: diagnostics
+    must not stop vLLM from starting)."""
+    global _started
+    folder = os.environ.get(ENV, "").strip()
+    if not folder or _started is not None:
+        return _started
+    try:
+        _started = HostSampler(folder, float(os.environ.get(f"{ENV}_INTERVAL", "0.0005")),
+                               float(os.environ.get(f"{ENV}_WRITE", "2"))).start()
+    except Exception as e:  # noqa: BLE001
+        print(f"qwen4exp: host sampler not started ({type(e).__name__}: {e})", file=sys.stderr)
+    return _started
