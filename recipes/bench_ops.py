@@ -522,22 +522,26 @@ def decode_breakdown(bw):
             lsets = None
         else:
             print(f"   B={B}: vLLM's cooperative_topk not loaded (run inside the vLLM venv)", flush=True)
+        saved = knobs(TOPK="triton")
+        timed(B, "whole op (TOPK=triton)", tk.qsa_decode_paged_triton, sets, score_by + attn_by)
+        knobs(**saved)
         asets = [(s[0], s[3][..., :HD], s[3][..., HD:], s[1], tk.top_ids(kk[0], m), r, s[10], False, s[4])
                  for s, kk in zip(sets, keys)]
         ref = tk.sparse_attention_slots(*asets[0]).float()
         many = B >= tk.ATTN_MANY_QUERIES
-        names = ("ATTN_SLOT_BLOCK_MANY", "ATTN_WARPS_MANY", "ATTN_PREFETCH_MANY") if many else (
-            "ATTN_SLOT_BLOCK", "ATTN_WARPS", "ATTN_PREFETCH")
+        names = ("ATTN_SLOT_BLOCK_MANY", "ATTN_WARPS_MANY", "ATTN_PREFETCH_MANY", "ATTN_K_T_MANY") if many else (
+            "ATTN_SLOT_BLOCK", "ATTN_WARPS", "ATTN_PREFETCH", "ATTN_K_T")
         # (run 12 swept 16/32 slots x 2-8 warps x 1-3 stages x prefetch x 512/1024 programs: 16 x 2, 3 stages,
         # prefetch, 512 programs best at batch 32; 32 x 8 / 64 x 8 at batch 1.) Now: one-warp programs (upstream's
         # decode attention at batch 32 runs 1,024 of them: 32 slots, 1 warp) and more programs, beside the default.
-        shapes = ((16, 2), (16, 1), (32, 1), (32, 2), (64, 2)) if many else ((32, 8), (64, 8), (32, 4), (32, 2),
-                                                                              (64, 4), (32, 1))
+        # Run 13 adds K loaded transposed (kt: ``_attn_chunks``' KT).
+        shapes = ((16, 2), (16, 1), (32, 1), (32, 2)) if many else ((32, 8), (64, 8), (32, 4), (64, 4), (32, 2))
         for sb, w in shapes:
             for st in ((2, 3) if many else (1, 2)):
-                for pf in ((True,) if many else (False,)):
+                for pf, kt in (((True, False), (True, True)) if many else ((False, False), (False, True))):
                     for progs in ((512, 1024, 2048) if many else (512,)):
-                        saved = knobs(**dict(zip(names, (sb, w, pf))), ATTN_STAGES=st, ATTN_PROGRAMS=progs)
+                        stage_knob = "ATTN_STAGES_MANY" if many else "ATTN_STAGES"
+                        saved = knobs(**dict(zip(names, (sb, w, pf, kt))), **{stage_knob: st}, ATTN_PROGRAMS=progs)
                         try:
                             o = tk.sparse_attention_slots(*asets[0]).float()
                             ok = bool(((o - ref).norm() / ref.norm()) < 1e-2)
@@ -546,7 +550,7 @@ def decode_breakdown(bw):
                             knobs(**saved)
                             continue
                         timed(B, f"attention+merge SB={sb} warps={w} stages={st} prefetch={pf} programs={progs}"
-                              f"{'' if ok else ' WRONG'}", tk.sparse_attention_slots, asets, attn_by)
+                              f" kt={kt}{'' if ok else ' WRONG'}", tk.sparse_attention_slots, asets, attn_by)
                         knobs(**saved)
         timed(B, "whole op (defaults)", tk.qsa_decode_paged_triton, sets, score_by + attn_by)
         sets = keys = asets = None

@@ -25,7 +25,9 @@
 #                                                   # on GPU 1, then recipes/bench_ops.py on GPU 1
 #   bash recipes/gpu_device.sh bg [GPU]             # detached (setsid, survives the call): the GPU kernel tests, then
 #                                                   # (BG_BENCH=0: not; BG_ONLY=op,op: those ops without
-#                                                   # sweeps, BG_AB=knobs: again with those; BG_K: pytest -k)
+#                                                   # sweeps, BG_OPS_ARGS: more bench_ops arguments, e.g.
+#                                                   # --no-ref --decode-breakdown; BG_AB=knobs: again with
+#                                                   # those; BG_K: pytest -k)
 #                                                   # recipes/bench_ops.py --tune, on GPU (default 1), with the
 #                                                   # image's torch (no vLLM needed), so they run while later calls
 #                                                   # stage vLLM; results in /tmp/bg
@@ -123,10 +125,16 @@ case "${1:-}" in
       > "$OUT/kernels-venv.log" 2>&1
     rc=$?; echo "vllm_topk test: rc=$rc"; tail -3 "$OUT/kernels-venv.log"
     ok=""; [ $rc = 0 ] && grep -q "1 passed" "$OUT/kernels-venv.log" && ok=--vllm-topk-ok
-    timeout "${TUNE_TIMEOUT:-330}" python recipes/bench_ops.py --only "${TUNE_ONLY:-ple_mix}" --no-compile --no-ref \
-      --decode-breakdown --csv "$OUT/ops.csv" > "$OUT/ops.log" 2>&1
-    echo "bench_ops: rc=$?"
-    python recipes/pick_knobs.py "$OUT/ops_stages.csv" $ok > /tmp/knobs.txt 2> "$OUT/knobs-why.txt"
+    stages="$OUT/ops_stages.csv"
+    if [ -n "${TUNE_STAGES:-}" ]; then  # a breakdown already timed (e.g. by `bg` with BG_OPS_ARGS=--decode-breakdown
+      for i in $(seq 60); do [ -f "$TUNE_STAGES" ] && break; sleep 5; done  # while vLLM was staged): wait for it
+      stages=$TUNE_STAGES; cp "$stages" "$OUT/" 2>/dev/null
+    else
+      timeout "${TUNE_TIMEOUT:-330}" python recipes/bench_ops.py --only "${TUNE_ONLY:-ple_mix}" --no-compile --no-ref \
+        --decode-breakdown --csv "$OUT/ops.csv" > "$OUT/ops.log" 2>&1
+      echo "bench_ops: rc=$?"
+    fi
+    python recipes/pick_knobs.py "$stages" $ok > /tmp/knobs.txt 2> "$OUT/knobs-why.txt"
     cp /tmp/knobs.txt "$OUT/knobs.txt"; cat "$OUT/knobs-why.txt"; echo "knobs: $(cat /tmp/knobs.txt)" ;;
   bg)
     mkdir -p /tmp/bg
@@ -140,7 +148,7 @@ case "${1:-}" in
       [ "${BG_BENCH:-1}" = 1 ] || exit 0
       if [ -n "${BG_ONLY:-}" ]; then  # a few ops, no sweeps; BG_AB: once more with those knobs (an A/B)
         timeout ${BG_TIMEOUT:-300} python recipes/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --only "$BG_ONLY" \
-          > /tmp/bg/bench_ops.log 2>&1
+          ${BG_OPS_ARGS:-} > /tmp/bg/bench_ops.log 2>&1
         echo "rc=$?" >> /tmp/bg/bench_ops.log
         [ -n "${BG_AB:-}" ] && QWEN4EXP_KNOBS=$BG_AB timeout 150 python recipes/bench_ops.py \
           --csv /tmp/bg/bench_ops_ab.csv --no-compile --only "$BG_ONLY" > /tmp/bg/bench_ops_ab.log 2>&1

@@ -38,6 +38,49 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(s, e) for s, e in out]
 
 
+# kernel name fragments -> mechanism, for the busy-time split by category (ours' and upstream's kernels)
+CATEGORIES = (
+    ("moe", ("fused_moe", "topkGating", "moe_align", "moe_sum", "count_and_sort", "act_and_mul")),
+    ("hc", ("_hc_", "hc_down_sil")),
+    ("qsa", ("_qsa_", "cooperative_topk", "persistent_topk", "_index_update", "_norm_rope", "gather_block_tables")),
+    ("gdn", ("gated_delta_rule", "causal_conv1d", "layer_norm_fwd")),
+    ("ple", ("_ple", "ngram", "lookup_ple", "grouped_gemma_rmsnorm")),
+    ("gemm", ("nvjet", "cublas", "splitKreduce", "gemv", "dot_kernel", "gemm")),
+    ("sampling", ("sample", "argmax", "combine_sampled")),
+)
+
+
+def category(name: str) -> str:
+    for cat, frags in CATEGORIES:
+        if any(f in name for f in frags):
+            return cat
+    return "other"
+
+
+def busy_shares(gpu: list[dict]) -> dict:
+    """{kernel name: busy us}: every moment the GPU is busy is split evenly between the kernels running then (two
+    streams, or a kernel launched early by programmatic dependent launch and waiting): the shares add up to the
+    busy time, unlike the kernels' durations."""
+    edges = []
+    for e in gpu:
+        s, d = float(e["ts"]), float(e["dur"])
+        edges.append((s, 1, e["name"]))
+        edges.append((s + d, -1, e["name"]))
+    edges.sort(key=lambda x: (x[0], x[1]))
+    active: dict = defaultdict(int)
+    out: dict = defaultdict(float)
+    last = None
+    for t, kind, name in edges:
+        n = sum(active.values())
+        if last is not None and n and t > last:
+            for k, c in active.items():
+                if c:
+                    out[k] += (t - last) * c / n
+        active[name] += kind
+        last = t
+    return out
+
+
 def summarize(events: list[dict], steps: int = 0) -> dict:
     """Figures of the trace's GPU kernels (cat "kernel"; memcpy / memset count as GPU work too) and host
     annotations. ``steps``: divide per-step figures by this (0: by the number of CUDA graph launches, else 1)."""
@@ -52,6 +95,13 @@ def summarize(events: list[dict], steps: int = 0) -> dict:
         by[e["name"]][0] += 1
         by[e["name"]][1] += float(e["dur"])
     res["kernel_table"] = sorted(((k, c, t) for k, (c, t) in by.items()), key=lambda r: -r[2])
+    shares = busy_shares(gpu)
+    res["busy_share"] = dict(shares)
+    cats: dict = defaultdict(lambda: [0.0, 0.0])
+    for k, (c, t) in by.items():
+        cats[category(k)][0] += t
+        cats[category(k)][1] += shares.get(k, 0.0)
+    res["category_table"] = sorted(((k, t, b) for k, (t, b) in cats.items()), key=lambda r: -r[2])
     if gpu:
         busy = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu])
         span = busy[-1][1] - busy[0][0]
@@ -133,9 +183,15 @@ def report(res: dict, top: int = 30) -> str:
         lines.append("largest idle gaps (start after the first kernel, length, host annotations during the gap):")
         for t, g, names in res["large_gaps"]:
             lines.append(f"  +{t / 1e3:9.3f} ms  {g:8.1f} us  {', '.join(names) or '-'}")
-    lines.append(f"{'kernel':70s} {'calls/step':>10s} {'us/step':>9s} {'us/call':>8s}")
+    lines.append(f"{'kernel':70s} {'calls/step':>10s} {'us/step':>9s} {'us/call':>8s} {'busy us/st':>10s}")
+    shares = res.get("busy_share", {})
     for name, c, t in res["kernel_table"][:top]:
-        lines.append(f"{name[:70]:70s} {c / n:10.1f} {t / n:9.1f} {t / c:8.2f}")
+        lines.append(f"{name[:70]:70s} {c / n:10.1f} {t / n:9.1f} {t / c:8.2f} {shares.get(name, 0.0) / n:10.1f}")
+    if res.get("category_table"):
+        lines.append(f"{'category (busy us/step: overlapping kernels share the time)':70s} {'kernels':>10s} "
+                     f"{'us/step':>9s} {'':>8s} {'busy us/st':>10s}")
+        for cat, t, b in res["category_table"]:
+            lines.append(f"{cat:70s} {'':>10s} {t / n:9.1f} {'':>8s} {b / n:10.1f}")
     if res["host_annotations"]:
         lines.append(f"{'host annotation':70s} {'calls/step':>10s} {'us/step':>9s} {'us/call':>8s}")
         for name, c, t in res["host_annotations"][:top]:

@@ -115,3 +115,42 @@ def test_host_sampler_counts_the_busy_function_only_inside_a_labelled_window(tmp
     assert "== decode: thread MainThread" in table
     main = [line for line in table.splitlines() if line.strip().endswith(":_spin_in_python")]
     assert main and float(main[0].split("%")[0]) > 50, table[:2000]  # the step's busy function dominates
+
+
+def test_host_sampler_restarts_in_a_forked_child(tmp_path, monkeypatch):
+    """vLLM's engine core can be forked from the front end after the plugin registered there: threads do not
+    survive a fork and ``register`` does not run again, so the child must start its own sampler (run 13 lost the
+    engine core's table to this)."""
+    import os
+    import sys
+
+    from qwen4exp.vllm import host_sampler as hs
+
+    monkeypatch.setenv("QWEN4EXP_HOST_SAMPLE", str(tmp_path))
+    monkeypatch.setenv("QWEN4EXP_HOST_SAMPLE_WRITE", "0.1")
+    monkeypatch.setattr(hs, "_started", None)
+    switch = sys.getswitchinterval()
+    parent = hs.maybe_start()
+    try:
+        assert parent is not None and parent.pid == os.getpid()
+        (tmp_path / "on").write_text("child")
+        pid = os.fork()
+        if pid == 0:  # the child: its own sampler, its own table
+            code = 1
+            try:
+                mine = hs._started
+                if mine is not None and mine is not parent and mine.pid == os.getpid():
+                    _spin_in_python(0.4)
+                    mine.stop()
+                    code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0, "the forked child had no sampler of its own"
+    finally:
+        (tmp_path / "on").unlink(missing_ok=True)
+        parent.stop()
+        monkeypatch.setattr(hs, "_started", None)
+        sys.setswitchinterval(switch)
+    table = (tmp_path / f"host-{pid}.txt").read_text()
+    assert "== child: thread MainThread" in table and ":_spin_in_python" in table, table[:1500]

@@ -22,6 +22,17 @@ def cuda_ops():
     return cuda
 
 
+@pytest.fixture(autouse=True)
+def _triton_select(monkeypatch):
+    """These tests hold the kernels to the reference's selection (lower ids among tied blocks) and to bitwise
+    repeatable outputs (ids in id order). The default decode select is vLLM's where its CUDA ops are loaded (the
+    engine; once a test in the vLLM venv loads them they stay) and is neither: its own test below asks for it."""
+    if torch.cuda.is_available():
+        from qwen4exp.ops.qsa import triton_kernel as tk
+
+        monkeypatch.setattr(tk, "TOPK", "triton")
+
+
 def poison():
     """Fill the caching allocator's free blocks (large and small pools) with NaN, so that the kernels' outputs and
     scratch buffers start out as NaN."""
@@ -618,7 +629,9 @@ def test_qsa_decode_paged_with_vllm_topk():
     """TOPK = "vllm" (vLLM's CUDA select on fp32 scores, inside the vLLM venv: ``recipes/gpu_device.sh tests`` runs
     this file's vllm_topk tests there): the same selections as the Triton select on untied random scores (set
     equality per row, short rows included: -1 padded) and the paged decode output against the reference, eager and
-    in a CUDA graph."""
+    in a CUDA graph. Not eager == graph bit for bit: the order of the ids vLLM's select returns varies between calls
+    (H200 run 13: 27% of the outputs differed in the last bf16 bit, the largest by 5e-4), and with it the order in
+    which the attention sums the selected tokens."""
     from qwen4exp.ops.qsa import reference as ref
     from qwen4exp.ops.qsa import triton_kernel as tk
     try:
@@ -657,7 +670,8 @@ def test_qsa_decode_paged_with_vllm_topk():
     want = ref.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, n_blocks, R_QSA, BUDGET, scale, iscale)
     for b in range(len(lens)):
         assert _rel(out[b], want[b]) < 1e-2, lens[b]
-    torch.testing.assert_close(graphed, out, rtol=0, atol=0)
+        assert _rel(graphed[b], want[b]) < 1e-2, lens[b]
+    assert _rel(graphed, out) < 5e-3  # the same selection summed in another order: bf16 rounding apart
 
 
 def test_qsa_decode_paged_in_cuda_graph():

@@ -78,3 +78,20 @@ def test_python_functions_self_and_inclusive_time(ts):
     assert got["f"] == (2, 50.0, 50.0)
     r = ts.summarize(_trace() + ev)
     assert "python functions by inclusive time" in ts.report(r)
+
+
+def test_busy_shares_split_overlapping_kernels_and_add_up_to_the_busy_time(ts):
+    """Two streams (or a kernel launched early by programmatic dependent launch): the time they overlap is split
+    between them, so the shares add up to the busy time; categories group our and upstream's kernel names."""
+    ev = [_x("kernel", "_hc_down_kernel", 0, 10), _x("kernel", "_hc_up_kernel", 4, 10),  # overlap 4..10
+          _x("kernel", "fused_moe_kernel", 20, 5), _x("kernel", "void vllm::moe::topkGating<16>", 22, 2)]
+    res = ts.summarize(ev, steps=1)
+    sh = res["busy_share"]
+    assert sh["_hc_down_kernel"] == pytest.approx(4 + 3) and sh["_hc_up_kernel"] == pytest.approx(3 + 4)
+    assert sh["fused_moe_kernel"] == pytest.approx(4) and sh["void vllm::moe::topkGating<16>"] == pytest.approx(1)
+    assert sum(sh.values()) == pytest.approx(res["busy_us"]) == pytest.approx(19)
+    cats = {c: b for c, _, b in res["category_table"]}
+    assert cats == pytest.approx({"hc": 14, "moe": 5})
+    assert ts.category("kernel_cutlass_kernel_vllmmodelsqwen4_expnvidiaopscute_dsl_hc_down_silu") == "hc"
+    assert ts.category("void vllm::cooperative::cooperative_topk_cs4<512u>") == "qsa"
+    assert "busy us/st" in ts.report(res)

@@ -97,18 +97,22 @@ def check_qsa_decode():
     q, iq = torch.stack([s[0][-1] for s in seqs]), torch.stack([s[3][-1] for s in seqs])
     want = ref.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
     names = ("ATTN_SLOT_BLOCK", "ATTN_PROGRAMS", "ATTN_PREFETCH", "ATTN_PREFETCH_MANY", "ATTN_MANY_QUERIES",
-             "ATTN_SLOT_BLOCK_MANY")
+             "ATTN_SLOT_BLOCK_MANY", "ATTN_K_T", "ATTN_K_T_MANY")
     saved = {k: getattr(tk, k) for k in names}
     try:  # slot ranges of one chunk, of all 3 chunks, of 2 + 1 (an uneven last range); rows looked up ahead or not;
-        # the few-query and the many-query settings
-        for sb, programs, prefetch, many in ((64, 512, True, 99), (16, 10 ** 6, True, 99), (16, 1, True, 99),
-                                             (16, 4 * len(lens), True, 99), (16, 4 * len(lens), False, 99),
-                                             (16, 10 ** 6, False, 99), (64, 4 * len(lens), True, 1)):
+        # the few-query and the many-query settings; K loaded transposed or not
+        n4 = 4 * len(lens)
+        for sb, programs, prefetch, many, kt in ((64, 512, True, 99, False), (16, 10 ** 6, True, 99, False),
+                                                 (16, 1, True, 99, True), (16, n4, True, 99, False),
+                                                 (16, n4, False, 99, True), (16, 10 ** 6, False, 99, False),
+                                                 (64, n4, True, 1, False), (16, n4, True, 1, True)):
             tk.ATTN_SLOT_BLOCK = tk.ATTN_SLOT_BLOCK_MANY = sb
             tk.ATTN_PROGRAMS, tk.ATTN_MANY_QUERIES = programs, many
             tk.ATTN_PREFETCH = tk.ATTN_PREFETCH_MANY = prefetch
+            tk.ATTN_K_T = tk.ATTN_K_T_MANY = kt
             got = tk.qsa_decode_paged_triton(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
-            close(got, want, 0.05, f"decode paged SB={sb} programs={programs} prefetch={prefetch} many>={many}")
+            close(got, want, 0.05, f"decode paged SB={sb} programs={programs} prefetch={prefetch} many>={many} "
+                                   f"kt={kt}")
     finally:
         for k, v in saved.items():
             setattr(tk, k, v)

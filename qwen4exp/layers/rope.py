@@ -32,9 +32,39 @@ class RotaryEmbedding(nn.Module):
         axis[(i % 3 == 1) & (i < 3 * sec[1])] = 1
         axis[(i % 3 == 2) & (i < 3 * sec[2])] = 2
         self.register_buffer("axis", axis, persistent=False)
+        self.register_buffer("axis_cols", axis.repeat(2), persistent=False)  # the axis of each of the R columns
+
+        self.table_positions = 0  # > 0: cos / sin rows of positions [0, table_positions) precomputed (use_table)
+        self._tables: dict = {}
+
+    def use_table(self, n_positions: int) -> None:
+        """Serve positions below ``n_positions`` from precomputed cos / sin rows (per device and dtype, built at
+        first use): one gather per table and call instead of ~7 small kernels (cast, product, concat, cos, sin, two
+        casts), the same values bit for bit (the rows are this module's own formula at positions 0, 1, ...).
+        Callers guarantee every position is below ``n_positions`` (vLLM: the model length and the batch size
+        bound them); positions past it are an indexing error."""
+        self.table_positions = int(n_positions)
+        self._tables.clear()
+
+    def _table(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (str(device), dtype)
+        t = self._tables.get(key)
+        if t is None:
+            t = self._tables[key] = self._compute(torch.arange(self.table_positions, device=device), dtype)
+        return t
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] (text) or [3, T] (t, h, w) -> cos, sin [T, R] in ``dtype``."""
+        if not self.table_positions:
+            return self._compute(positions, dtype)
+        cos_t, sin_t = self._table(positions.device, dtype)
+        if positions.dim() == 1:
+            return cos_t[positions], sin_t[positions]
+        # three axes: column j of the rows takes the position of its frequency's axis (axis[j % (R / 2)])
+        cols = self.axis_cols.to(positions.device).view(1, 1, -1).expand(1, positions.shape[1], -1)
+        return cos_t[positions].gather(0, cols)[0], sin_t[positions].gather(0, cols)[0]
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv = self.inv_freq.to(positions.device)
         if positions.dim() == 1:
             freqs = positions.float().unsqueeze(-1) * inv

@@ -26,6 +26,7 @@ import time
 
 ENV = "QWEN4EXP_HOST_SAMPLE"
 _started: "HostSampler | None" = None
+_fork_hook = False
 
 
 def _frame_name(code) -> str:
@@ -42,7 +43,8 @@ class HostSampler:
         self.label = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="qwen4exp-host-sampler", daemon=True)
-        self.path = os.path.join(folder, f"host-{os.getpid()}.txt")
+        self.pid = os.getpid()
+        self.path = os.path.join(folder, f"host-{self.pid}.txt")
 
     def start(self) -> "HostSampler":
         os.makedirs(self.folder, exist_ok=True)
@@ -128,16 +130,29 @@ class HostSampler:
         os.replace(tmp, self.path)
 
 
-def maybe_start() -> "HostSampler | None":
-    """Start this process's sampler once if ``QWEN4EXP_HOST_SAMPLE`` names a folder (never raises: diagnostics
-    must not stop vLLM from starting)."""
+def _start_in_child() -> None:
+    """After a fork: the parent's sampler thread did not come along (threads never do), and neither does a fresh
+    ``register`` call (the child inherits the plugin's registered state): vLLM's engine core forked from the
+    front-end process would go unsampled (the H200 run 13 lesson), so the child starts its own."""
     global _started
+    if _started is not None and _started.pid != os.getpid():
+        _started = None
+        maybe_start()
+
+
+def maybe_start() -> "HostSampler | None":
+    """Start this process's sampler once if ``QWEN4EXP_HOST_SAMPLE`` names a folder, and in every process forked
+    from it later (never raises: diagnostics must not stop vLLM from starting)."""
+    global _started, _fork_hook
     folder = os.environ.get(ENV, "").strip()
-    if not folder or _started is not None:
+    if not folder or (_started is not None and _started.pid == os.getpid()):
         return _started
     try:
         _started = HostSampler(folder, float(os.environ.get(f"{ENV}_INTERVAL", "0.0005")),
                                float(os.environ.get(f"{ENV}_WRITE", "2"))).start()
+        if not _fork_hook:
+            os.register_at_fork(after_in_child=_start_in_child)
+            _fork_hook = True
     except Exception as e:  # noqa: BLE001
         print(f"qwen4exp: host sampler not started ({type(e).__name__}: {e})", file=sys.stderr)
     return _started

@@ -111,6 +111,19 @@ def colocate_projections(model: nn.Module) -> int:
     return joined
 
 
+def rotary_embedding(config, vllm_config: VllmConfig):
+    """The model's (or the MTP head's) RoPE module with its cos / sin rows precomputed (``RotaryEmbedding.use_table``:
+    one gather a call instead of ~7 small kernels; the QSA layers' decode block-key rotation shares it). Positions
+    stay below the model length (text only: image inputs are refused, ``get_mrope_input_positions``) or the batch
+    size in vLLM's dummy runs; + room for speculative tokens."""
+    from ..layers.rope import RotaryEmbedding
+
+    rot = RotaryEmbedding(config)
+    sched = vllm_config.scheduler_config
+    rot.use_table(max(vllm_config.model_config.max_model_len, sched.max_num_batched_tokens) + 1024)
+    return rot
+
+
 class MergedSwiGLU(nn.Module):
     """The shared expert (``qwen4exp.layers.moe.SwiGLU``: down(silu(gate(x)) * up(x))) with gate and up in ONE
     replicated GEMM (the checkpoint's ``gate_proj`` / ``up_proj`` load into the two halves of ``gate_up_proj``).

@@ -35,10 +35,9 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..configuration import _INDEXED_ALIASES, INDEXED, LINEAR
 from ..layers.hyper_connection import HyperConnection
-from ..layers.rope import RotaryEmbedding
 from ..modeling import DecoderLayer, embed_streams, next_mixer
 from .layers import (GatedSharedExpert, MergedSwiGLU, StateSlots, check_cudagraph_mode, colocate_projections,
-                     eager_segment, fused_experts, gdn_mixer, our_gdn, ple_state_shapes, vllm_linear)
+                     eager_segment, fused_experts, gdn_mixer, our_gdn, ple_state_shapes, rotary_embedding, vllm_linear)
 from .qsa import QSAMixer
 from .weights import load_qwen4exp_weights
 
@@ -61,7 +60,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    prefix=f"{prefix}.embed_tokens")
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = rotary_embedding(config, vllm_config)
         dtype = vllm_config.model_config.dtype
         layers = []
         on_host = ple_table_on_host()

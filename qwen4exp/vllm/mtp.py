@@ -28,8 +28,7 @@ from vllm.sequence import IntermediateTensors
 from ..configuration import INDEXED
 from ..layers.hyper_connection import HyperConnection
 from ..layers.mtp import MTPInput
-from ..layers.rope import RotaryEmbedding
-from .layers import colocate_projections, vllm_linear
+from .layers import colocate_projections, rotary_embedding, vllm_linear
 from .model import decoder_layer
 from .qsa import QSAMixer
 from .weights import MTP_DRAFT, load_qwen4exp_weights
@@ -44,7 +43,7 @@ class Qwen4ExpMTPModel(MTPInput):
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    prefix="model.embed_tokens")
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = rotary_embedding(config, vllm_config)
         n = getattr(config, "mtp_num_hidden_layers", 1) or 1
         layers = []
         for i in range(n):

@@ -146,9 +146,9 @@ class QSAMixer(QSAAttention):
     def eager_forward(self, out, q, k, v, index_q, index_k_raw, positions) -> None:
         """Cache writes, block keys, selection + attention for this step's tokens (an eager graph segment: reads the
         step's attention metadata on the host). Rows past the step's real tokens (graph padding) are zero."""
-        out.zero_()
         md = get_forward_context().attn_metadata
         if md is None or self.attn.layer_name not in md:  # profiling / warm-up run: no caches bound
+            out.zero_()
             return
         m = md[self.attn.layer_name]  # main K/V and index rows: one cache layer, one metadata and block table
         if not self._scales_checked:
@@ -156,6 +156,7 @@ class QSAMixer(QSAAttention):
         if int(m.max_query_len) <= 1:  # pure decode: the graph-capturable path
             self._decode_step(out, q, k, v, index_q, index_k_raw, m)
             return
+        out.zero_()
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("qwen4exp QSA: only pure decode batches can be captured in a FULL CUDA graph (got "
                                f"max_query_len={m.max_query_len}); speculative decoding runs PIECEWISE graphs")
@@ -234,22 +235,43 @@ class QSAMixer(QSAAttention):
         completes, selection + attention, all with fixed shapes and no host sync, so a FULL CUDA graph can capture
         it. Row b is request b; requests that pad a captured batch have seq_len 0, slot -1 and a null block
         table: they write nothing and read the null block (finite, discarded)."""
-        B, r = m.seq_lens.shape[0], self.r
-        seq = m.seq_lens[:B].long()
-        pos = (seq - 1).clamp(min=0)
+        B, valid, pos, slots, cb, sb = self._decode_inputs(m, index_k_raw.dtype)
+        r = self.r
+        if out.shape[0] > B:
+            out[B:].zero_()
         kv, ikv = _kv_cache(self.attn), _kv_cache(self.index_cache)
-        bt, slots = m.block_table[:B], m.slot_mapping[:B].long()
+        bt = m.block_table[:B]
         write_paged(kv, slots, k[:B], v[:B])
         # the index cache row: raw key, and the key of the block this token completes (zeros if none)
-        cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), index_k_raw.dtype)
         kn = self.indexer.k_layernorm
-        index_update_decode(ikv, slots, bt, pos, seq > 0, index_k_raw[:B], kn.weight, kn.eps, cb, sb, r)
+        index_update_decode(ikv, slots, bt, pos, valid, index_k_raw[:B], kn.weight, kn.eps, cb, sb, r)
         # n_blocks: every block the table can hold while capturing (replays serve any length), else the step's max
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             n_blocks = bt.shape[1] * kv.shape[2] // r
         else:
             n_blocks = max(1, int(m.max_seq_len) // r)
         out[:B] = self._attend_decodes(q[:B], index_q[:B], pos, bt, kv, ikv, n_blocks)
+
+    def _decode_inputs(self, m, dtype):
+        """(B, valid, pos, slots, cos, sin) of a pure decode batch: its rows, which rows are real requests, their
+        positions and cache slots (int64), and the rotation of the block key that each token may complete (at the
+        block's first position). The same for every QSA layer of the step (one KV-cache group: one metadata
+        object), so computed once a forward pass (kept on the forward context, as ``_host_lengths``; inside a
+        captured graph the first layer's kernels serve the later layers): 3 x ~10 small kernels a step fewer."""
+        fc = get_forward_context()
+        memo = getattr(fc, "_qwen4exp_decode_inputs", None)
+        if memo is not None and memo[0] is m and memo[1] == (dtype, self.r):
+            return memo[2]
+        B, r = m.seq_lens.shape[0], self.r
+        seq = m.seq_lens[:B].long()
+        pos = (seq - 1).clamp(min=0)
+        cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), dtype)
+        got = (B, seq > 0, pos, m.slot_mapping[:B].long(), cb, sb)
+        try:
+            fc._qwen4exp_decode_inputs = (m, (dtype, r), got)
+        except AttributeError:  # (a context class with __slots__: no memo)
+            pass
+        return got
 
     def _decode_batch(self, out, q, index_q, pos1, reqs, qsl, seq_lens, m, kv, ikv) -> None:
         """Every query of the requests ``reqs`` of a mixed step in one batched call, one row per query with its own

@@ -339,11 +339,14 @@ def _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t
 def _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, c0, c1, r, m, scale_log2, stride_qt, stride_qh, stride_kl, stride_kh,
                  stride_vl, stride_vh, stride_ids_t, stride_bt, n_bt, stride_kb, stride_vb,
                  G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr, TAIL: tl.constexpr,
-                 KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr, PREFETCH: tl.constexpr):
+                 KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr, PREFETCH: tl.constexpr,
+                 KT: tl.constexpr = False):
     """Online softmax of the G query heads of KV head g of query t over slot chunks [c0, c1) of SB slots:
     (acc [G_P, HD] = sum_j 2^(s_j - m) v_j unnormalised, m [G_P] the running max in log2 units, l = sum 2^(s_j - m)).
     PREFETCH: the next chunk's rows (selected ids -> block table -> row offsets: two dependent loads) are looked up
-    while this chunk's K/V loads are in flight, so an iteration waits on one memory round trip instead of three."""
+    while this chunk's K/V loads are in flight, so an iteration waits on one memory round trip instead of three.
+    KT: K is loaded as its transpose [HD, SB] (the dot's right operand as it is used) instead of [SB, HD] and
+    transposed in registers (the in-tree decode kernel's way; a launch setting to time, same values)."""
     offs_g = tl.arange(0, G_P)
     offs_d = tl.arange(0, HD)
     gmask = offs_g < G
@@ -360,15 +363,22 @@ def _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, c0, c1, r, m, scale_log2, stride_
             k_row, v_row, valid = _slot_rows(IDS, QPOS, BT, t, c * SB + tl.arange(0, SB), r, m, stride_kl,
                                              stride_vl, stride_ids_t, stride_bt, n_bt, stride_kb, stride_vb, TAIL,
                                              KEYS, PAGED, PBS)
-        k = tl.load(K + k_row[:, None] + g * stride_kh + offs_d[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.bfloat16)  # FP8 caches widen exactly
+        if KT:
+            kt = tl.load(K + k_row[None, :] + g * stride_kh + offs_d[:, None], mask=valid[None, :],
+                         other=0.0).to(tl.bfloat16)  # [HD, SB]
+        else:
+            k = tl.load(K + k_row[:, None] + g * stride_kh + offs_d[None, :], mask=valid[:, None],
+                        other=0.0).to(tl.bfloat16)  # FP8 caches widen exactly
         v = tl.load(V + v_row[:, None] + g * stride_vh + offs_d[None, :], mask=valid[:, None],
                     other=0.0).to(tl.bfloat16)
         if PREFETCH:  # (past the last chunk the slots are invalid: masked loads, nothing read)
             nk_row, nv_row, nvalid = _slot_rows(IDS, QPOS, BT, t, (c + 1) * SB + tl.arange(0, SB), r, m, stride_kl,
                                                 stride_vl, stride_ids_t, stride_bt, n_bt, stride_kb, stride_vb, TAIL,
                                                 KEYS, PAGED, PBS)
-        s = _dot(q, tl.trans(k)) * scale_log2  # [G_P, SB], log2 units
+        if KT:
+            s = _dot(q, kt) * scale_log2  # [G_P, SB], log2 units
+        else:
+            s = _dot(q, tl.trans(k)) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -387,7 +397,8 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_chunks, cpp, scale_
                      stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                      BT, stride_bt, n_bt, stride_kb, stride_vb,
                      G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr, TAIL: tl.constexpr,
-                     KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr, PREFETCH: tl.constexpr):
+                     KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr, PREFETCH: tl.constexpr,
+                     KT: tl.constexpr = False):
     """Slot chunks [sp * cpp, (sp + 1) * cpp) of one (query, KV head): fp32 partial output (unnormalised), max and
     sum of its G heads for ``_qsa_merge_kernel`` (decode: the split over slot ranges gives the GPU enough programs;
     ranges of several chunks keep the partials, written and read back through memory, few at batch 32)."""
@@ -400,7 +411,7 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_chunks, cpp, scale_
     acc, m_i, l_i = _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, c0, tl.minimum(c0 + cpp, n_chunks), r, m, scale_log2,
                                  stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                                  stride_bt, n_bt, stride_kb, stride_vb, G, G_P, HD, SB, TAIL, KEYS, PAGED, PBS,
-                                 PREFETCH)
+                                 PREFETCH, KT)
     offs_g = tl.arange(0, G_P)
     gmask = offs_g < G
     base = (t * n_kvh + g) * n_split + sp
@@ -461,9 +472,12 @@ def _qsa_merge_kernel(OP, MP, LP, O, n_split, stride_ot, stride_oh,
 
 
 LAUNCHED = {}  # the last compiled kernels (registers / spills for the notes)
-ATTN_SLOT_BLOCK = 32  # selected-token slots per loop step of the decode attention kernel, and its warps: at the
-ATTN_WARPS = 8  # real widths (12 heads padded to 16 x 256) 32 slots x 8 warps compile to 254 registers and no spills
-# (ptxas, sm_90; 64 x 4 with the loop: ptxas falls back to 32 registers and spills 17.6 KB a thread)
+ATTN_SLOT_BLOCK = 32  # selected-token slots per loop step of the decode attention kernel, and its warps (few
+ATTN_WARPS = 8  # queries: batch 1): at the real widths (12 heads padded to 16 x 256) 32 x 8 compiles to 254
+# registers and no spills (ptxas, sm_90). 64 x 8 is ~1 us a layer faster at batch 1 (attention + merge 11.8 / 12.2
+# us against 13.2 / 12.7, H200 runs 12 / 13, bench_ops --decode-breakdown; the engine's batch-1 profile in run 13:
+# 11.5 against run 12's 12.6 us) but spills 1,728 bytes a thread (tests/triton_offline.py compile): not taken.
+# (64 x 4 with the loop: ptxas falls back to 32 registers and spills 17.6 KB a thread)
 ATTN_PROGRAMS = 512  # decode attention: each (query, KV head) split over slot ranges so that about this many
 # programs run (batch 1: one 32-slot chunk a program, 130 programs; batch 32: 9 chunks, 512 programs). Before:
 # always one chunk a program, which at batch 32 wrote (and the merge read back) 35 MB of fp32 partials a layer
@@ -477,9 +491,15 @@ ATTN_WARPS_MANY = 2  # waves of 512), 32 x 8: 144-150, 64 x 8: 156; at batch 1 3
 ATTN_PREFETCH_MANY = True  # many-query decode (batch 32: 128 vs 141.8 us with 16 x 2)
 ATTN_PREFETCH = False  # few-query decode (batch 1: 36.7 vs 37.4 us, noise-level, and 32 x 8 then spills 140 B)
 LOOP_PREFETCH = False  # prefill loop (not timed with it)
-TOPK = "triton"  # the top-m selection: "triton" (radix select kernel) or "torch" (torch.topk on the keys); "vllm":
-# paged decode of up to 64 rows through vLLM's CUDA top-k kernel where it is loaded (the in-tree model's select;
-# ties at the threshold are its choice, not the reference's lower ids), else "triton"
+ATTN_K_T = False  # decode attention: K loaded as [head dim, slots] (``_attn_chunks``' KT); not yet timed
+ATTN_K_T_MANY = False  # (bench_ops --decode-breakdown sweeps both)
+TOPK = "vllm"  # the top-m selection: "triton" (radix select kernel) or "torch" (torch.topk on the keys); "vllm":
+# paged decode of up to 64 rows through vLLM's CUDA top-k kernel where it is loaded (in the engine: the in-tree
+# model's select), else "triton". H200 run 13 (bench_ops --decode-breakdown, the whole decode op at 50k): batch 1
+# 28.1 vs 33.3 us, batch 32 105.6 vs 110.6 us. Its choice among blocks tied at the threshold is its own (not the
+# reference's lower ids), and the order of the ids it returns varies from call to call (so does the attention's
+# fp32 summation order: bf16 outputs may differ in the last bit between runs); the set is the reference's
+# wherever the scores at the threshold do not tie
 VLLM_TOPK_WORKSPACE_BYTES = 1 << 20  # its scratch (the size vLLM's callers give it)
 TOPK_CHUNK = 8192  # keys per pass step of the radix select
 TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register select instead of the chunked radix select
@@ -695,7 +715,8 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
         q, k, v, q_pos, sel, op, mp, lp, r, m, n_chunks, cpp, scale_log2,
         q.stride(0), q.stride(1), *strides, sel.stride(0), *paged,
         G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
-        PREFETCH=ATTN_PREFETCH_MANY if many else ATTN_PREFETCH, num_warps=warps,
+        PREFETCH=ATTN_PREFETCH_MANY if many else ATTN_PREFETCH, KT=ATTN_K_T_MANY if many else ATTN_K_T,
+        num_warps=warps,
         num_stages=ATTN_STAGES_MANY if many else ATTN_STAGES)
     LAUNCHED["qsa_merge"] = _qsa_merge_kernel[(G, Hkv, Tq)](
         op, mp, lp, out, n_split, out.stride(0), out.stride(1),
