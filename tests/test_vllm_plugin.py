@@ -251,3 +251,25 @@ def test_qsa_projections_colocated_for_one_gemm():
     attn.v_proj.weight.data = attn.v_proj.weight.data.clone()  # (rows elsewhere: the four GEMMs again)
     assert stacked_weight([linear_weight(m) for m in mods]) is None
     torch.testing.assert_close(attn.project(x, cos, sin).v, before.v, rtol=1e-5, atol=1e-5)
+
+
+def test_qsa_cache_backend_switch(monkeypatch):
+    """``QWEN4EXP_QSA_METADATA``: vLLM's own backend choice by default (and always on CPU); ``lean`` gives the
+    QSA cache layer FlashAttention's backend with a builder that asks for no FA3 scheduler metadata (no
+    FlashAttention kernel reads that cache); anything else is refused by name."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionMetadataBuilder
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from qwen4exp.vllm import qsa
+
+    monkeypatch.delenv("QWEN4EXP_QSA_METADATA", raising=False)
+    assert qsa.qsa_cache_backend() is None
+    monkeypatch.setenv("QWEN4EXP_QSA_METADATA", "lean")
+    assert qsa.qsa_cache_backend() is None  # (this CPU machine: vLLM's CPU backend stays)
+    lean = qsa._lean_flash_backend()
+    assert issubclass(lean, FlashAttentionBackend) and AttentionBackendEnum[lean.get_name()]  # a registered name
+    assert issubclass(lean.get_builder_cls(), FlashAttentionMetadataBuilder)
+    assert lean.get_builder_cls() is not FlashAttentionMetadataBuilder
+    monkeypatch.setenv("QWEN4EXP_QSA_METADATA", "fast")
+    with pytest.raises(ValueError, match="QWEN4EXP_QSA_METADATA"):
+        qsa.qsa_cache_backend()

@@ -17,6 +17,9 @@ attention ISA (vec / AMX / NEON packs K differently) and of the dtype (fp32, bf1
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 from vllm.forward_context import get_forward_context
@@ -47,6 +50,42 @@ def _kv_cache(attn: Attention) -> torch.Tensor:
                                       f"(bf16/fp16/fp32 or {', '.join(_FP8)})")
         kv = kv.view(fp8)
     return kv
+
+
+def qsa_cache_backend():
+    """The attention backend class for the QSA cache layer, or None for vLLM's choice (the default; CPU always).
+
+    ``QWEN4EXP_QSA_METADATA=lean`` (GPU, opt-in until timed on the H200): vLLM's FlashAttention backend (same cache
+    layout, block sizes, CUDA-graph support) whose metadata builder skips FlashAttention 3's ahead-of-time
+    scheduler metadata: no FlashAttention kernel ever reads this cache (our kernels take the block table, lengths
+    and slots only), and run 13's host profile of a batch-1 decode step (``bench_vllm_gpu.py --host-sample``) had
+    ~12% of the engine core's time in ``FlashAttentionMetadataBuilder.build``, most of it in
+    ``get_scheduler_metadata``."""
+    mode = os.environ.get("QWEN4EXP_QSA_METADATA", "vllm").strip().lower()
+    if mode not in ("vllm", "lean"):
+        raise ValueError(f"QWEN4EXP_QSA_METADATA must be 'vllm' or 'lean', got {mode!r}")
+    from vllm.platforms import current_platform
+
+    if mode == "vllm" or not current_platform.is_cuda():
+        return None
+    return _lean_flash_backend()
+
+
+@functools.cache
+def _lean_flash_backend():
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionMetadataBuilder
+
+    class QSACacheMetadataBuilder(FlashAttentionMetadataBuilder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.aot_schedule = False  # (build() then asks for no scheduler metadata)
+
+    class QSACacheBackend(FlashAttentionBackend):
+        @staticmethod
+        def get_builder_cls():
+            return QSACacheMetadataBuilder
+
+    return QSACacheBackend
 
 
 def _host_lengths(m) -> tuple[list[int], list[int]]:
@@ -122,7 +161,8 @@ class QSAMixer(QSAAttention):
                              f"({self.head_dim}) is not supported (its rows live in an attention-head-wide cache)")
         nkv = self.n_kv + 1
         self.cache_layer = Attention(nkv, self.head_dim, self.scale, num_kv_heads=nkv,
-                                     cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
+                                     cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn",
+                                     attn_backend=qsa_cache_backend())
         self.attn = _CacheView(self.cache_layer, 0, self.n_kv, self.head_dim)
         self.index_cache = _CacheView(self.cache_layer, self.n_kv, nkv, d_i)
 
