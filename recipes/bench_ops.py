@@ -511,11 +511,11 @@ def decode_breakdown(bw):
         if tk.vllm_topk_covers(B, m):  # vLLM's CUDA select (inside the vLLM venv): fp32 scores in, ids out
             timed(B, f"scores as fp32 logits BLOCK_N={tk.SCORE_PAGED_BLOCK_N}", score_logits, [(s,) for s in sets],
                   score_by)
-            lsets = [(score_logits(s), s[1]) for s in sets]
-            got = tk.vllm_top_ids(lsets[0][0], lsets[0][1], r, m).sort(dim=1).values
+            lsets = [(*score_logits(s), s[1]) for s in sets]  # (logits, visible counts, positions)
+            got = tk.vllm_top_ids(lsets[0][0], lsets[0][2], r, m, lsets[0][1]).sort(dim=1).values
             agree = (got == want).all(dim=1).float().mean().item()
             timed(B, f"top-k vLLM cooperative_topk (rows equal to the Triton select's: {agree:.0%})",
-                  lambda lg, p, r=r, m=m: tk.vllm_top_ids(lg, p, r, m), lsets)
+                  lambda lg, vis, p, r=r, m=m: tk.vllm_top_ids(lg, p, r, m, vis), lsets)
             saved = knobs(TOPK="vllm")
             timed(B, "whole op (TOPK=vllm)", tk.qsa_decode_paged_triton, sets, score_by + attn_by)
             knobs(**saved)

@@ -116,6 +116,17 @@ def check_qsa_decode():
     finally:
         for k, v in saved.items():
             setattr(tk, k, v)
+    # the scores as fp32 logits (what vLLM's select reads) are the sort keys' scores; the same launch writes each
+    # query's visible block count (n_complete, capped at the table's blocks: 60 here, 51 for the longest)
+    for nb in (60, 40):
+        keys = tk.paged_score_keys(pos, iq, ikv, ibt, nb, r, 0.4)
+        lg, vis = tk.paged_score_keys(pos, iq, ikv, ibt, nb, r, 0.4, logits=True)
+        want_vis = torch.clamp((pos + 1) // r, max=nb).to(torch.int32)
+        assert torch.equal(vis, want_vis), (nb, vis, want_vis)
+        seen = torch.arange(nb)[None] < want_vis[:, None].long()
+        bits = lg.contiguous().view(torch.int32).long()  # the fp32 bits as signed integers
+        order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        assert torch.equal(torch.where(seen, order, 0), torch.where(seen, keys >> 32, 0)), f"logits vs keys, nb={nb}"
     L = 150
     qq, k, v, iqq, bk = seqs[3]
     p = torch.arange(L - 5, L)  # unpaged, five queries of one sequence

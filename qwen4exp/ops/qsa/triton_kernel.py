@@ -82,13 +82,14 @@ def _order_key(s, offs_n, n_complete, scale):
 
 
 @triton.jit(do_not_specialize=['Nb', 'n_bt', 'stride_bt'], do_not_specialize_on_alignment=_ROW_VIEWS)
-def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, Nb, r, scale, n_bt,
+def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, VIS, Nb, r, scale, n_bt,
                             stride_qt, stride_qh, stride_kvb, stride_kvl, stride_bt, stride_keys_t,
                             HI: tl.constexpr, HI_P: tl.constexpr, DI: tl.constexpr, IBS: tl.constexpr,
                             BLOCK_N: tl.constexpr, LOGITS: tl.constexpr = False):
     """``_qsa_score_kernel`` for a batch of single queries, each reading its own block keys out of the paged index
     cache: block j's key is the V half of the row of token j*r + r - 1 (the token that completed it). LOGITS: the
-    fp32 scores themselves instead of sort keys (blocks past a query's end: 0; the select reads its visible count)."""
+    fp32 scores themselves instead of sort keys (blocks past a query's end: 0), and each query's visible block
+    count min(n_complete, Nb) into VIS (int32, what vLLM's select reads; written by the row's first program)."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,6 +108,7 @@ def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, Nb, r, scale, n_bt,
     if LOGITS:
         sc = tl.sum(tl.maximum(_dot(k, tl.trans(q)), 0.0), axis=1) * scale
         tl.store(KEYS + t * stride_keys_t + offs_n, sc + 0.0, mask=nmask)  # (-0.0 -> +0.0, as the sort keys)
+        tl.store(VIS + t, tl.minimum(n_complete, Nb).to(tl.int32), mask=pid == 0)
     else:
         key = _order_key(_dot(k, tl.trans(q)), offs_n, n_complete, scale)
         tl.store(KEYS + t * stride_keys_t + offs_n, key, mask=nmask)
@@ -631,16 +633,18 @@ def load_vllm_kernels() -> bool:
     return True
 
 
-def vllm_top_ids(logits, q_pos, r: int, m: int):
+def vllm_top_ids(logits, q_pos, r: int, m: int, visible=None):
     """Top-m block ids [rows, m] (int32, -1 pad) of fp32 scores by vLLM's select. It reads each row's first
-    n_complete = (q_pos + 1) // r scores; unlike ``top_ids`` its choice among blocks tied at the threshold is its
-    own (not the lower ids): the set can differ from the reference's where scores tie exactly."""
+    n_complete = (q_pos + 1) // r scores (``visible``: those counts [rows] int32 when the caller has them, e.g. from
+    ``paged_score_keys``); unlike ``top_ids`` its choice among blocks tied at the threshold is its own (not the
+    lower ids): the set can differ from the reference's where scores tie exactly."""
     rows, n_blocks = logits.shape
     dev = logits.device
     ws = _VLLM_TOPK_WORKSPACE.get(dev)
     if ws is None:  # one per device, kept: its address stays fixed across CUDA-graph replays
         ws = _VLLM_TOPK_WORKSPACE[dev] = torch.empty(VLLM_TOPK_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-    visible = torch.clamp(torch.div(q_pos + 1, r, rounding_mode="floor"), max=n_blocks).to(torch.int32)
+    if visible is None:
+        visible = torch.clamp(torch.div(q_pos + 1, r, rounding_mode="floor"), max=n_blocks).to(torch.int32)
     out = torch.empty(rows, m, dtype=torch.int32, device=dev)
     torch.ops._C.cooperative_topk(logits, visible, out, ws, m, n_blocks)
     return out
@@ -759,19 +763,22 @@ def paged_supported(q, q_pos, index_q, kv, block_table, index_kv, index_block_ta
 def paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks: int, r: int, index_scale: float,
                      logits: bool = False):
     """[B, n_blocks] int64 sort keys of single queries against their paged block keys (``_qsa_score_paged_kernel``);
-    ``logits``: the fp32 scores instead, rows 16-byte aligned (vLLM's select reads them with TMA)."""
+    ``logits``: (the fp32 scores instead, rows 16-byte aligned (vLLM's select reads them with TMA), the visible
+    block counts [B] int32) -- the counts from the same kernel, not four small torch ops a layer."""
     B, HI, DI = index_q.shape
     if logits:
         keys = torch.empty(B, -(-n_blocks // 4) * 4, dtype=torch.float32, device=index_q.device)[:, :n_blocks]
+        vis = torch.empty(B, dtype=torch.int32, device=index_q.device)
     else:
         keys = torch.empty(B, n_blocks, dtype=torch.int64, device=index_q.device)
+        vis = keys  # (not written)
     LAUNCHED["qsa_score_paged"] = _qsa_score_paged_kernel[(triton.cdiv(n_blocks, SCORE_PAGED_BLOCK_N), B)](
-        index_q, index_kv, index_block_table, q_pos, keys, n_blocks, r, float(index_scale),
+        index_q, index_kv, index_block_table, q_pos, keys, vis, n_blocks, r, float(index_scale),
         index_block_table.shape[1], index_q.stride(0), index_q.stride(1), index_kv.stride(0),
         index_kv.stride(2), index_block_table.stride(0), keys.stride(0),
         HI=HI, HI_P=max(16, triton.next_power_of_2(HI)), DI=DI, IBS=index_kv.shape[2], BLOCK_N=SCORE_PAGED_BLOCK_N,
         LOGITS=logits, num_warps=SCORE_PAGED_WARPS)
-    return keys
+    return (keys, vis) if logits else keys
 
 
 def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks: int, r: int,
@@ -783,8 +790,11 @@ def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_
     HD = q.shape[-1]
     if n_blocks > m and m > 0:
         logits = TOPK == "vllm" and vllm_topk_covers(q.shape[0], m)
-        keys = paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks, r, index_scale, logits)
-        sel = vllm_top_ids(keys, q_pos, r, m) if logits else top_ids(keys, m)
+        if logits:
+            lg, vis = paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks, r, index_scale, True)
+            sel = vllm_top_ids(lg, q_pos, r, m, vis)
+        else:
+            sel = top_ids(paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks, r, index_scale), m)
     else:
         sel = _dense_ids(q_pos, r, m)
     return sparse_attention_slots(q, kv[..., :HD], kv[..., HD:], q_pos, sel, r, scale, keys=False,
