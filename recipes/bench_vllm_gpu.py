@@ -327,6 +327,20 @@ FIELDS = ["impl", "eager", "mp", "layers", "startup_s", "gpu_used_gib", "torch_a
           "bs32_step_ms", "bs32_steps", "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "knobs", "error"]
 
 
+def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``--variant NAME=ENV=VALUE[;ENV=VALUE...]`` -> {NAME: {ENV: VALUE}}: ours with those environment settings,
+    runnable under NAME in ``--impls`` (an A/B of a plugin switch, e.g. ``lean=QWEN4EXP_QSA_METADATA=lean``)."""
+    out = {}
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        name = name.strip()
+        pairs = [p.partition("=") for p in rest.split(";") if p.strip()]
+        if not sep or not name or name in ("ours", "upstream") or not pairs or any(not e or not q for e, q, _ in pairs):
+            raise SystemExit(f"--variant {spec!r}: want NAME=ENV=VALUE[;ENV=VALUE...] with a new NAME")
+        out[name] = {e.strip(): v.strip() for e, _, v in pairs}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_out/vllm_gpu", help="folder for config, logs, results.csv")
@@ -359,6 +373,8 @@ def main() -> None:
     ap.add_argument("--host-sample", action="store_true", help="sample the Python stacks of every vLLM process "
                     "(qwen4exp.vllm.host_sampler; also for upstream) during batch-1 decode and batch-32 decode steps "
                     "4-27: tables in OUT/host-IMPL/host-PID.txt")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=ENV=VALUE[;ENV=VALUE...]: ours with those "
+                    "environment settings, run as NAME when --impls names it (repeatable)")
     ap.add_argument("--mp", action="store_true", help="the engine core in its own process, as `vllm serve` and "
                     "`LLM` run it by default (and as the upstream anchor was measured): its host work (schedule, "
                     "inputs, outputs) overlaps this process's; default: in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
@@ -386,6 +402,10 @@ def main() -> None:
     rows = []
     eager = set(args.eager.split(","))
     impls = args.impls.split(",")
+    variants = parse_variants(args.variant)
+    unknown = [i for i in impls if i not in ("ours", "upstream") and i not in variants]
+    if unknown:
+        raise SystemExit(f"--impls: {', '.join(unknown)} is neither ours, upstream nor a --variant")
     gpus = [g for g in args.gpus.split(",") if g] if args.gpus else []
     runs = []  # (impl, res_path, log, cmd, env)
     for i, impl in enumerate(impls):
@@ -393,6 +413,7 @@ def main() -> None:
         log = os.path.join(args.out, f"{impl}.log")
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if args.mp else "0")
         env["QWEN4EXP_VLLM"] = "0" if impl == "upstream" else "1"
+        env.update(variants.get(impl, {}))
         # both: vLLM's FlashInfer top-k/top-p sampler is JIT-built on a fresh machine (~2 min of start-up, seen on
         # the H200); greedy sampling does not use it
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -404,7 +425,7 @@ def main() -> None:
                "--result", res_path, "--ctx", str(args.ctx), "--out-tokens", str(args.out_tokens),
                "--bs32-ctx", str(args.bs32_ctx), "--bs32-tokens", str(args.bs32_tokens),
                "--eager", "1" if impl in eager else "0",
-               "--gpu-util", str(args.gpu_util_ours if impl == "ours" else args.gpu_util)]
+               "--gpu-util", str(args.gpu_util if impl == "upstream" else args.gpu_util_ours)]
         if args.profile:
             cmd.append("--profile")
         if args.warm_prefill:
@@ -453,11 +474,12 @@ def main() -> None:
     for r in rows:
         print("| " + " | ".join(fmt(r.get(k)) for k in FIELDS) + " |")
     by = {r["impl"]: r for r in rows}
-    if "ours" in by and "upstream" in by:
-        for k in ("bs1_tpot_ms", "bs1_step_ms", "bs32_step_ms"):
-            a, b = by["ours"].get(k), by["upstream"].get(k)
-            if a and b:
-                print(f"{k}: ours/upstream = {a / b:.2f}")
+    for a_name, b_name in [("ours", "upstream")] + [(v, base) for v in variants for base in ("ours", "upstream")]:
+        if a_name in by and b_name in by:
+            for k in ("bs1_tpot_ms", "bs1_step_ms", "bs32_step_ms"):
+                a, b = by[a_name].get(k), by[b_name].get(k)
+                if a and b:
+                    print(f"{k}: {a_name}/{b_name} = {a / b:.2f}")
 
 
 if __name__ == "__main__":

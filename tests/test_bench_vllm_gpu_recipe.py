@@ -154,3 +154,17 @@ def test_host_sampler_restarts_in_a_forked_child(tmp_path, monkeypatch):
         sys.setswitchinterval(switch)
     table = (tmp_path / f"host-{pid}.txt").read_text()
     assert "== child: thread MainThread" in table and ":_spin_in_python" in table, table[:1500]
+
+
+def test_variants_are_ours_with_extra_environment():
+    """``--variant lean=QWEN4EXP_QSA_METADATA=lean``: an A/B of a plugin switch in the same run as ours and
+    upstream; values may hold '=' and ',' (a knobs list); a bad or clashing name is refused with the spec."""
+    import pytest
+
+    got = bench.parse_variants(["lean=QWEN4EXP_QSA_METADATA=lean",
+                                "tri=QWEN4EXP_KNOBS=qsa.TOPK=triton,hc.FUSED=1;QWEN4EXP_PLE_TABLE=gpu"])
+    assert got == {"lean": {"QWEN4EXP_QSA_METADATA": "lean"},
+                   "tri": {"QWEN4EXP_KNOBS": "qsa.TOPK=triton,hc.FUSED=1", "QWEN4EXP_PLE_TABLE": "gpu"}}
+    for bad in ("ours=X=1", "lean", "lean=", "lean=NOVALUE"):
+        with pytest.raises(SystemExit, match="--variant"):
+            bench.parse_variants([bad])
