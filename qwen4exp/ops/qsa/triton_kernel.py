@@ -493,8 +493,8 @@ ATTN_WARPS_MANY = 2  # waves of 512), 32 x 8: 144-150, 64 x 8: 156; at batch 1 3
 ATTN_PREFETCH_MANY = True  # many-query decode (batch 32: 128 vs 141.8 us with 16 x 2)
 ATTN_PREFETCH = False  # few-query decode (batch 1: 36.7 vs 37.4 us, noise-level, and 32 x 8 then spills 140 B)
 LOOP_PREFETCH = False  # prefill loop (not timed with it)
-ATTN_K_T = False  # decode attention: K loaded as [head dim, slots] (``_attn_chunks``' KT); not yet timed
-ATTN_K_T_MANY = False  # (bench_ops --decode-breakdown sweeps both)
+ATTN_K_T = False  # decode attention: K loaded as [head dim, slots] (``_attn_chunks``' KT): slower at every shape
+ATTN_K_T_MANY = False  # timed (H200 run 13, batch 32, 16 x 2 x 3 stages: 67.7 vs 59.2 us); bench_ops sweeps both
 TOPK = "vllm"  # the top-m selection: "triton" (radix select kernel) or "torch" (torch.topk on the keys); "vllm":
 # paged decode of up to 64 rows through vLLM's CUDA top-k kernel where it is loaded (in the engine: the in-tree
 # model's select), else "triton". H200 run 13 (bench_ops --decode-breakdown, the whole decode op at 50k): batch 1
