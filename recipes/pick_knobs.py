@@ -40,7 +40,7 @@ def pick(times: dict, defaults: dict, vllm_topk_ok: bool, margin: float = 0.03) 
                 variants[tuple(int(x) if x.isdigit() else x == "True" for x in m.groups(default="False"))] = us
         cur = (defaults[f"ATTN_SLOT_BLOCK{suffix}"], defaults[f"ATTN_WARPS{suffix}"], defaults[f"ATTN_STAGES{suffix}"],
                defaults[f"ATTN_PREFETCH{suffix}"], defaults["ATTN_PROGRAMS"], defaults.get(f"ATTN_K_T{suffix}", False))
-        if cur not in variants or not variants:
+        if cur not in variants:
             why.append(f"{case} attention: the defaults {cur} were not timed; kept")
             continue
         best = min(variants, key=variants.get)

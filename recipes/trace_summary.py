@@ -67,16 +67,17 @@ def busy_shares(gpu: list[dict]) -> dict:
         edges.append((s, 1, e["name"]))
         edges.append((s + d, -1, e["name"]))
     edges.sort(key=lambda x: (x[0], x[1]))
-    active: dict = defaultdict(int)
+    active: dict = defaultdict(int)  # kernel name -> running instances (only names with some)
     out: dict = defaultdict(float)
-    last = None
+    n, last = 0, None
     for t, kind, name in edges:
-        n = sum(active.values())
-        if last is not None and n and t > last:
+        if n and t > last:
             for k, c in active.items():
-                if c:
-                    out[k] += (t - last) * c / n
+                out[k] += (t - last) * c / n
         active[name] += kind
+        if not active[name]:
+            del active[name]
+        n += kind
         last = t
     return out
 

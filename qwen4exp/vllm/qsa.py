@@ -88,20 +88,28 @@ def _lean_flash_backend():
     return QSACacheBackend
 
 
+def _once_per_forward(name: str, m, key, compute):
+    """``compute()``, once per forward pass for the metadata object ``m`` (and ``key``): all QSA layers share one
+    KV-cache group, so one metadata object, and what they derive from it alike is worked out by the first. Kept on
+    the forward context, which vLLM makes anew for every forward pass (metadata objects or their tensors may be
+    reused across steps, so they cannot carry it)."""
+    fc = get_forward_context()
+    memo = getattr(fc, name, None)
+    if memo is not None and memo[0] is m and memo[1] == key:
+        return memo[2]
+    got = compute()
+    try:
+        setattr(fc, name, (m, key, got))
+    except AttributeError:  # (a context class with __slots__: no memo)
+        pass
+    return got
+
+
 def _host_lengths(m) -> tuple[list[int], list[int]]:
     """The step's query starts and sequence lengths as host lists: one device-to-host copy (a sync) per step and
-    metadata object, not per QSA layer (all QSA layers share one KV-cache group, so one metadata object). Kept on the
-    forward context, which vLLM makes anew for every forward pass (metadata objects or their tensors may be reused
-    across steps, so they cannot carry it)."""
-    fc = get_forward_context()
-    memo = getattr(fc, "_qwen4exp_host_lengths", None)
-    if memo is None or memo[0] is not m:
-        memo = (m, m.query_start_loc.tolist(), m.seq_lens.tolist())
-        try:
-            fc._qwen4exp_host_lengths = memo
-        except AttributeError:  # (a context class with __slots__: no memo)
-            pass
-    return memo[1], memo[2]
+    metadata object, not per QSA layer."""
+    return _once_per_forward("_qwen4exp_host_lengths", m, None,
+                             lambda: (m.query_start_loc.tolist(), m.seq_lens.tolist()))
 
 
 def _to_device(lists: list[list[int]], device) -> list[torch.Tensor]:
@@ -296,22 +304,16 @@ class QSAMixer(QSAAttention):
         """(B, valid, pos, slots, cos, sin) of a pure decode batch: its rows, which rows are real requests, their
         positions and cache slots (int64), and the rotation of the block key that each token may complete (at the
         block's first position). The same for every QSA layer of the step (one KV-cache group: one metadata
-        object), so computed once a forward pass (kept on the forward context, as ``_host_lengths``; inside a
-        captured graph the first layer's kernels serve the later layers): 3 x ~10 small kernels a step fewer."""
-        fc = get_forward_context()
-        memo = getattr(fc, "_qwen4exp_decode_inputs", None)
-        if memo is not None and memo[0] is m and memo[1] == (dtype, self.r):
-            return memo[2]
-        B, r = m.seq_lens.shape[0], self.r
-        seq = m.seq_lens[:B].long()
-        pos = (seq - 1).clamp(min=0)
-        cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), dtype)
-        got = (B, seq > 0, pos, m.slot_mapping[:B].long(), cb, sb)
-        try:
-            fc._qwen4exp_decode_inputs = (m, (dtype, r), got)
-        except AttributeError:  # (a context class with __slots__: no memo)
-            pass
-        return got
+        object), so computed once a forward pass (``_once_per_forward``; inside a captured graph the first layer's
+        kernels serve the later layers): 3 x ~10 small kernels a step fewer."""
+        def compute():
+            B, r = m.seq_lens.shape[0], self.r
+            seq = m.seq_lens[:B].long()
+            pos = (seq - 1).clamp(min=0)
+            cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), dtype)
+            return B, seq > 0, pos, m.slot_mapping[:B].long(), cb, sb
+
+        return _once_per_forward("_qwen4exp_decode_inputs", m, (dtype, self.r), compute)
 
     def _decode_batch(self, out, q, index_q, pos1, reqs, qsl, seq_lens, m, kv, ikv) -> None:
         """Every query of the requests ``reqs`` of a mixed step in one batched call, one row per query with its own
