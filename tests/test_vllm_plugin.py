@@ -254,22 +254,28 @@ def test_qsa_projections_colocated_for_one_gemm():
 
 
 def test_qsa_cache_backend_switch(monkeypatch):
-    """``QWEN4EXP_QSA_METADATA``: vLLM's own backend choice by default (and always on CPU); ``lean`` gives the
-    QSA cache layer FlashAttention's backend with a builder that asks for no FA3 scheduler metadata (no
-    FlashAttention kernel reads that cache); anything else is refused by name."""
+    """``QWEN4EXP_QSA_METADATA``: where vLLM picks FlashAttention for the QSA cache layer, the default (``lean``)
+    swaps in a subclass whose builder asks for no FA3 scheduler metadata (no FlashAttention kernel reads that
+    cache); any other choice (this CPU machine's backend) stays; ``vllm`` keeps vLLM's choice; anything else is
+    refused by name."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionMetadataBuilder
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from qwen4exp.vllm import qsa
 
+    class OtherBackend:  # (any backend vLLM may pick that is not FlashAttention's)
+        pass
+
     monkeypatch.delenv("QWEN4EXP_QSA_METADATA", raising=False)
-    assert qsa.qsa_cache_backend() is None
-    monkeypatch.setenv("QWEN4EXP_QSA_METADATA", "lean")
-    assert qsa.qsa_cache_backend() is None  # (this CPU machine: vLLM's CPU backend stays)
-    lean = qsa._lean_flash_backend()
-    assert issubclass(lean, FlashAttentionBackend) and AttentionBackendEnum[lean.get_name()]  # a registered name
+    lean = qsa.qsa_cache_backend(FlashAttentionBackend)
+    assert lean is not FlashAttentionBackend and issubclass(lean, FlashAttentionBackend)
+    assert AttentionBackendEnum[lean.get_name()] == AttentionBackendEnum.FLASH_ATTN  # the same registered name
     assert issubclass(lean.get_builder_cls(), FlashAttentionMetadataBuilder)
     assert lean.get_builder_cls() is not FlashAttentionMetadataBuilder
+    assert lean.get_impl_cls() is FlashAttentionBackend.get_impl_cls()
+    assert qsa.qsa_cache_backend(OtherBackend) is OtherBackend
+    monkeypatch.setenv("QWEN4EXP_QSA_METADATA", "vllm")
+    assert qsa.qsa_cache_backend(FlashAttentionBackend) is FlashAttentionBackend
     monkeypatch.setenv("QWEN4EXP_QSA_METADATA", "fast")
     with pytest.raises(ValueError, match="QWEN4EXP_QSA_METADATA"):
-        qsa.qsa_cache_backend()
+        qsa.qsa_cache_backend(FlashAttentionBackend)

@@ -52,23 +52,23 @@ def _kv_cache(attn: Attention) -> torch.Tensor:
     return kv
 
 
-def qsa_cache_backend():
-    """The attention backend class for the QSA cache layer, or None for vLLM's choice (the default; CPU always).
+def qsa_cache_backend(chosen: type) -> type:
+    """The attention backend class for the QSA cache layer, given ``chosen``, the one vLLM picked for it.
 
-    ``QWEN4EXP_QSA_METADATA=lean`` (GPU, opt-in until timed on the H200): vLLM's FlashAttention backend (same cache
-    layout, block sizes, CUDA-graph support) whose metadata builder skips FlashAttention 3's ahead-of-time
-    scheduler metadata: no FlashAttention kernel ever reads this cache (our kernels take the block table, lengths
-    and slots only), and run 13's host profile of a batch-1 decode step (``bench_vllm_gpu.py --host-sample``) had
-    ~12% of the engine core's time in ``FlashAttentionMetadataBuilder.build``, most of it in
-    ``get_scheduler_metadata``."""
-    mode = os.environ.get("QWEN4EXP_QSA_METADATA", "vllm").strip().lower()
+    No vLLM attention kernel ever reads this cache (our kernels take the block table, lengths and slots only), so
+    where vLLM picked FlashAttention the layer gets a subclass whose metadata builder skips FlashAttention 3's
+    ahead-of-time scheduler metadata (same cache layout, block sizes, CUDA-graph support): run 13's host profile of a
+    batch-1 decode step (``bench_vllm_gpu.py --host-sample``) had ~12% of the engine core's time in
+    ``FlashAttentionMetadataBuilder.build``, most of it in ``get_scheduler_metadata`` (a GPU launch per step too).
+    ``QWEN4EXP_QSA_METADATA=vllm`` keeps vLLM's builder (A/B runs); any other backend (CPU, FlashInfer, ...) stays."""
+    mode = os.environ.get("QWEN4EXP_QSA_METADATA", "lean").strip().lower()
     if mode not in ("vllm", "lean"):
-        raise ValueError(f"QWEN4EXP_QSA_METADATA must be 'vllm' or 'lean', got {mode!r}")
-    from vllm.platforms import current_platform
+        raise ValueError(f"QWEN4EXP_QSA_METADATA must be 'lean' (default) or 'vllm', got {mode!r}")
+    if mode == "vllm" or chosen.__name__ != "FlashAttentionBackend":
+        return chosen
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
-    if mode == "vllm" or not current_platform.is_cuda():
-        return None
-    return _lean_flash_backend()
+    return _lean_flash_backend() if chosen is FlashAttentionBackend else chosen
 
 
 @functools.cache
@@ -169,8 +169,10 @@ class QSAMixer(QSAAttention):
                              f"({self.head_dim}) is not supported (its rows live in an attention-head-wide cache)")
         nkv = self.n_kv + 1
         self.cache_layer = Attention(nkv, self.head_dim, self.scale, num_kv_heads=nkv,
-                                     cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn",
-                                     attn_backend=qsa_cache_backend())
+                                     cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
+        # (the implementation object stays FlashAttention's where the lean subclass is swapped in: only vLLM's
+        # metadata builder, looked up through the layer's backend class, changes)
+        self.cache_layer.attn_backend = qsa_cache_backend(self.cache_layer.attn_backend)
         self.attn = _CacheView(self.cache_layer, 0, self.n_kv, self.head_dim)
         self.index_cache = _CacheView(self.cache_layer, self.n_kv, nkv, d_i)
 
