@@ -64,8 +64,8 @@ def test_dispatcher_picks_the_kernels_for_cuda():
     fn = _dispatch.pick("hc_mix", torch.device("cuda"), hc_ref.hc_mix)
     cuda = cuda_ops()
     assert fn is cuda.hc_mix
-    for op in ("hc_inject", "hc_inject_norm", "qsa_attention", "qsa_decode_paged", "qsa_prefill_paged", "ple_lookup",
-               "rms_norm", "apply_rope"):
+    for op in ("hc_inject", "hc_inject_norm", "qsa_attention", "qsa_decode_paged", "qsa_select_paged",
+               "qsa_attend_paged", "qsa_prefill_paged", "ple_lookup", "rms_norm", "apply_rope"):
         assert _dispatch._KERNELS[(op, "cuda")] is getattr(cuda, op)
     assert _dispatch._KERNELS[("qsa_write_paged", "cuda")] is cuda.write_paged
     assert _dispatch._KERNELS[("qsa_index_update_decode", "cuda")] is cuda.index_update_decode
@@ -623,6 +623,34 @@ def test_qsa_decode_paged_matches_reference(lens, bs, ibs, padded):
     for b in range(len(lens)):
         err = _rel(out[b], want[b])
         assert err < 1e-2, (lens[b], err)
+
+
+def test_qsa_select_and_attend_paged_match_reference():
+    """The decode op's two halves as their own ops (MTP drafts under index_share_for_mtp_iteration select once and
+    attend several times): the Triton select gives the reference's block sets ([B, m], -1 padded, int64), and the
+    Triton attention over a given selection (a reference selection with holes punched in) matches the reference's,
+    on page-padded caches at the real widths."""
+    from qwen4exp.ops.qsa import reference as ref
+    cuda = cuda_ops()
+    lens = [1, 7, 2051, 2300, 9001, 50_003]
+    q, pos, iq, kv, bt, ikv, ibt = paged_decode_case(lens, 16, 64, seed=33)
+    kv, ikv = page_padded(kv), page_padded(ikv)
+    scale, iscale = 256 ** -0.5, 128 ** -0.5
+    n_blocks = max(lens) // R_QSA + 9
+    m = BUDGET // R_QSA
+    poison()
+    ids = cuda.qsa_select_paged(pos, iq, ikv, ibt, n_blocks, R_QSA, BUDGET, iscale)
+    want = ref.qsa_select_paged(pos, iq, ikv, ibt, n_blocks, R_QSA, BUDGET, iscale)
+    assert ids.shape == want.shape == (len(lens), m) and ids.dtype == torch.long
+    assert torch.equal(ids.sort(dim=1).values, want.sort(dim=1).values)
+    sel = want.clone()
+    sel[:, ::3] = -1  # holes: any selection, not only a top-k's
+    poison()
+    out = cuda.qsa_attend_paged(q, pos, kv, bt, sel, R_QSA, BUDGET, scale)
+    ref_out = ref.qsa_attend_paged(q, pos, kv, bt, sel, R_QSA, BUDGET, scale)
+    assert out.shape == ref_out.shape and out.dtype == ref_out.dtype and not torch.isnan(out).any()
+    for b in range(len(lens)):
+        assert _rel(out[b], ref_out[b]) < 1e-2, lens[b]
 
 
 def test_qsa_decode_paged_with_vllm_topk():

@@ -589,6 +589,53 @@ def test_qsa_decode_paged_equals_per_sequence(r, budget, bs, ibs):
 
 
 @pytest.mark.parametrize("r,budget,bs", [(4, 16, 16), (2, 6, 4)])
+def test_qsa_select_and_attend_paged(r, budget, bs):
+    """The decode op's two halves on their own: ``qsa_select_paged`` gives [B, budget // r] block ids (-1 padded,
+    also when ``n_blocks`` < budget // r) = the contiguous reference's selection; ``qsa_attend_paged`` over ANY given
+    selection (here a random subset of each query's complete blocks, -1 holes) = masked attention over those
+    blocks' tokens plus the query's tail on the contiguous K/V."""
+    m = budget // r
+    lens = [3, budget + r - 1, budget + r, 3 * budget + 1, 61]
+    seqs = [qsa_inputs(L, seed=400 + i) for i, L in enumerate(lens)]
+    kv, bt, ikv, ibt = paged_qsa_case(seqs, lens, r, bs, bs, shared_table=True)
+    pos = torch.tensor(lens) - 1
+    qb, iqb = torch.stack([s_[0][-1] for s_ in seqs]), torch.stack([s_[3][-1] for s_ in seqs])
+    for n_blocks, B in ((max(lens) // r, len(lens)), (max(lens) // r + 5, len(lens)), (1, 1)):  # (1: < m)
+        ids = qsa_ref.qsa_select_paged(pos[:B], iqb[:B], ikv, ibt[:B], n_blocks, r, budget, 0.4)
+        assert ids.shape == (B, m) and ids.dtype == torch.long
+        for b in range(ids.shape[0]):
+            L, (q, k, v, iq, bk) = lens[b], seqs[b]
+            nc = L // r
+            want = (qsa_ref.select_blocks(qsa_ref.indexer_scores(iq[-1:], bk[:nc], 0.4), pos[b:b + 1] * 0 + nc, m)
+                    if nc > m else torch.arange(nc).unsqueeze(0))
+            assert sorted(x for x in ids[b].tolist() if x >= 0) == sorted(want[0].tolist()), (n_blocks, b)
+            assert (ids[b] < 0).sum() == m - min(nc, m)
+    gen = torch.Generator().manual_seed(7)
+    sel = torch.full((len(lens), m), -1, dtype=torch.long)
+    for b, L in enumerate(lens):
+        nc = L // r
+        pick = torch.randperm(nc, generator=gen)[: min(nc, m)]
+        pick = pick[torch.rand(pick.shape[0], generator=gen) < 0.7]  # holes
+        sel[b, : pick.shape[0]] = pick
+    got = qsa_ref.qsa_attend_paged(qb, pos, kv, bt, sel, r, budget, 0.3)
+    for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
+        mask = qsa_ref.selection_mask(sel[b:b + 1], pos[b:b + 1], L, r)
+        want = qsa_ref.sparse_attention(q[-1:], k, v, mask, 0.3)
+        torch.testing.assert_close(got[b], want[0], **F32)
+
+
+def test_reused_block_ids():
+    """MTP draft steps 1+ reusing a selection made at an earlier position: rows still within the budget get every
+    complete block at their new position (what a fresh selection gives, blocks completed since included); rows past
+    the budget keep the reused ids."""
+    r, m = 4, 3
+    kept = torch.tensor([[0, 1, -1], [0, -1, -1], [5, 2, 7], [4, 0, 1]])
+    pos = torch.tensor([11, 7, 40, 12])  # complete blocks: 3, 2, 10, 3
+    got = qsa_ref.reused_block_ids(kept, pos, r)
+    assert got.tolist() == [[0, 1, 2], [0, 1, -1], [5, 2, 7], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("r,budget,bs", [(4, 16, 16), (2, 6, 4)])
 @pytest.mark.parametrize("n_q", [1, 5, 40])
 def test_qsa_prefill_paged_equals_contiguous(r, budget, bs, n_q):
     """The paged prefill op (the last n_q queries of each sequence; K/V and block keys read back through a shuffled

@@ -81,6 +81,24 @@ def test_mtp_greedy_equals_plain_and_hf(setup, runs):
     assert runs["plain"]["tokens"] == setup["hf_greedy"]
 
 
+def test_mtp_index_share_reuses_selection(setup, runs, tmp_path):
+    """``index_share_for_mtp_iteration`` (the speculative config's override of the checkpoint key): draft step 0
+    selects its QSA blocks, steps 1+ reuse them (past the budget; within it every block, as a fresh selection).
+    It changes only the drafts: greedy tokens stay the plain run's, vLLM still counts the drafts, and the reuse
+    path ran (its log line)."""
+    from qwen4exp.vllm.offline import run_offline
+
+    share = dict(speculative_config=dict(MTP["speculative_config"], index_share_for_mtp_iteration=True))
+    out = run_offline(_spec(CKPT, setup, **share), str(tmp_path), timeout=240)
+    assert out["tokens"] == runs["plain"]["tokens"]
+    m = out["metrics"]
+    drafts = m.get("vllm:spec_decode_num_drafts")
+    assert drafts and m["vllm:spec_decode_num_draft_tokens"] == K * drafts
+    print(f"acceptance length with the shared selection {1 + m['vllm:spec_decode_num_accepted_tokens'] / drafts:.2f}")
+    assert "reuse step 0's QSA block selection" in out["log"]
+    assert "reuse step 0's QSA block selection" not in runs["mtp"]["log"]
+
+
 def test_mtp_acceptance_reported(setup, runs):
     m = runs["mtp"]["metrics"]
     drafts, accepted = m.get("vllm:spec_decode_num_drafts"), m.get("vllm:spec_decode_num_accepted_tokens")

@@ -127,6 +127,15 @@ def check_qsa_decode():
         bits = lg.contiguous().view(torch.int32).long()  # the fp32 bits as signed integers
         order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         assert torch.equal(torch.where(seen, order, 0), torch.where(seen, keys >> 32, 0)), f"logits vs keys, nb={nb}"
+    # the op's two halves on their own (MTP drafts sharing a selection): the select's block sets, the attention
+    # over a given selection with holes
+    sel = tk.qsa_select_paged_triton(pos, iq, ikv, ibt, 60, r, budget, 0.4)
+    want_sel = ref.qsa_select_paged(pos, iq, ikv, ibt, 60, r, budget, 0.4)
+    assert torch.equal(sel.long().sort(dim=1).values, want_sel.sort(dim=1).values), (sel, want_sel)
+    holed = want_sel.clone()
+    holed[:, ::3] = -1
+    close(tk.qsa_attend_paged_triton(q, pos, kv, bt, holed, r, 0.3),
+          ref.qsa_attend_paged(q, pos, kv, bt, holed, r, budget, 0.3), 0.05, "attend paged, a given selection")
     L = 150
     qq, k, v, iqq, bk = seqs[3]
     p = torch.arange(L - 5, L)  # unpaged, five queries of one sequence
@@ -411,7 +420,7 @@ def check_op_registration():
 
     from qwen4exp.ops import cuda
     ops = {k: v for k, v in vars(cuda).items() if isinstance(v, cuda._CustomOp)}
-    assert len(ops) == 19, sorted(ops)
+    assert len(ops) == 21, sorted(ops)
     for name, op in ops.items():
         schema = str(getattr(torch.ops.qwen4exp, op.name).default._schema)
         assert ("(a0!)" in schema) == (op.name in ("qsa_write_paged", "qsa_index_update_decode")), (name, schema)
@@ -445,6 +454,12 @@ def check_op_registration():
         rows = torch.empty(3, 16, dtype=torch.int64, device="cuda")
         out = cuda.ple_lookup_op(t(100, 8, dtype=torch.float8_e4m3fn), rows, None, BF)
         assert out.shape == (3, 128) and out.dtype == BF
+        i64 = dict(dtype=torch.int64)
+        ids = cuda.qsa_select_paged_op(t(3, **i64), t(3, 4, 32), t(9, 1, 16, 64), t(3, 5, dtype=torch.int32), 40, 4,
+                                       32, 0.4)
+        assert ids.shape == (3, 8) and ids.dtype == torch.int64
+        assert cuda.qsa_attend_paged_op(t(3, 6, 64), t(3, **i64), t(9, 2, 16, 128), t(3, 5, dtype=torch.int32), ids,
+                                        4, 0.3).shape == (3, 6, 64)
         kv = t(4, 2, 16, 64)
         assert cuda.write_paged_op(kv, torch.empty(3, dtype=torch.int64, device="cuda"), t(3, 2, 64),
                                    t(3, 2, 64)) is None

@@ -211,6 +211,42 @@ def qsa_decode_paged(q, q_pos, index_q, kv, block_table, index_kv, index_block_t
                                budget, float(scale), float(index_scale))
 
 
+@_custom_op("qwen4exp::qsa_select_paged", mutates_args=())
+def qsa_select_paged_op(q_pos: Tensor, index_q: Tensor, index_kv: Tensor, index_block_table: Tensor, n_blocks: int,
+                        r: int, budget: int, index_scale: float) -> Tensor:
+    return qsa_tk.qsa_select_paged_triton(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget,
+                                          index_scale).long()
+
+
+@qsa_select_paged_op.register_fake
+def _(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_scale):
+    return q_pos.new_empty((q_pos.shape[0], budget // r), dtype=torch.long)
+
+
+def qsa_select_paged(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_scale):
+    if not qsa_tk.select_paged_supported(q_pos, index_q, index_kv, index_block_table, r):
+        return qsa_ref.qsa_select_paged(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_scale)
+    return qsa_select_paged_op(q_pos, index_q, index_kv, index_block_table, int(n_blocks), r, budget,
+                               float(index_scale))
+
+
+@_custom_op("qwen4exp::qsa_attend_paged", mutates_args=())
+def qsa_attend_paged_op(q: Tensor, q_pos: Tensor, kv: Tensor, block_table: Tensor, block_ids: Tensor, r: int,
+                        scale: float) -> Tensor:
+    return qsa_tk.qsa_attend_paged_triton(q, q_pos, kv, block_table, block_ids, r, scale)
+
+
+@qsa_attend_paged_op.register_fake
+def _(q, q_pos, kv, block_table, block_ids, r, scale):
+    return torch.empty_like(q)
+
+
+def qsa_attend_paged(q, q_pos, kv, block_table, block_ids, r, budget, scale):
+    if not qsa_tk.attend_paged_supported(q, kv, block_table, r):
+        return qsa_ref.qsa_attend_paged(q, q_pos, kv, block_table, block_ids, r, budget, scale)
+    return qsa_attend_paged_op(q, q_pos, kv, block_table, block_ids, r, float(scale))
+
+
 @_custom_op("qwen4exp::qsa_prefill_paged", mutates_args=())
 def qsa_prefill_paged_op(q: Tensor, q_pos: Tensor, index_q: Tensor, kv: Tensor, block_row: Tensor, index_kv: Tensor,
                          seq_len: int, r: int, budget: int, scale: float, index_scale: float) -> Tensor:
@@ -441,6 +477,8 @@ register_kernel("hc_inject", "cuda", hc_inject)
 register_kernel("hc_inject_norm", "cuda", hc_inject_norm)
 register_kernel("qsa_attention", "cuda", qsa_attention)
 register_kernel("qsa_decode_paged", "cuda", qsa_decode_paged)
+register_kernel("qsa_select_paged", "cuda", qsa_select_paged)
+register_kernel("qsa_attend_paged", "cuda", qsa_attend_paged)
 register_kernel("qsa_prefill_paged", "cuda", qsa_prefill_paged)
 register_kernel("qsa_write_paged", "cuda", write_paged)
 register_kernel("qsa_index_update_decode", "cuda", index_update_decode)

@@ -34,6 +34,16 @@ from .qsa import QSAMixer
 from .weights import MTP_DRAFT, load_qwen4exp_weights
 
 
+def shares_selection(vllm_config: VllmConfig) -> bool:
+    """``index_share_for_mtp_iteration`` where vLLM's proposer reads it: the draft model config (the checkpoint's
+    value, or ``speculative_config``'s override). Off by default: reusing step 0's selection changes the draft's
+    attention past the QSA budget (drafts only: the target verifies every token, so output is unchanged)."""
+    sc = vllm_config.speculative_config
+    dm = getattr(sc, "draft_model_config", None) if sc is not None else None
+    cfg = dm.hf_config if dm is not None else vllm_config.model_config.hf_config
+    return bool(getattr(cfg, "index_share_for_mtp_iteration", False))
+
+
 class Qwen4ExpMTPModel(MTPInput):
     """``mtp.*`` of the checkpoint (same names), plus the (target-shared) token embedding."""
 
@@ -45,14 +55,28 @@ class Qwen4ExpMTPModel(MTPInput):
                                                    prefix="model.embed_tokens")
         self.rotary_emb = rotary_embedding(config, vllm_config)
         n = getattr(config, "mtp_num_hidden_layers", 1) or 1
+        share = shares_selection(vllm_config)
         layers = []
         for i in range(n):
             lp = f"{prefix}.layers.{i}"
-            mixer = QSAMixer(config, vllm_config, f"{lp}.self_attn", self.rotary_emb)  # one cache layer: one group
+            mixer = QSAMixer(config, vllm_config, f"{lp}.self_attn", self.rotary_emb,  # one cache layer: one group
+                             share_selection=share)
             layers.append(decoder_layer(config, i, lp, mixer, INDEXED, with_ple=False))
         self.layers = nn.ModuleList(layers)
         self.hyper_connection_mixer = HyperConnection(config, inject=False, linear=vllm_linear,
                                                       prefix=f"{prefix}.hyper_connection_mixer")
+
+    # index_share_for_mtp_iteration: the hooks vLLM's MTP proposer calls on ``draft.model`` (V1 proposer and V2
+    # speculator alike) when the draft config sets it: step 0 selects, ``compact_topk_indices`` keeps each request's
+    # last-token row, steps 1+ run with ``set_skip_topk(True)``.
+    def set_skip_topk(self, skip: bool) -> None:
+        for layer in self.layers:
+            layer.self_attn.reuse_selection = bool(skip) and layer.self_attn.share_selection
+
+    def compact_topk_indices(self, row_indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            if layer.self_attn.share_selection:
+                layer.self_attn.keep_rows(row_indices)
 
     def forward(self, input_ids, positions, hidden_states, inputs_embeds=None, spec_step_idx: int = 0):
         emb = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds

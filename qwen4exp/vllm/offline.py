@@ -12,7 +12,7 @@ out (torch.save): {"tokens": [[ids]...], "logprobs": [[{id: logprob} per generat
        "logprobs": k), "prompt_logprobs": [tensor [L-1, V] or None],
        "prompt_top1": [[ids of positions 1..L-1]] or None, "tp_layout": [per rank] or None, "startup_s", "run_s",
        "metrics" (counters/gauges when disable_log_stats=False), "num_preemptions", "kv_cache_groups",
-       "kv_cache_block_sizes"}
+       "kv_cache_block_sizes"; run_offline adds "log": the subprocess's stdout + stderr}
 
 Tensor parallelism (``--tensor-parallel-size`` or engine ``tensor_parallel_size``): one worker process per rank
 (vLLM's "mp" executor). On CPU vLLM binds each rank's OpenMP threads to the cores of one NUMA node
@@ -48,7 +48,9 @@ def run_offline(spec: dict, workdir: str, timeout: float = 600) -> dict:
                        capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"offline engine failed (rc={p.returncode}):\n{p.stderr[-6000:]}")
-    return torch.load(out, weights_only=False)
+    res = torch.load(out, weights_only=False)
+    res["log"] = p.stdout + p.stderr  # (vLLM's and the plugin's log lines: what ran)
+    return res
 
 
 def cpu_threads_bind(ranks: int, cpus: list[int] | None = None) -> str:

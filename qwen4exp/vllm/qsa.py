@@ -26,7 +26,8 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 
 from ..layers.qsa import QSAAttention
-from ..ops.qsa import block_mean, index_update_decode, paged_rows, qsa_decode_paged, qsa_prefill_paged, write_paged
+from ..ops.qsa import (block_mean, index_update_decode, paged_rows, qsa_attend_paged, qsa_decode_paged,
+                       qsa_prefill_paged, qsa_select_paged, reused_block_ids, write_paged)
 from .layers import eager_segment, vllm_linear
 
 # Requests of a mixed step with up to this many queries (decodes, MTP verifications, short prefill chunks) are
@@ -159,8 +160,14 @@ class QSAMixer(QSAAttention):
     every draft layer in one group, takes the same class. Costs the unused half of the index head's rows (~20% more
     QSA cache than two layers at the real widths)."""
 
-    def __init__(self, config, vllm_config, prefix: str, rotary):
+    def __init__(self, config, vllm_config, prefix: str, rotary, share_selection: bool = False):
         super().__init__(config, vllm_linear, prefix)
+        # MTP draft layer of a model with index_share_for_mtp_iteration: draft steps 1+ reuse the block selection
+        # of step 0 (``set_skip_topk`` / ``compact_topk_indices`` of the draft model, driven by vLLM's proposer)
+        self.share_selection = share_selection
+        self.reuse_selection = False
+        self._kept: torch.Tensor | None = None  # [rows, m] int32: the last selecting step's block ids per token row
+        self._kept_rows = vllm_config.scheduler_config.max_num_batched_tokens
         self.eager_name = prefix
         self.rotary = [rotary]  # shared module, kept out of this module's parameters
         d_i = self.indexer.head_dim
@@ -237,6 +244,10 @@ class QSAMixer(QSAAttention):
                 continue
             out[s:e] = qsa_prefill_paged(q[s:e], pos1[s:e], index_q[s:e], kv, m.block_table[b], ikv, seq_lens[b],
                                          r, self.budget, self.scale, self.index_scale).to(out.dtype)
+            if self.share_selection:  # the chunk's last query: the row a later draft step may reuse
+                self._keep(qsa_select_paged(pos1[e - 1:e], index_q[e - 1:e], ikv, m.block_table[b:b + 1],
+                                            max(1, seq_lens[b] // r), r, self.budget, self.index_scale),
+                           torch.tensor([e - 1], device=q.device))
 
     def _completed_block_keys(self, raw, qsl, seq_lens, m, ikv, d_i: int) -> torch.Tensor:
         """Index-cache block-key column of this step's rows [n, d_i]: at the row of each block's last position, the
@@ -323,10 +334,45 @@ class QSAMixer(QSAAttention):
         rows, owner = _to_device([[i for b in reqs for i in range(qsl[b], qsl[b + 1])],
                                   [b for b in reqs for _ in range(qsl[b], qsl[b + 1])]], q.device)
         n_blocks = max(1, max(seq_lens[b] for b in reqs) // self.r)
-        out[rows] = self._attend_decodes(q[rows], index_q[rows], pos1[rows], m.block_table[owner], kv, ikv, n_blocks)
+        out[rows] = self._attend_decodes(q[rows], index_q[rows], pos1[rows], m.block_table[owner], kv, ikv, n_blocks,
+                                         rows)
 
-    def _attend_decodes(self, q, index_q, pos, bt, kv, ikv, n_blocks: int) -> torch.Tensor:
+    def _attend_decodes(self, q, index_q, pos, bt, kv, ikv, n_blocks: int, rows=None) -> torch.Tensor:
         """Selection + attention of single queries, main K/V and index rows read through the layer's one block
-        table (``qsa_decode_paged``: one Triton pass on GPUs)."""
-        return qsa_decode_paged(q, pos, index_q, kv, bt, ikv, bt, n_blocks, self.r, self.budget, self.scale,
-                                self.index_scale)
+        table (``qsa_decode_paged``: one Triton pass on GPUs). ``rows``: the queries' token rows in the step (None:
+        rows 0..B-1), where a sharing draft layer keeps their selection."""
+        if not self.share_selection:
+            return qsa_decode_paged(q, pos, index_q, kv, bt, ikv, bt, n_blocks, self.r, self.budget, self.scale,
+                                    self.index_scale)
+        if self.reuse_selection and self._kept is not None:
+            ids = reused_block_ids(self._kept[: pos.shape[0]], pos, self.r)
+            _log_reuse_once(self.eager_name)
+        else:
+            ids = qsa_select_paged(pos, index_q, ikv, bt, n_blocks, self.r, self.budget, self.index_scale)
+            self._keep(ids, rows)
+        return qsa_attend_paged(q, pos, kv, bt, ids, self.r, self.budget, self.scale)
+
+    def _keep(self, ids: torch.Tensor, rows) -> None:
+        """Remember the block ids [n, m] selected for token rows ``rows`` (None: 0..n-1) of this step."""
+        if self._kept is None or self._kept.device != ids.device:
+            # int32: block ids < 2^31; [max_num_batched_tokens, budget / r] (32 MB at 16,384 x 512)
+            self._kept = torch.full((self._kept_rows, ids.shape[1]), -1, dtype=torch.int32, device=ids.device)
+        if rows is None:
+            self._kept[: ids.shape[0]] = ids
+        else:
+            self._kept[rows] = ids.to(torch.int32)
+
+    def keep_rows(self, row_indices: torch.Tensor) -> None:
+        """After a draft's step 0: request i's kept selection becomes the one of its token row ``row_indices[i]``
+        (its last query), so that steps 1+ (one query per request, row i = request i) find it in row i."""
+        if self._kept is not None:
+            n = row_indices.numel()
+            self._kept[:n] = self._kept.index_select(0, row_indices.to(self._kept.device).long())
+
+
+@functools.cache
+def _log_reuse_once(layer: str) -> None:
+    from vllm.logger import init_logger
+
+    init_logger("vllm.plugins.qwen4exp").info(
+        "qwen4exp MTP %s: draft steps 1+ reuse step 0's QSA block selection (index_share_for_mtp_iteration)", layer)

@@ -1,7 +1,8 @@
 from .._dispatch import pick
 from . import reference
 from .reference import (block_mean, indexer_scores, num_complete_blocks, paged_rows, qsa_attention_gathered,
-                        qsa_decode_batched, select_blocks, selected_token_indices, selection_mask, sparse_attention)
+                        qsa_decode_batched, reused_block_ids, select_blocks, selected_token_indices, selection_mask,
+                        sparse_attention)
 
 
 def qsa_attention(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_scale):
@@ -25,11 +26,25 @@ def qsa_decode_paged(q, q_pos, index_q, kv, block_table, index_kv, index_block_t
               index_scale)
 
 
+def qsa_select_paged(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_scale):
+    """The selection half of ``qsa_decode_paged``: block ids [B, budget // r] (-1 pad)."""
+    fn = pick("qsa_select_paged", q_pos.device, reference.qsa_select_paged)
+    return fn(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_scale)
+
+
+def qsa_attend_paged(q, q_pos, kv, block_table, block_ids, r, budget, scale):
+    """The attention half of ``qsa_decode_paged``, over a given selection (e.g. one reused across MTP draft steps)."""
+    fn = pick("qsa_attend_paged", q.device, reference.qsa_attend_paged)
+    return fn(q, q_pos, kv, block_table, block_ids, r, budget, scale)
+
+
 def qsa_prefill_paged(q, q_pos, index_q, kv, block_row, index_kv, seq_len, r, budget, scale, index_scale):
     fn = pick("qsa_prefill_paged", q.device, reference.qsa_prefill_paged)
     return fn(q, q_pos, index_q, kv, block_row, index_kv, seq_len, r, budget, scale, index_scale)
 
 
-__all__ = ["qsa_attention", "qsa_decode_paged", "qsa_prefill_paged", "paged_rows", "write_paged", "index_update_decode",
-           "qsa_attention_gathered", "qsa_decode_batched", "block_mean", "indexer_scores", "num_complete_blocks",
+__all__ = ["qsa_attention", "qsa_decode_paged", "qsa_select_paged", "qsa_attend_paged", "qsa_prefill_paged",
+           "paged_rows", "write_paged", "index_update_decode",
+           "qsa_attention_gathered", "qsa_decode_batched", "reused_block_ids", "block_mean", "indexer_scores",
+           "num_complete_blocks",
            "select_blocks", "selected_token_indices", "selection_mask", "sparse_attention", "reference"]

@@ -163,28 +163,40 @@ def qsa_attention_gathered(
     return sparse_attention(q, k, v, mask, scale)
 
 
-def qsa_decode_batched(
-    q: torch.Tensor,  # [B, Hq, d]: one query per sequence (decode), normed + rotated
+def decode_select(
     q_pos: torch.Tensor,  # [B]
     index_q: torch.Tensor,  # [B, h, d_i]
     read_block_keys,  # block end positions [n_blocks] -> block keys [B, n_blocks, d_i] (rows past a sequence's
     #                   complete blocks may hold anything: they are masked)
-    fetch_kv,  # token positions [B, W] (>= 0) -> (k, v) [B, W, Hkv, d]
     n_blocks: int,  # >= every sequence's number of complete blocks
     r: int,
     budget: int,
-    scale: float,
     index_scale: float,
 ) -> torch.Tensor:
-    """``qsa_attention`` for a batch of single-query sequences with no per-sequence loop and fixed shapes: score
-    every sequence's blocks at once ([B, n_blocks]), select (rows below the budget keep all their blocks: dense),
-    fetch the <= budget + r - 1 selected tokens of each sequence, one batched masked attention. -> [B, Hq, d]."""
-    B, Hq, d = q.shape
+    """The selection half of ``qsa_decode_batched``: every sequence's blocks scored at once ([B, n_blocks]), top
+    ``m = budget // r`` block ids per sequence (rows below the budget keep all their blocks: dense), -1 padded to
+    [B, m] int64 whatever ``n_blocks`` is. Fixed shapes, no host sync."""
     m = budget // r
-    ncomp = num_complete_blocks(q_pos, r)
-    ends = r * torch.arange(n_blocks, device=q.device) + r - 1
-    ids = select_blocks(indexer_scores(index_q, read_block_keys(ends), index_scale), ncomp, m)
-    toks = selected_token_indices(ids, q_pos, r, budget)  # [B, budget + r - 1], -1 = none
+    ends = r * torch.arange(n_blocks, device=q_pos.device) + r - 1
+    ids = select_blocks(indexer_scores(index_q, read_block_keys(ends), index_scale), num_complete_blocks(q_pos, r), m)
+    if ids.shape[1] < m:
+        ids = torch.cat([ids, ids.new_full((ids.shape[0], m - ids.shape[1]), -1)], 1)
+    return ids
+
+
+def decode_attend(
+    q: torch.Tensor,  # [B, Hq, d]: one query per sequence, normed + rotated
+    q_pos: torch.Tensor,  # [B]
+    block_ids: torch.Tensor,  # [B, k] selected block ids (-1 = none), k <= budget // r
+    fetch_kv,  # token positions [B, W] (>= 0) -> (k, v) [B, W, Hkv, d]
+    r: int,
+    budget: int,
+    scale: float,
+) -> torch.Tensor:
+    """The attention half of ``qsa_decode_batched``: each query over its selected blocks' tokens plus its own tail
+    (<= budget + r - 1 tokens, fetched), one batched masked attention. -> [B, Hq, d]."""
+    B, Hq, d = q.shape
+    toks = selected_token_indices(block_ids, q_pos, r, budget)  # [B, budget + r - 1], -1 = none
     k, v = fetch_kv(toks.clamp(min=0))
     hkv = k.shape[2]
     qh = q.view(B, hkv, Hq // hkv, d)
@@ -192,6 +204,14 @@ def qsa_decode_batched(
     o = F.scaled_dot_product_attention(qh, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
                                        attn_mask=mask, scale=scale)
     return o.reshape(B, Hq, -1)
+
+
+def qsa_decode_batched(q, q_pos, index_q, read_block_keys, fetch_kv, n_blocks: int, r: int, budget: int,
+                       scale: float, index_scale: float) -> torch.Tensor:
+    """``qsa_attention`` for a batch of single-query sequences with no per-sequence loop and fixed shapes: select
+    (``decode_select``), then attend (``decode_attend``). -> [B, Hq, d]."""
+    ids = decode_select(q_pos, index_q, read_block_keys, n_blocks, r, budget, index_scale)
+    return decode_attend(q, q_pos, ids, fetch_kv, r, budget, scale)
 
 
 # ------------------------------------------------------------------------------------------------ paged caches
@@ -255,6 +275,65 @@ def index_update_decode(
     write_paged(index_kv, slots, raw.unsqueeze(1), bk.unsqueeze(1))
 
 
+def _paged_block_keys(index_kv, index_block_table, B: int):
+    """block end positions [n] -> the B sequences' block keys [B, n, d_i], read through their block-table rows."""
+    di = index_kv.shape[-1] // 2
+    return lambda ends: paged_rows(index_kv, index_block_table, ends.unsqueeze(0).expand(B, -1))[:, :, 0, di:]
+
+
+def _paged_kv(kv, block_table):
+    """token positions [B, W] -> (k, v) [B, W, Hkv, d] of the B sequences, read through their block-table rows."""
+    def fetch(tok):
+        rows = paged_rows(kv, block_table, tok)
+        hd = rows.shape[-1] // 2
+        return rows[..., :hd], rows[..., hd:]
+
+    return fetch
+
+
+def qsa_select_paged(
+    q_pos: torch.Tensor,  # [B]
+    index_q: torch.Tensor,  # [B, h, d_i]
+    index_kv: torch.Tensor,  # [num_blocks_i, 1, block_size_i, 2 * d_i] paged raw key | block key
+    index_block_table: torch.Tensor,  # [B, nbt_i]
+    n_blocks: int,  # >= every sequence's number of complete blocks
+    r: int,
+    budget: int,
+    index_scale: float,
+) -> torch.Tensor:
+    """The selection of ``qsa_decode_paged`` alone: top ``budget // r`` block ids [B, budget // r] int64 (-1 pad)
+    of single queries against their paged block keys."""
+    return decode_select(q_pos, index_q, _paged_block_keys(index_kv, index_block_table, q_pos.shape[0]), n_blocks, r,
+                         budget, index_scale)
+
+
+def qsa_attend_paged(
+    q: torch.Tensor,  # [B, Hq, d]: one query per sequence, normed + rotated
+    q_pos: torch.Tensor,  # [B]
+    kv: torch.Tensor,  # [num_blocks, Hkv, block_size, 2 * d] paged K | V
+    block_table: torch.Tensor,  # [B, nbt]
+    block_ids: torch.Tensor,  # [B, budget // r] selected block ids (-1 = none), e.g. from ``qsa_select_paged``
+    r: int,
+    budget: int,
+    scale: float,
+) -> torch.Tensor:
+    """The attention of ``qsa_decode_paged`` over a given selection (plus each query's tail). -> [B, Hq, d] in
+    q's dtype."""
+    return decode_attend(q, q_pos, block_ids, _paged_kv(kv, block_table), r, budget, scale).to(q.dtype)
+
+
+def reused_block_ids(kept: torch.Tensor, q_pos: torch.Tensor, r: int) -> torch.Tensor:
+    """A selection ``kept`` [B, m] made at an earlier position of each sequence, reused for queries at ``q_pos``
+    (MTP draft steps 1+ under ``index_share_for_mtp_iteration``): where a query is still within the budget
+    (n_complete <= m) it gets every complete block, as a fresh selection would (exact, blocks completed since
+    included); past the budget the kept ids stand (the tail is the query's own either way)."""
+    m = kept.shape[1]
+    ncomp = num_complete_blocks(q_pos.long(), r)
+    dense = torch.arange(m, device=q_pos.device).unsqueeze(0)
+    dense = torch.where(dense < ncomp.unsqueeze(1), dense, -1)
+    return torch.where((ncomp <= m).unsqueeze(1), dense, kept.long())
+
+
 def qsa_decode_paged(
     q: torch.Tensor,  # [B, Hq, d]: one query per sequence, normed + rotated
     q_pos: torch.Tensor,  # [B]
@@ -270,18 +349,10 @@ def qsa_decode_paged(
     index_scale: float,
 ) -> torch.Tensor:
     """``qsa_decode_batched`` over paged caches: block keys and the selected tokens' K/V read through each
-    sequence's block table. Fixed shapes given ``n_blocks``, no host sync. -> [B, Hq, d] in q's dtype."""
-    B, hd, di = q.shape[0], kv.shape[-1] // 2, index_kv.shape[-1] // 2
-
-    def read_block_keys(ends):
-        return paged_rows(index_kv, index_block_table, ends.unsqueeze(0).expand(B, -1))[:, :, 0, di:]
-
-    def fetch_kv(tok):
-        rows = paged_rows(kv, block_table, tok)
-        return rows[..., :hd], rows[..., hd:]
-
-    return qsa_decode_batched(q, q_pos, index_q, read_block_keys, fetch_kv, n_blocks, r, budget, scale,
-                              index_scale).to(q.dtype)
+    sequence's block table (``qsa_select_paged`` then ``qsa_attend_paged``). Fixed shapes given ``n_blocks``, no
+    host sync. -> [B, Hq, d] in q's dtype."""
+    ids = qsa_select_paged(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_scale)
+    return qsa_attend_paged(q, q_pos, kv, block_table, ids, r, budget, scale)
 
 
 # Up to this many queries of one sequence past the budget (decode, MTP verification) read only the selected

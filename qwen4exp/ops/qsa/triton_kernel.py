@@ -744,20 +744,33 @@ CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)  # FP8 (
 
 def paged_supported(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, r, budget) -> bool:
     """What ``qsa_decode_paged_triton`` covers: bf16 queries, bf16 or FP8 caches (read and widened to bf16), the
-    head sizes above."""
-    if not (q.is_cuda and q.dtype == index_q.dtype == torch.bfloat16 and kv.dtype in CACHE_DTYPES
-            and index_kv.dtype in CACHE_DTYPES):
+    head sizes above; its two halves' conditions."""
+    return (select_paged_supported(q_pos, index_q, index_kv, index_block_table, r)
+            and attend_paged_supported(q, kv, block_table, r) and q.shape[0] == index_q.shape[0])
+
+
+def select_paged_supported(q_pos, index_q, index_kv, index_block_table, r) -> bool:
+    """What ``qsa_select_paged_triton`` covers: bf16 indexer queries, a bf16 or FP8 index cache, the widths above."""
+    if not (index_q.is_cuda and index_q.dtype == torch.bfloat16 and index_kv.dtype in CACHE_DTYPES):
         return False
-    B, Hq, HD = q.shape
-    Hkv, di = kv.shape[1], index_kv.shape[-1] // 2
-    if B == 0 or Hq % Hkv or Hq // Hkv > 16 or HD not in (64, 128, 256) or kv.shape[-1] != 2 * HD or r < 1:
-        return False
-    if di not in (32, 64, 128, 256) or index_q.shape[-1] != di or index_q.shape[1] > 16 or index_kv.shape[1] != 1:
+    di = index_kv.shape[-1] // 2
+    if index_q.shape[0] == 0 or r < 1 or di not in (32, 64, 128, 256) or index_q.shape[-1] != di:
         return False
     # any block/head/row strides (vLLM pads each block of a hybrid model's caches to the common page size, so the
     # caches are not contiguous); elements of a row contiguous
-    return (kv.stride(-1) == 1 and index_kv.stride(-1) == 1 and q.stride(-1) == 1 and index_q.stride(-1) == 1
-            and block_table.dim() == index_block_table.dim() == 2)
+    return (index_q.shape[1] <= 16 and index_kv.shape[1] == 1 and index_kv.stride(-1) == 1
+            and index_q.stride(-1) == 1 and index_block_table.dim() == 2)
+
+
+def attend_paged_supported(q, kv, block_table, r) -> bool:
+    """What ``qsa_attend_paged_triton`` covers: bf16 queries, a bf16 or FP8 K|V cache, the head sizes above."""
+    if not (q.is_cuda and q.dtype == torch.bfloat16 and kv.dtype in CACHE_DTYPES):
+        return False
+    B, Hq, HD = q.shape
+    Hkv = kv.shape[1]
+    if B == 0 or Hq % Hkv or Hq // Hkv > 16 or HD not in (64, 128, 256) or kv.shape[-1] != 2 * HD or r < 1:
+        return False
+    return kv.stride(-1) == 1 and q.stride(-1) == 1 and block_table.dim() == 2
 
 
 def paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks: int, r: int, index_scale: float,
@@ -786,17 +799,28 @@ def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_
     """One query per sequence, caches read through the block tables (``qwen4exp.ops.qsa.reference.
     qsa_decode_paged`` is the contract): scores of every block key in the paged index cache, top-m select, split
     attention over the selected tokens' paged K/V. Fixed grid given ``n_blocks``: no host sync."""
+    sel = qsa_select_paged_triton(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_scale)
+    return qsa_attend_paged_triton(q, q_pos, kv, block_table, sel, r, scale)
+
+
+def qsa_select_paged_triton(q_pos, index_q, index_kv, index_block_table, n_blocks: int, r: int, budget: int,
+                            index_scale: float):
+    """The selection of ``qsa_decode_paged_triton``: block ids [B, m] (-1 pad; int32 from the selects, int64 when
+    every row is dense): scores of every paged block key, then top-m (``TOPK``); dense ids when no row can
+    be past the budget."""
     m = budget // r
+    if not (n_blocks > m and m > 0):
+        return _dense_ids(q_pos, r, m)
+    if TOPK == "vllm" and vllm_topk_covers(q_pos.shape[0], m):
+        lg, vis = paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks, r, index_scale, True)
+        return vllm_top_ids(lg, q_pos, r, m, vis)
+    return top_ids(paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks, r, index_scale), m)
+
+
+def qsa_attend_paged_triton(q, q_pos, kv, block_table, sel, r: int, scale: float):
+    """The split attention of ``qsa_decode_paged_triton`` over the selected blocks ``sel`` [B, m] (-1 = none) and
+    each query's tail, K/V read through the block table."""
     HD = q.shape[-1]
-    if n_blocks > m and m > 0:
-        logits = TOPK == "vllm" and vllm_topk_covers(q.shape[0], m)
-        if logits:
-            lg, vis = paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks, r, index_scale, True)
-            sel = vllm_top_ids(lg, q_pos, r, m, vis)
-        else:
-            sel = top_ids(paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks, r, index_scale), m)
-    else:
-        sel = _dense_ids(q_pos, r, m)
     return sparse_attention_slots(q, kv[..., :HD], kv[..., HD:], q_pos, sel, r, scale, keys=False,
                                   block_table=block_table)
 
