@@ -628,8 +628,8 @@ def test_reused_block_ids():
     """MTP draft steps 1+ reusing a selection made at an earlier position: rows still within the budget get every
     complete block at their new position (what a fresh selection gives, blocks completed since included); rows past
     the budget keep the reused ids."""
-    r, m = 4, 3
-    kept = torch.tensor([[0, 1, -1], [0, -1, -1], [5, 2, 7], [4, 0, 1]])
+    r = 4
+    kept = torch.tensor([[0, 1, -1], [0, -1, -1], [5, 2, 7], [4, 0, 1]])  # m = 3 blocks
     pos = torch.tensor([11, 7, 40, 12])  # complete blocks: 3, 2, 10, 3
     got = qsa_ref.reused_block_ids(kept, pos, r)
     assert got.tolist() == [[0, 1, 2], [0, 1, -1], [5, 2, 7], [0, 1, 2]]
