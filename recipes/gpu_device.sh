@@ -20,7 +20,8 @@
 #                                                   # per GPU at once (upstream on 0, ours on 1), one id = one after
 #                                                   # the other; table: $OUT/agentic/agentic.csv
 #   bash recipes/gpu_device.sh mtp                  # tests/test_vllm_mtp.py on the GPU (CUDA graphs): greedy tokens
-#                                                   # with MTP 3 == without == HF; vLLM's acceptance length
+#                                                   # with MTP 3 == without == HF; vLLM's acceptance length; the
+#                                                   # shared-selection run (MTP_K: pytest -k, e.g. "greedy or share")
 #   bash recipes/gpu_device.sh extras               # 2 GPUs, one call: `check` of ours on GPU 0 beside upstream's
 #                                                   # on GPU 1, then recipes/bench_ops.py on GPU 1
 #   bash recipes/gpu_device.sh bg [GPU]             # detached (setsid, survives the call): the GPU kernel tests, then
@@ -100,7 +101,8 @@ case "${1:-}" in
     echo "rc=$?"; tail -25 "$OUT/agentic.log" ;;
   mtp)
     register
-    timeout 560 python -m pytest -q -rs -s -p no:cacheprovider tests/test_vllm_mtp.py > "$OUT/mtp.log" 2>&1
+    timeout 560 python -m pytest -q -rs -s -p no:cacheprovider tests/test_vllm_mtp.py ${MTP_K:+-k "$MTP_K"} \
+      > "$OUT/mtp.log" 2>&1
     echo "rc=$?"; grep -E "acceptance|passed|failed" "$OUT/mtp.log" | tail -5 ;;
   extras)  # big work files (the fn4 checkpoint) stay in /tmp; results and logs under OUT
     register
