@@ -147,9 +147,49 @@ def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None, gpu_only
         f.write(tables + report(summarize(load(trace)), row_limit) + "\n")
 
 
+_PYSPY: dict = {}  # the py-spy recorder of the open window: proc, raw file, label
+
+
+def _pyspy_window(label: str | None) -> None:
+    """``--py-spy``: record this process and its children (the engine core under ``--mp``) with py-spy from the
+    window's start to its end (SIGINT ends a recording and makes py-spy write it); at the end the raw stacks go into
+    the host-sampler tables (``host_sampler.collapsed_table``) in ``<QWEN4EXP_PYSPY_OUT>-<label>.txt``. py-spy reads
+    the processes from outside without pausing them (``--nonblocking``), so its shares do not depend on the GIL."""
+    exe, out = os.environ.get("QWEN4EXP_PYSPY"), os.environ.get("QWEN4EXP_PYSPY_OUT")
+    if not exe or not out:
+        return
+    if label is not None:
+        raw = f"{out}-{label}.raw"
+        log = open(f"{out}-{label}.log", "w")
+        cmd = [exe, "record", "--pid", str(os.getpid()), "--subprocesses", "--idle", "--threads", "--nonblocking",
+               "-r", os.environ.get("QWEN4EXP_PYSPY_RATE", "1000"), "-f", "raw", "-o", raw]
+        # (no waiting for it to attach: under --mp the engine core runs ahead while this process sleeps, and the
+        # queued outputs would make the next timed steps return at once; its first few samples are lost instead)
+        _PYSPY.update(proc=subprocess.Popen(cmd, stdout=log, stderr=log), raw=raw, label=label, log=log)
+        return
+    proc = _PYSPY.pop("proc", None)
+    if proc is None:
+        return
+    import signal
+
+    from qwen4exp.vllm.host_sampler import collapsed_table
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    _PYSPY.pop("log").close()
+    raw, label = _PYSPY.pop("raw"), _PYSPY.pop("label")
+    if os.path.exists(raw):
+        with open(raw) as f, open(f"{out}-{label}.txt", "w") as g:
+            g.write(collapsed_table(f.read(), label))
+
+
 def _sample_window(label: str | None) -> None:
-    """Turn the host samplers (``--host-sample``: ``qwen4exp.vllm.host_sampler`` in every vLLM process) on with a
-    label, or off (None)."""
+    """Turn the host samplers (``--host-sample``: ``qwen4exp.vllm.host_sampler`` in every vLLM process; ``--py-spy``)
+    on with a label, or off (None)."""
+    _pyspy_window(label)
     folder = os.environ.get("QWEN4EXP_HOST_SAMPLE")
     if not folder:
         return
@@ -373,6 +413,9 @@ def main() -> None:
     ap.add_argument("--host-sample", action="store_true", help="sample the Python stacks of every vLLM process "
                     "(qwen4exp.vllm.host_sampler; also for upstream) during batch-1 decode and batch-32 decode steps "
                     "4-27: tables in OUT/host-IMPL/host-PID.txt")
+    ap.add_argument("--py-spy", default="", help="path of a py-spy executable (e.g. `pip install --target .whl/pyspy "
+                    "py-spy`, carried): record the Python stacks of the bench and its engine core from outside during "
+                    "the same decode windows as --host-sample (no GIL bias, no pausing): OUT/pyspy-IMPL-LABEL.txt")
     ap.add_argument("--variant", action="append", default=[], help="NAME=ENV=VALUE[;ENV=VALUE...]: ours with those "
                     "environment settings, run as NAME when --impls names it (repeatable)")
     ap.add_argument("--mp", action="store_true", help="the engine core in its own process, as `vllm serve` and "
@@ -419,6 +462,9 @@ def main() -> None:
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         if args.host_sample:
             env["QWEN4EXP_HOST_SAMPLE"] = os.path.abspath(os.path.join(args.out, f"host-{impl}"))
+        if args.py_spy:
+            env["QWEN4EXP_PYSPY"] = os.path.abspath(args.py_spy)
+            env["QWEN4EXP_PYSPY_OUT"] = os.path.abspath(os.path.join(args.out, f"pyspy-{impl}"))
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--impl", impl, "--model", model,

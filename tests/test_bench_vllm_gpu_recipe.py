@@ -117,6 +117,56 @@ def test_host_sampler_counts_the_busy_function_only_inside_a_labelled_window(tmp
     assert main and float(main[0].split("%")[0]) > 50, table[:2000]  # the step's busy function dominates
 
 
+_FAKE_PYSPY = """#!{python}
+# stands in for py-spy: checks the arguments, waits for SIGINT, then writes raw stacks (py-spy's format) to -o
+import signal, sys, time
+args = sys.argv[1:]
+assert args[0] == "record" and "--subprocesses" in args and "--nonblocking" in args and "--threads" in args, args
+assert args[args.index("-f") + 1] == "raw" and args[args.index("--pid") + 1] == "{pid}", args
+out = args[args.index("-o") + 1]
+stop = []
+signal.signal(signal.SIGINT, lambda *a: stop.append(1))
+while not stop:
+    time.sleep(0.01)
+with open(out, "w") as f:
+    f.write('process {pid}:"python bench";process 77:"EngineCore";thread (77): MainThread;'
+            'run_busy_loop (core.py:10);step (core.py:20);build (flash_attn.py:30) 30\\n')
+    f.write('process {pid}:"python bench";process 77:"EngineCore";thread (77): MainThread;'
+            'run_busy_loop (core.py:10);step (core.py:21);sample (sampler.py:5) 70\\n')
+    f.write('process {pid}:"python bench";thread ({pid}): MainThread;main (bench.py:1) 12\\n')
+"""
+
+
+def test_py_spy_window_records_the_process_tree_and_writes_tables(tmp_path, monkeypatch):
+    """``--py-spy``: ``_drive``'s sample window starts py-spy on this process and its children (nonblocking, raw
+    stacks with threads) and stops it with SIGINT at the window's end; its raw output becomes the host-sampler
+    tables: per process and thread, functions named file:function (lines dropped) with inclusive / self shares."""
+    import os
+    import sys
+
+    exe = tmp_path / "py-spy"
+    exe.write_text(_FAKE_PYSPY.format(python=sys.executable, pid=os.getpid()))
+    exe.chmod(0o755)
+    monkeypatch.setenv("QWEN4EXP_PYSPY", str(exe))
+    monkeypatch.setenv("QWEN4EXP_PYSPY_OUT", str(tmp_path / "pyspy-ours"))
+    monkeypatch.delenv("QWEN4EXP_HOST_SAMPLE", raising=False)
+    class SlowEngine(ScriptedEngine):  # (a window of ~1 s: the stand-in starts up and installs its handler)
+        def step(self):
+            __import__("time").sleep(0.04)
+            return super().step()
+
+    bench._drive(SlowEngine(prefill_steps=1), [[1]], 30, sample=("bs1", 4, 1 << 30))
+    assert "proc" not in bench._PYSPY  # stopped at the end of the window
+    table = (tmp_path / "pyspy-ours-bs1.txt").read_text()
+    assert "112 samples" in table and "77 EngineCore" in table
+    engine = table.split("== bs1: thread pid 77 MainThread: 100 samples")[1].split("-- hottest")[0]
+    rows = {line.split()[-1]: line.split()[:2] for line in engine.splitlines() if line.strip().endswith(
+        ("core.py:step", "sampler.py:sample", "flash_attn.py:build"))}
+    assert rows == {"core.py:step": ["100.0%", "0.0%"], "sampler.py:sample": ["70.0%", "70.0%"],
+                    "flash_attn.py:build": ["30.0%", "30.0%"]}, engine
+    assert "== bs1: thread pid %d MainThread: 12 samples" % os.getpid() in table
+
+
 def test_host_sampler_restarts_in_a_forked_child(tmp_path, monkeypatch):
     """vLLM's engine core can be forked from the front end after the plugin registered there: threads do not
     survive a fork and ``register`` does not run again, so the child must start its own sampler (run 13 lost the

@@ -101,33 +101,70 @@ class HostSampler:
 
     def table(self, top: int = 60) -> str:
         """Per label and thread: samples, then functions by inclusive and by self share, then the hottest stacks."""
-        by_thread: dict = collections.defaultdict(collections.Counter)
-        for (label, thread, frames), n in self.stacks.items():
-            by_thread[(label, thread)][frames] += n
-        out = [f"pid {os.getpid()} ({os.path.basename(sys.argv[0]) if sys.argv else ''}): samples every "
-               f"{self.interval * 1e3:.2f} ms: " + ", ".join(f"{k or '-'} {n}" for k, n in self.samples.items())]
-        for (label, thread), stacks in sorted(by_thread.items(), key=lambda kv: (kv[0][0], -sum(kv[1].values()))):
-            total = sum(stacks.values())
-            incl, self_ = collections.Counter(), collections.Counter()
-            for frames, n in stacks.items():
-                for f in set(frames):
-                    incl[f] += n
-                if frames:
-                    self_[frames[-1]] += n
-            out.append(f"\n== {label or '-'}: thread {thread}: {total} samples")
-            out.append("  inclusive  self    function")
-            for f, n in incl.most_common(top):
-                out.append(f"  {n / total:8.1%}  {self_[f] / total:6.1%}  {f}")
-            out.append("  -- hottest stacks (innermost 8 frames)")
-            for frames, n in stacks.most_common(12):
-                out.append(f"  {n / total:6.1%}  {' > '.join(frames[-8:])}")
-        return "\n".join(out) + "\n"
+        head = (f"pid {os.getpid()} ({os.path.basename(sys.argv[0]) if sys.argv else ''}): samples every "
+                f"{self.interval * 1e3:.2f} ms: " + ", ".join(f"{k or '-'} {n}" for k, n in self.samples.items()))
+        return stack_table(self.stacks, head, top)
 
     def write(self) -> None:
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.write(self.table())
         os.replace(tmp, self.path)
+
+
+def stack_table(stacks: collections.Counter, head: str, top: int = 60) -> str:
+    """``stacks``: (label, thread, frames outermost first) -> samples. Per label and thread: samples, then
+    functions by inclusive and by self share, then the hottest stacks."""
+    by_thread: dict = collections.defaultdict(collections.Counter)
+    for (label, thread, frames), n in stacks.items():
+        by_thread[(label, thread)][frames] += n
+    out = [head]
+    for (label, thread), st in sorted(by_thread.items(), key=lambda kv: (kv[0][0], -sum(kv[1].values()))):
+        total = sum(st.values())
+        incl, self_ = collections.Counter(), collections.Counter()
+        for frames, n in st.items():
+            for f in set(frames):
+                incl[f] += n
+            if frames:
+                self_[frames[-1]] += n
+        out.append(f"\n== {label or '-'}: thread {thread}: {total} samples")
+        out.append("  inclusive  self    function")
+        for f, n in incl.most_common(top):
+            out.append(f"  {n / total:8.1%}  {self_[f] / total:6.1%}  {f}")
+        out.append("  -- hottest stacks (innermost 8 frames)")
+        for frames, n in st.most_common(12):
+            out.append(f"  {n / total:6.1%}  {' > '.join(frames[-8:])}")
+    return "\n".join(out) + "\n"
+
+
+def collapsed_table(raw: str, label: str = "", top: int = 60) -> str:
+    """The same tables from py-spy's raw (collapsed) output (``py-spy record -f raw --threads --subprocesses``):
+    lines ``process PID:"cmd";[process ...;]thread (TID): NAME;Func (file.py:line);... COUNT``. py-spy reads the
+    processes' memory from outside, so unlike ``HostSampler`` its samples do not depend on when a thread releases
+    the GIL (run 14: this sampler's FA-builder share was such an artefact). Frames are named like ours
+    (``file.py:Func``, lines dropped), threads ``pid PID NAME`` (the innermost process)."""
+    stacks: collections.Counter = collections.Counter()
+    procs: dict = {}
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        pid, thread, frames = "?", "?", []
+        for part in stack.split(";"):
+            if part.startswith("process ") and ":" in part:
+                pid = part[len("process "):].split(":", 1)[0]
+                procs.setdefault(pid, part.split(":", 1)[1].strip('"')[:80])
+            elif part.startswith("thread (") and "): " in part:
+                thread = part.split("): ", 1)[1]
+            else:
+                func, _, where = part.rpartition(" (")
+                if func and where.endswith(")"):
+                    part = f"{os.path.basename(where[:-1].rsplit(':', 1)[0])}:{func}"
+                frames.append(part)
+        stacks[(label, f"pid {pid} {thread}", tuple(frames))] += int(count)
+    head = (f"py-spy (sampled from outside the processes): {sum(stacks.values())} samples; processes: "
+            + "; ".join(f"{p} {c}" for p, c in procs.items()))
+    return stack_table(stacks, head, top)
 
 
 def _start_in_child() -> None:
