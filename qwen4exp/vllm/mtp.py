@@ -71,7 +71,7 @@ class Qwen4ExpMTPModel(MTPInput):
     # last-token row, steps 1+ run with ``set_skip_topk(True)``.
     def set_skip_topk(self, skip: bool) -> None:
         for layer in self.layers:
-            layer.self_attn.reuse_selection = bool(skip) and layer.self_attn.share_selection
+            layer.self_attn.set_reuse(skip)
 
     def compact_topk_indices(self, row_indices: torch.Tensor) -> None:
         for layer in self.layers:

@@ -167,6 +167,7 @@ class QSAMixer(QSAAttention):
         self.share_selection = share_selection
         self.reuse_selection = False
         self._kept: torch.Tensor | None = None  # [rows, m] int32: the last selecting step's block ids per token row
+        self._kept_fresh = False  # _kept holds a selection of the current drafting round (not a stale one)
         self._kept_rows = vllm_config.scheduler_config.max_num_batched_tokens
         self.eager_name = prefix
         self.rotary = [rotary]  # shared module, kept out of this module's parameters
@@ -344,7 +345,7 @@ class QSAMixer(QSAAttention):
         if not self.share_selection:
             return qsa_decode_paged(q, pos, index_q, kv, bt, ikv, bt, n_blocks, self.r, self.budget, self.scale,
                                     self.index_scale)
-        if self.reuse_selection and self._kept is not None:
+        if self.reuse_selection and self._kept_fresh:
             ids = reused_block_ids(self._kept[: pos.shape[0]], pos, self.r)
             _log_reuse_once(self.eager_name)
         else:
@@ -361,6 +362,15 @@ class QSAMixer(QSAAttention):
             self._kept[: ids.shape[0]] = ids
         else:
             self._kept[rows] = ids.to(torch.int32)
+        self._kept_fresh = True
+
+    def set_reuse(self, reuse: bool) -> None:
+        """vLLM's ``set_skip_topk``: True for draft steps 1+; False before step 0 of a round, which also forgets the
+        last round's selection (a layer that did not select in this round, e.g. the second of two MTP layers,
+        selects afresh instead of reusing a stale one)."""
+        self.reuse_selection = bool(reuse) and self.share_selection
+        if not reuse:
+            self._kept_fresh = False
 
     def keep_rows(self, row_indices: torch.Tensor) -> None:
         """After a draft's step 0: request i's kept selection becomes the one of its token row ``row_indices[i]``
