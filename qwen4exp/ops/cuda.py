@@ -224,7 +224,7 @@ def _(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_sc
 
 
 def qsa_select_paged(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_scale):
-    if not qsa_tk.select_paged_supported(q_pos, index_q, index_kv, index_block_table, r):
+    if not qsa_tk.select_paged_supported(index_q, index_kv, index_block_table, r):
         return qsa_ref.qsa_select_paged(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_scale)
     return qsa_select_paged_op(q_pos, index_q, index_kv, index_block_table, int(n_blocks), r, budget,
                                float(index_scale))

@@ -65,7 +65,7 @@ def qsa_cache_backend(chosen: type) -> type:
     mode = os.environ.get("QWEN4EXP_QSA_METADATA", "lean").strip().lower()
     if mode not in ("vllm", "lean"):
         raise ValueError(f"QWEN4EXP_QSA_METADATA must be 'lean' (default) or 'vllm', got {mode!r}")
-    if mode == "vllm" or chosen.__name__ != "FlashAttentionBackend":
+    if mode == "vllm":
         return chosen
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
@@ -248,7 +248,7 @@ class QSAMixer(QSAAttention):
             if self.share_selection:  # the chunk's last query: the row a later draft step may reuse
                 self._keep(qsa_select_paged(pos1[e - 1:e], index_q[e - 1:e], ikv, m.block_table[b:b + 1],
                                             max(1, seq_lens[b] // r), r, self.budget, self.index_scale),
-                           torch.tensor([e - 1], device=q.device))
+                           slice(e - 1, e))
 
     def _completed_block_keys(self, raw, qsl, seq_lens, m, ikv, d_i: int) -> torch.Tensor:
         """Index-cache block-key column of this step's rows [n, d_i]: at the row of each block's last position, the
@@ -350,18 +350,15 @@ class QSAMixer(QSAAttention):
             _log_reuse_once(self.eager_name)
         else:
             ids = qsa_select_paged(pos, index_q, ikv, bt, n_blocks, self.r, self.budget, self.index_scale)
-            self._keep(ids, rows)
+            self._keep(ids, slice(0, ids.shape[0]) if rows is None else rows)
         return qsa_attend_paged(q, pos, kv, bt, ids, self.r, self.budget, self.scale)
 
     def _keep(self, ids: torch.Tensor, rows) -> None:
-        """Remember the block ids [n, m] selected for token rows ``rows`` (None: 0..n-1) of this step."""
+        """Remember the block ids [n, m] selected for this step's token rows ``rows`` (a slice or an index tensor)."""
         if self._kept is None or self._kept.device != ids.device:
             # int32: block ids < 2^31; [max_num_batched_tokens, budget / r] (32 MB at 16,384 x 512)
             self._kept = torch.full((self._kept_rows, ids.shape[1]), -1, dtype=torch.int32, device=ids.device)
-        if rows is None:
-            self._kept[: ids.shape[0]] = ids
-        else:
-            self._kept[rows] = ids.to(torch.int32)
+        self._kept[rows] = ids.to(torch.int32)
         self._kept_fresh = True
 
     def set_reuse(self, reuse: bool) -> None:
@@ -382,7 +379,7 @@ class QSAMixer(QSAAttention):
 
 @functools.cache
 def _log_reuse_once(layer: str) -> None:
-    from vllm.logger import init_logger
+    from . import _logger
 
-    init_logger("vllm.plugins.qwen4exp").info(
-        "qwen4exp MTP %s: draft steps 1+ reuse step 0's QSA block selection (index_share_for_mtp_iteration)", layer)
+    _logger().info("qwen4exp MTP %s: draft steps 1+ reuse step 0's QSA block selection "
+                   "(index_share_for_mtp_iteration)", layer)

@@ -745,11 +745,11 @@ CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)  # FP8 (
 def paged_supported(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, r, budget) -> bool:
     """What ``qsa_decode_paged_triton`` covers: bf16 queries, bf16 or FP8 caches (read and widened to bf16), the
     head sizes above; its two halves' conditions."""
-    return (select_paged_supported(q_pos, index_q, index_kv, index_block_table, r)
+    return (select_paged_supported(index_q, index_kv, index_block_table, r)
             and attend_paged_supported(q, kv, block_table, r) and q.shape[0] == index_q.shape[0])
 
 
-def select_paged_supported(q_pos, index_q, index_kv, index_block_table, r) -> bool:
+def select_paged_supported(index_q, index_kv, index_block_table, r) -> bool:
     """What ``qsa_select_paged_triton`` covers: bf16 indexer queries, a bf16 or FP8 index cache, the widths above."""
     if not (index_q.is_cuda and index_q.dtype == torch.bfloat16 and index_kv.dtype in CACHE_DTYPES):
         return False
