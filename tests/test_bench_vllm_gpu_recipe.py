@@ -218,3 +218,32 @@ def test_variants_are_ours_with_extra_environment():
     for bad in ("ours=X=1", "lean", "lean=", "lean=NOVALUE"):
         with pytest.raises(SystemExit, match="--variant"):
             bench.parse_variants([bad])
+
+
+def test_collapsed_table_splits_an_engine_step_into_phases():
+    """py-spy's raw stacks of an engine core's main thread: each sample goes to the first step phase (in
+    ``STEP_PHASES`` order) with a function on its stack, so a GPU wait inside execute_model counts as a wait and
+    metadata building inside execute_model as metadata; threads that run no step get no phase table."""
+    from qwen4exp.vllm.host_sampler import collapsed_table
+
+    bench_proc = 'process 5:"/opt/env/bin/python /home/u/bench.py";'
+    core = bench_proc + 'process 7:"VLLM::EngineCore";thread (7): MainThread;step (core.py:1);'
+    raw = "\n".join([
+        core + "GPUModelRunner.execute_model (model_runner.py:2);build_attn_metadata (attn_utils.py:3) 40",
+        core + "GPUModelRunner.execute_model (model_runner.py:2);GPUModelRunner.prepare_inputs (model_runner.py:4) 25",
+        core + "GPUModelRunner.execute_model (model_runner.py:2);Event.synchronize (streams.py:5) 5",
+        core + "GPUModelRunner.execute_model (model_runner.py:2);CUDAGraph.replay (graphs.py:6) 10",
+        core + "GPUModelRunner.sample_tokens (model_runner.py:7);Sampler.__call__ (sampler.py:8) 15",
+        core + "Poller.poll (poll.py:9) 5",
+        bench_proc + "thread (5): MainThread;main (bench.py:1) 50",
+    ])
+    table = collapsed_table(raw, "bs1")
+    assert "5 python bench.py" in table and "/home" not in table  # commands without machine paths
+    engine = table.split("thread pid 7 MainThread: 100 samples")[1]
+    phases = engine.split("-- vLLM step phases")[1].split("\n\n")[0].splitlines()[1:]
+    got = {line.split("%", 1)[1].strip(): float(line.split("%")[0]) for line in phases}
+    assert got == {"attention metadata (builders, prepare_attn)": 40.0, "input preparation (prepare_inputs)": 25.0,
+                   "sampling (sample_tokens)": 15.0, "forward launch + request state (rest of execute_model)": 10.0,
+                   "waiting for the GPU (synchronize)": 5.0, "other (idle, loop, serialisation)": 5.0}, phases
+    bench_thread = table.split("thread pid 5 MainThread: 50 samples")[1]
+    assert "step phases" not in bench_thread

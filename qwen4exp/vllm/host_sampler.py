@@ -134,7 +134,48 @@ def stack_table(stacks: collections.Counter, head: str, top: int = 60) -> str:
         out.append("  -- hottest stacks (innermost 8 frames)")
         for frames, n in st.most_common(12):
             out.append(f"  {n / total:6.1%}  {' > '.join(frames[-8:])}")
+        phases = step_phases(st)
+        if phases:
+            out.append("  -- vLLM step phases (a sample goes to the first phase, in this order, with a function on "
+                       "its stack)")
+            for name, n in phases:
+                out.append(f"  {n / total:6.1%}  {name}")
     return "\n".join(out) + "\n"
+
+
+# Where a vLLM engine step's host time goes (V1 engine core, GPU model runner), coarsely: each phase is named by
+# the functions that mark it (qualified names; a frame matches a key equal to its function or ending in "." + key).
+# Order matters: a GPU wait inside the output future is a wait, not a step; metadata building inside
+# execute_model is metadata, not forward (run 15: this split of ours and upstream's batch-1 steps).
+STEP_PHASES = (
+    ("waiting for the GPU (synchronize)", ("Event.synchronize", "Stream.synchronize", "synchronize")),
+    ("sampling (sample_tokens)", ("sample_tokens",)),
+    ("attention metadata (builders, prepare_attn)", ("build_attn_metadata", "prepare_attn")),
+    ("input preparation (prepare_inputs)", ("prepare_inputs",)),
+    ("forward launch + request state (rest of execute_model)", ("execute_model",)),
+    ("scheduling (Scheduler.schedule)", ("Scheduler.schedule",)),
+    ("outputs (update_from_output)", ("update_from_output",)),
+)
+
+
+def step_phases(stacks: collections.Counter) -> list[tuple[str, int]]:
+    """``stacks``: frames (``file.py:Func``, outermost first) -> samples of one thread. Samples per ``STEP_PHASES``
+    phase (first match in that order), then "other" for the rest; [] when no sample is in any phase (a thread that
+    runs no vLLM step)."""
+    counts: collections.Counter = collections.Counter()
+    for frames, n in stacks.items():
+        names = {f.rpartition(":")[2] for f in frames}
+        for phase, keys in STEP_PHASES:
+            if any(name == k or name.endswith("." + k) for name in names for k in keys):
+                counts[phase] += n
+                break
+        else:
+            counts["other (idle, loop, serialisation)"] += n
+    if set(counts) == {"other (idle, loop, serialisation)"}:
+        return []
+    return [(phase, counts[phase]) for phase, _ in STEP_PHASES if counts[phase]] + (
+        [("other (idle, loop, serialisation)", counts["other (idle, loop, serialisation)"])]
+        if counts["other (idle, loop, serialisation)"] else [])
 
 
 def collapsed_table(raw: str, label: str = "", top: int = 60) -> str:
@@ -153,7 +194,8 @@ def collapsed_table(raw: str, label: str = "", top: int = 60) -> str:
         for part in stack.split(";"):
             if part.startswith("process ") and ":" in part:
                 pid = part[len("process "):].split(":", 1)[0]
-                procs.setdefault(pid, part.split(":", 1)[1].strip('"')[:80])
+                cmd = part.split(":", 1)[1].strip('"')  # (paths shortened to their last part: no machine paths)
+                procs.setdefault(pid, " ".join(os.path.basename(w) if "/" in w else w for w in cmd.split())[:80])
             elif part.startswith("thread (") and "): " in part:
                 thread = part.split("): ", 1)[1]
             else:
