@@ -148,7 +148,7 @@ def stack_table(stacks: collections.Counter, head: str, top: int = 60) -> str:
 # Order matters: a GPU wait inside the output future is a wait, not a step; metadata building inside
 # execute_model is metadata, not forward (run 15: this split of ours and upstream's batch-1 steps).
 STEP_PHASES = (
-    ("waiting for the GPU (synchronize)", ("Event.synchronize", "Stream.synchronize", "synchronize")),
+    ("waiting for the GPU (synchronize)", ("synchronize",)),  # Event.synchronize, Stream.synchronize, ...
     ("sampling (sample_tokens)", ("sample_tokens",)),
     ("attention metadata (builders, prepare_attn)", ("build_attn_metadata", "prepare_attn")),
     ("input preparation (prepare_inputs)", ("prepare_inputs",)),
@@ -156,26 +156,21 @@ STEP_PHASES = (
     ("scheduling (Scheduler.schedule)", ("Scheduler.schedule",)),
     ("outputs (update_from_output)", ("update_from_output",)),
 )
+OTHER_PHASE = "other (idle, loop, serialisation)"
 
 
 def step_phases(stacks: collections.Counter) -> list[tuple[str, int]]:
     """``stacks``: frames (``file.py:Func``, outermost first) -> samples of one thread. Samples per ``STEP_PHASES``
-    phase (first match in that order), then "other" for the rest; [] when no sample is in any phase (a thread that
-    runs no vLLM step)."""
+    phase (first match in that order), then ``OTHER_PHASE`` for the rest; [] when no sample is in any phase (a
+    thread that runs no vLLM step)."""
     counts: collections.Counter = collections.Counter()
     for frames, n in stacks.items():
         names = {f.rpartition(":")[2] for f in frames}
-        for phase, keys in STEP_PHASES:
-            if any(name == k or name.endswith("." + k) for name in names for k in keys):
-                counts[phase] += n
-                break
-        else:
-            counts["other (idle, loop, serialisation)"] += n
-    if set(counts) == {"other (idle, loop, serialisation)"}:
+        counts[next((phase for phase, keys in STEP_PHASES
+                     if any(name == k or name.endswith("." + k) for name in names for k in keys)), OTHER_PHASE)] += n
+    if not counts.keys() - {OTHER_PHASE}:
         return []
-    return [(phase, counts[phase]) for phase, _ in STEP_PHASES if counts[phase]] + (
-        [("other (idle, loop, serialisation)", counts["other (idle, loop, serialisation)"])]
-        if counts["other (idle, loop, serialisation)"] else [])
+    return [(phase, counts[phase]) for phase in [*(p for p, _ in STEP_PHASES), OTHER_PHASE] if counts[phase]]
 
 
 def collapsed_table(raw: str, label: str = "", top: int = 60) -> str:
