@@ -54,7 +54,7 @@ serve: venv
 	$(VPY) -m qwen4exp.demo --serve
 
 bench: venv
-	$(VPY) recipes/bench_hf_reference.py
+	$(VPY) benchmarks/bench_hf_reference.py
 
 clean:
 	rm -rf .cache .tmp .pytest_cache

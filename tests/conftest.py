@@ -6,6 +6,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# the developers' scripts import each other by file name (``from vllm_offline import run_offline``)
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 
 def _has_vllm() -> bool:

@@ -1,4 +1,4 @@
-"""``recipes/agentic_gpu.py``: the combined table from the bench's summary.csv files (fast), and the whole recipe on
+"""``benchmarks/agentic_gpu.py``: the combined table from the bench's summary.csv files (fast), and the whole recipe on
 CPU with the embedded tiny-coder checkpoint behind our plugin's server (``--preset tiny --impls ours``, a miniature
 workload at concurrency 1 and 8)."""
 
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from recipe_loader import load_recipe
+from script_loader import load_script
 from test_bench import _write_csv
 
 from qwen4exp.bench import metrics as M
@@ -23,7 +23,7 @@ RECIPE = ROOT / "recipes" / "agentic_gpu.py"
 
 @pytest.fixture(scope="module")
 def recipe():
-    return load_recipe("agentic_gpu")
+    return load_script("agentic_gpu")
 
 
 def _summary_rows(ttft: float) -> list[dict[str, str]]:

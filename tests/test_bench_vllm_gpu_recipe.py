@@ -1,13 +1,13 @@
-"""``recipes/bench_vllm_gpu.py``'s step timing (CPU, with a scripted engine; the script itself runs on the GPU
+"""``benchmarks/bench_vllm_gpu.py``'s step timing (CPU, with a scripted engine; the script itself runs on the GPU
 machine): only steps in which the whole batch decodes count. Long prompts are prefilled one after another, so the
 first requests decode (and may finish) while later ones still prefill; timing those steps measured a smaller batch
 than the name says (run 9: the "batch-32" steps had 8-16 requests)."""
 
 import types
 
-from recipe_loader import load_recipe
+from script_loader import load_script
 
-bench = load_recipe("bench_vllm_gpu")
+bench = load_script("bench_vllm_gpu")
 
 
 class ScriptedEngine:
@@ -89,7 +89,7 @@ def test_host_sampler_counts_the_busy_function_only_inside_a_labelled_window(tmp
     the window at the first-th timed decode step and closes it at the last-th (or at the end)."""
     import sys
 
-    from qwen4exp.vllm.host_sampler import HostSampler
+    from host_sampler import HostSampler
 
     switch = sys.getswitchinterval()
     sampler = HostSampler(str(tmp_path), interval=0.001, write_every=0.1).start()
@@ -174,7 +174,7 @@ def test_host_sampler_restarts_in_a_forked_child(tmp_path, monkeypatch):
     import os
     import sys
 
-    from qwen4exp.vllm import host_sampler as hs
+    import host_sampler as hs
 
     monkeypatch.setenv("QWEN4EXP_HOST_SAMPLE", str(tmp_path))
     monkeypatch.setenv("QWEN4EXP_HOST_SAMPLE_WRITE", "0.1")
@@ -224,7 +224,7 @@ def test_collapsed_table_splits_an_engine_step_into_phases():
     """py-spy's raw stacks of an engine core's main thread: each sample goes to the first step phase (in
     ``STEP_PHASES`` order) with a function on its stack, so a GPU wait inside execute_model counts as a wait and
     metadata building inside execute_model as metadata; threads that run no step get no phase table."""
-    from qwen4exp.vllm.host_sampler import collapsed_table
+    from host_sampler import collapsed_table
 
     bench_proc = 'process 5:"/opt/env/bin/python /home/u/bench.py";'
     core = bench_proc + 'process 7:"VLLM::EngineCore";thread (7): MainThread;step (core.py:1);'

@@ -1,10 +1,10 @@
-"""``recipes/vllm_gpu_check.py``'s decisive-position rule (CPU; the script itself runs on the GPU machine)."""
+"""``tools/vllm_gpu_check.py``'s decisive-position rule (CPU; the script itself runs on the GPU machine)."""
 
 import torch
 
-from recipe_loader import load_recipe
+from script_loader import load_script
 
-check = load_recipe("vllm_gpu_check")
+check = load_script("vllm_gpu_check")
 
 
 def test_decisive_threshold_is_twice_the_bf16_noise_quantile():

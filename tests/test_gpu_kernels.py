@@ -654,7 +654,7 @@ def test_qsa_select_and_attend_paged_match_reference():
 
 
 def test_qsa_decode_paged_with_vllm_topk():
-    """TOPK = "vllm" (vLLM's CUDA select on fp32 scores, inside the vLLM venv: ``recipes/gpu_device.sh tests`` runs
+    """TOPK = "vllm" (vLLM's CUDA select on fp32 scores, inside the vLLM venv: ``tools/gpu_device.sh tests`` runs
     this file's vllm_topk tests there): the same selections as the Triton select on untied random scores (set
     equality per row, short rows included: -1 padded) and the paged decode output against the reference, eager and
     in a CUDA graph. Not eager == graph bit for bit: the order of the ids vLLM's select returns varies between calls

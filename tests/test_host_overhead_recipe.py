@@ -1,4 +1,4 @@
-"""``recipes/host_overhead.py`` on CPU: the step-machinery timers of an in-process engine over the tiny checkpoint."""
+"""``tools/host_overhead.py`` on CPU: the step-machinery timers of an in-process engine over the tiny checkpoint."""
 
 import json
 import os

@@ -1,16 +1,16 @@
-"""``recipes/vllm_tp_check.py``: which greedy differences between TP=1 and TP=N count as bf16 near-ties."""
+"""``tools/vllm_tp_check.py``: which greedy differences between TP=1 and TP=N count as bf16 near-ties."""
 
 from __future__ import annotations
 
 import pytest
-from recipe_loader import load_recipe
+from script_loader import load_script
 
 Q = 2.0 ** -6  # one bf16 step of logits in [2, 4)
 
 
 @pytest.fixture(scope="module")
 def tp():
-    return load_recipe("vllm_tp_check")
+    return load_script("vllm_tp_check")
 
 
 def _row(base: float, steps: dict[int, int]) -> dict[int, float]:

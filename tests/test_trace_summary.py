@@ -1,4 +1,4 @@
-"""``recipes/trace_summary.py``: GPU busy / idle time, gaps and host annotations of a torch-profiler Chrome trace
+"""``tools/trace_summary.py``: GPU busy / idle time, gaps and host annotations of a torch-profiler Chrome trace
 (a synthetic one whose figures are known)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from recipe_loader import load_recipe
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "trace_summary.py"
@@ -18,7 +18,7 @@ RECIPE = ROOT / "recipes" / "trace_summary.py"
 
 @pytest.fixture(scope="module")
 def ts():
-    return load_recipe("trace_summary")
+    return load_script("trace_summary")
 
 
 def _x(cat, name, ts, dur):

@@ -61,7 +61,7 @@ def test_every_launch_compiles_for_hopper(launches):
 
 
 def test_kernel_resources_recipe_reads_registers_and_spills(launches):
-    """``recipes/kernel_resources.py`` on two recorded launches: the table and CSV carry registers (> 0), spill
+    """``tools/kernel_resources.py`` on two recorded launches: the table and CSV carry registers (> 0), spill
     bytes and shared memory per launch."""
     import csv
     import json

@@ -1,6 +1,6 @@
 """The vLLM plugin on a CUDA GPU (issue 7): teacher-forced top-1 against our HF reference's fp32 logits, no worse
 than the HF reference's own bf16 run, on the tiny random checkpoint and the trained tiny-coder, with vLLM's default
-CUDA graphs (breakable, PIECEWISE) and eager. Runs ``recipes/vllm_gpu_check.py``; needs the CUDA build of vLLM.
+CUDA graphs (breakable, PIECEWISE) and eager. Runs ``tools/vllm_gpu_check.py``; needs the CUDA build of vLLM.
 
 On the H200 (after the gpu-vllm kit's install):  python -m pytest tests/test_vllm_gpu.py -q -rs
 """

@@ -56,7 +56,7 @@ def setup():
 
 @pytest.fixture(scope="module")
 def runs(setup, tmp_path_factory):
-    from qwen4exp.vllm.offline import run_offline
+    from vllm_offline import run_offline
 
     out = {}
     for name, extra in (("plain", {}), ("mtp", MTP)):
@@ -64,7 +64,7 @@ def runs(setup, tmp_path_factory):
     return out
 
 
-# CPU: eager; on a GPU (``bash recipes/gpu_device.sh mtp``) vLLM's default CUDA graphs (PIECEWISE with a draft)
+# CPU: eager; on a GPU (``bash tools/gpu_device.sh mtp``) vLLM's default CUDA graphs (PIECEWISE with a draft)
 ENGINE = dict(dtype="float32", enforce_eager=not torch.cuda.is_available(), skip_tokenizer_init=True,
               max_model_len=512, max_num_seqs=8,
               enable_chunked_prefill=True, max_num_batched_tokens=48, disable_log_stats=False)
@@ -86,7 +86,7 @@ def test_mtp_index_share_reuses_selection(setup, runs, tmp_path):
     selects its QSA blocks, steps 1+ reuse them (past the budget; within it every block, as a fresh selection).
     It changes only the drafts: greedy tokens stay the plain run's, vLLM still counts the drafts, and the reuse
     path ran (its log line)."""
-    from qwen4exp.vllm.offline import run_offline
+    from vllm_offline import run_offline
 
     share = dict(speculative_config=dict(MTP["speculative_config"], index_share_for_mtp_iteration=True))
     out = run_offline(_spec(CKPT, setup, **share), str(tmp_path), timeout=240)
@@ -135,7 +135,7 @@ def test_mtp_per_expert_checkpoint_drafts_like_fused(setup, runs, tmp_path):
     drafts exactly as the fused one: same tokens, same acceptance counters."""
     from tiny_checkpoint import split_experts
 
-    from qwen4exp.vllm.offline import run_offline
+    from vllm_offline import run_offline
 
     def edit(sd):
         sd = split_experts(sd)
@@ -154,7 +154,7 @@ def test_mtp_per_expert_checkpoint_drafts_like_fused(setup, runs, tmp_path):
 
 def test_misshaped_mtp_tensor_fails_with_its_name(tmp_path):
     """A wrong-shaped ``mtp.`` tensor is refused by the shape check against the reference model, naming it."""
-    from qwen4exp.vllm.offline import run_offline
+    from vllm_offline import run_offline
 
     name = "mtp.layers.0.self_attn.indexer.index_qk_proj.weight"
 

@@ -75,7 +75,7 @@ BF16_RUNS = ["single_nochunk", "batched_chunk32"]
 
 @pytest.fixture(scope="module")
 def runs(setup, tmp_path_factory):
-    from qwen4exp.vllm.offline import run_offline
+    from vllm_offline import run_offline
 
     out = {}
     n = len(setup["prompts"])
@@ -116,13 +116,13 @@ def _centered(lp):
 @pytest.mark.parametrize("run", BF16_RUNS)
 def test_prompt_logprobs_vs_hf_fp32(setup, runs, run):
     """bf16 engine vs HF fp32, teacher-forced. Logits: relative error (centred log-probs) within 1.25x of the HF
-    bf16 run's. Top-1, on the decisive positions (``recipes/vllm_gpu_check.py``'s rule, the one the GPU check
+    bf16 run's. Top-1, on the decisive positions (``tools/vllm_gpu_check.py``'s rule, the one the GPU check
     holds: the fp32 top-2 gap exceeds twice the HF bf16 run's 99th-percentile error of that gap): the plugin wrong
     no more often than the HF bf16 run; over all positions within 0.5% of the HF bf16 run's agreement (two bf16
     runtimes flip near-ties differently: with AVX-512 the counts were equal, 1047 / 1047 of 1069; without it
     1047 / 1048). Both runtimes share the bf16 numerics, routed experts included (fp32 accumulation and top-k
     combine, see qwen4exp/vllm/README.md)."""
-    from recipe_loader import load_recipe
+    from script_loader import load_script
 
     res = runs[run]
     agree_v = agree_b = total = v_only = b_only = 0
@@ -151,7 +151,7 @@ def test_prompt_logprobs_vs_hf_fp32(setup, runs, run):
         err_b = ((_centered(bl) - _centered(fl)).norm() / _centered(fl).norm()).item()
         print(f"{run} prompt {i} len {len(p)}: rel err vLLM {err_v:.4f} HF-bf16 {err_b:.4f}")
         assert err_v <= 1.25 * err_b + 1e-3, (i, err_v, err_b)
-    dec, thr = load_recipe("vllm_gpu_check").decisive_mask(gaps, gap_errs)
+    dec, thr = load_script("vllm_gpu_check").decisive_mask(gaps, gap_errs)
     n_dec = sum(int(m.sum()) for m in dec)
     v_dec_wrong = sum(int((~o & m).sum()) for o, m in zip(oks_v, dec))
     b_dec_wrong = sum(int((~o & m).sum()) for o, m in zip(oks_b, dec))
@@ -219,7 +219,7 @@ def test_prefix_caching_same_tokens(setup, tmp_path_factory):
     the cache at the KV groups' common block size (128 tokens here, since each QSA layer keeps its main K/V and index
     rows in one cache layer; 3,840 of these prompts' tokens hit when the index rows had their own, 4x-longer-block
     layer, 4,224 now) and gives the tokens of an engine without prefix caching."""
-    from qwen4exp.vllm.offline import run_offline
+    from vllm_offline import run_offline
 
     V, eos = setup["V"], setup["eos"]
     base = _prompt(1700, V, eos, 11, (300, 1000))
@@ -246,7 +246,7 @@ def test_preemption_same_tokens(setup, tmp_path_factory):
     vLLM's null block admit three requests and leave none to grow into. The QSA block size comes from vLLM's page
     layout, which depends on the CPU's attention kernels (384 tokens with AVX-512, 256 without): a probe engine
     reads it first."""
-    from qwen4exp.vllm.offline import run_offline
+    from vllm_offline import run_offline
 
     V, eos = setup["V"], setup["eos"]
     sampling = dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, detokenize=False)

@@ -97,7 +97,7 @@ def _broken_checkpoint(src, dst, edit):
 
 @pytest.mark.parametrize("kind", ["missing", "misshaped"])
 def test_bad_checkpoint_fails_with_tensor_name(tiny_ckpt, tmp_path, kind):
-    from qwen4exp.vllm.offline import run_offline
+    from vllm_offline import run_offline
 
     name = "model.layers.1.self_attn.indexer.index_qk_proj.weight"
     if kind == "missing":

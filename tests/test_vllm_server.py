@@ -121,7 +121,7 @@ def test_plugin_serves_and_logs(server):
 
 
 def test_endpoints_match_offline_engine(server, served, tmp_path_factory):
-    from qwen4exp.vllm.offline import run_offline
+    from vllm_offline import run_offline
 
     for k, (p, t, text) in served.items():
         print(k, len(p or []), t, repr(text))

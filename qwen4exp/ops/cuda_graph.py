@@ -1,4 +1,4 @@
-"""CUDA-graph capture of one call, for the GPU tests and the kernel benchmark (``recipes/bench_ops.py``)."""
+"""CUDA-graph capture of one call, for the GPU tests and the kernel benchmark (``benchmarks/bench_ops.py``)."""
 
 from __future__ import annotations
 

@@ -31,10 +31,6 @@ def register() -> bool:
     global _registered
     if _registered is not None:
         return _registered
-    if os.environ.get("QWEN4EXP_HOST_SAMPLE"):  # diagnostics: sample this process's Python stacks (host_sampler)
-        from .host_sampler import maybe_start
-
-        maybe_start()
     if os.environ.get("QWEN4EXP_VLLM", "1").strip().lower() in ("0", "false", "no", "off"):
         _registered = False
         _logger().info("Qwen4Exp is served by vLLM's in-tree implementation (QWEN4EXP_VLLM=0)")

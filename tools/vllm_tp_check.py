@@ -1,11 +1,11 @@
 """Tensor parallelism of the qwen4exp vLLM plugin: TP=N against TP=1, same checkpoint, prompts and engine settings.
 
-    python recipes/vllm_tp_check.py --out bench_out/tp2 [--models fn4] [--tp 2] [--graphs]
+    python tools/vllm_tp_check.py --out bench_out/tp2 [--models fn4] [--tp 2] [--graphs]
 
-Checkpoints and prompts are ``recipes/vllm_gpu_check.py``'s: ``fn4`` (random, FN widths, 4 layers: 3 GDN + 1 QSA,
+Checkpoints and prompts are ``tools/vllm_gpu_check.py``'s: ``fn4`` (random, FN widths, 4 layers: 3 GDN + 1 QSA,
 64 experts, real vocab, QSA budget 2048, prompts up to 3,000 tokens so the indexer selects; its GDN heads are 128
 wide, so on GPUs vLLM's GDN layer runs and its heads are sharded), ``tiny`` (the tests' checkpoint; a CPU smoke run,
-where ``qwen4exp.vllm.offline`` binds one share of the cores per rank). Both engines: bf16, eager (``--graphs``:
+where ``tools/vllm_offline.py`` binds one share of the cores per rank). Both engines: bf16, eager (``--graphs``:
 vLLM's default CUDA graphs), chunked prefill with all prompts batched, greedy with ``ignore_eos``, the rank-1 token
 at every prompt position (teacher-forced) and the top-20 logprobs of every generated token.
 
@@ -25,7 +25,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "recipes"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from vllm_gpu_check import GEN, _prompts, build  # noqa: E402  (also puts the repo root and tests/ on sys.path)
 
@@ -36,7 +36,7 @@ TOPK = 20  # logprobs kept per generated token (enough to find both runs' tokens
 def run(d: str, prompts, eng: dict, tp: int, graphs: bool, work: str) -> dict:
     import torch
 
-    from qwen4exp.vllm.offline import run_offline
+    from vllm_offline import run_offline
 
     engine = dict(dtype="bfloat16", enforce_eager=not (graphs and torch.cuda.is_available()),
                   skip_tokenizer_init=True, max_num_seqs=8, enable_prefix_caching=False, enable_chunked_prefill=True,

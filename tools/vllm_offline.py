@@ -1,6 +1,6 @@
 """Run an offline ``vllm.LLM`` over token-id prompts in a clean subprocess (tests, benchmarks).
 
-    python -m qwen4exp.vllm.offline spec.json out.pt [--tensor-parallel-size N]
+    python tools/vllm_offline.py spec.json out.pt [--tensor-parallel-size N]
 
 spec: {"model": dir, "engine": {LLM kwargs}, "env": {extra environment} (run_offline only),
        "sampling": {SamplingParams kwargs}, "prompts": [[ids], ...],
@@ -44,7 +44,9 @@ def run_offline(spec: dict, workdir: str, timeout: float = 600) -> dict:
     # GPUs: vLLM's FlashInfer top-k/top-p sampler is JIT-built on a fresh machine (~2 min per start-up); these runs
     # sample greedily or read logprobs, which the torch sampler serves
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    p = subprocess.run([sys.executable, "-m", "qwen4exp.vllm.offline", sp, out], env=env, timeout=timeout,
+    here = os.path.dirname(os.path.abspath(__file__))  # (workers import ``tp_layout`` from here by name)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    p = subprocess.run([sys.executable, os.path.join(here, "vllm_offline.py"), sp, out], env=env, timeout=timeout,
                        capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"offline engine failed (rc={p.returncode}):\n{p.stderr[-6000:]}")
@@ -172,8 +174,8 @@ def _main(spec_path: str, out_path: str, tensor_parallel_size: int | None = None
     except Exception:
         pass
     layout = None
-    if spec.get("tp_layout"):  # by its module name: run as ``-m``, this file is ``__main__``, which workers lack
-        from qwen4exp.vllm.offline import tp_layout as fn
+    if spec.get("tp_layout"):  # by its module name: run as a script this file is ``__main__``, which workers lack
+        from vllm_offline import tp_layout as fn
 
         layout = llm.apply_model(fn)
     torch.save({"tokens": tokens, "logprobs": lps, "prompt_logprobs": plps, "prompt_top1": top1, "startup_s": startup,

@@ -1,7 +1,7 @@
 """Teacher-forced correctness of vLLM on a GPU: the qwen4exp plugin and upstream's in-tree qwen4_exp, each against
 our HF reference's fp32 logits, beside the HF reference's own bf16 run (the bar), in one run.
 
-    python recipes/vllm_gpu_check.py --out bench_out/vllm_gpu_check [--models tiny,coder,fn4] [--impls ours,upstream]
+    python tools/vllm_gpu_check.py --out bench_out/vllm_gpu_check [--models tiny,coder,fn4] [--impls ours,upstream]
 
 Models: ``tiny`` (random tiny checkpoint of the tests, QSA budget 16), ``coder`` (the trained tiny-coder asset),
 ``fn4`` (random, Qwen3.8-Flash-Next widths, 4 layers: 3 GDN + 1 QSA, 64 experts, real vocab and QSA budget 2048;
@@ -120,7 +120,7 @@ def hf_reference(d: str, prompts):
 
 
 def run_vllm(impl: str, d: str, prompts, eng: dict, work: str):
-    from qwen4exp.vllm.offline import run_offline
+    from vllm_offline import run_offline
 
     import torch
 

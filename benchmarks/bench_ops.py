@@ -1,6 +1,6 @@
 """Time the Triton kernels (``qwen4exp.ops.cuda``) against the torch references and torch.compile of them.
 
-    python recipes/bench_ops.py --csv bench_out/bench_ops.csv [--no-compile] [--only hc_mix,qsa_decode_paged]
+    python benchmarks/bench_ops.py --csv bench_out/bench_ops.csv [--no-compile] [--only hc_mix,qsa_decode_paged]
 
 For each op at the real widths (batch 1 and 32; QSA: context 50,000; the paged decode op reads shuffled paged caches
 as the vLLM plugin does; RMSNorm / RoPE at the QSA projections' sizes): the median time per call, the bytes it must

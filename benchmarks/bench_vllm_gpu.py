@@ -1,7 +1,7 @@
 """Upstream vLLM's in-tree qwen4_exp vs the qwen4exp plugin, side by side in one run (FN-12L, dummy weights).
 
-    python recipes/bench_vllm_gpu.py --out bench_out/vllm_gpu              # both implementations, full sizes
-    python recipes/bench_vllm_gpu.py --impls ours --ctx 2048 --bs32-ctx 512 # a quick look
+    python benchmarks/bench_vllm_gpu.py --out bench_out/vllm_gpu              # both implementations, full sizes
+    python benchmarks/bench_vllm_gpu.py --impls ours --ctx 2048 --bs32-ctx 512 # a quick look
 
 Each implementation runs in its own subprocess (``QWEN4EXP_VLLM=0`` for upstream, so vLLM's in-tree classes serve)
 with the same engine arguments as the upstream anchor (``load_format="dummy"``, bf16, ``max_model_len`` ctx + 320,
@@ -33,6 +33,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))  # host_sampler's tables
 
 
 # ------------------------------------------------------------------------------------------------- the config
@@ -104,7 +105,7 @@ def copy_bandwidth() -> float:
 # ------------------------------------------------------------------------------------------------- one engine
 def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None, gpu_only: bool = False) -> None:
     """Run n engine steps under the torch profiler (their outputs are dropped) and write its tables to ``path``:
-    by GPU time (CPU time without a GPU), then by CPU time, then ``recipes/trace_summary.py``'s report of the
+    by GPU time (CPU time without a GPU), then by CPU time, then ``tools/trace_summary.py``'s report of the
     Chrome trace (kept beside it as ``<path>.trace.json.gz``: GPU busy vs idle per step, gaps, host annotations).
     ``llm``: the engine core runs in its own process (``--mp``): profile it through vLLM's profiler instead
     (``profiler_config``; its trace lands beside ``path``, named after it). ``gpu_only``: record GPU activity only
@@ -172,7 +173,7 @@ def _pyspy_window(label: str | None) -> None:
         return
     import signal
 
-    from qwen4exp.vllm.host_sampler import collapsed_table
+    from host_sampler import collapsed_table
 
     proc.send_signal(signal.SIGINT)
     try:
@@ -187,7 +188,7 @@ def _pyspy_window(label: str | None) -> None:
 
 
 def _sample_window(label: str | None) -> None:
-    """Turn the host samplers (``--host-sample``: ``qwen4exp.vllm.host_sampler`` in every vLLM process; ``--py-spy``)
+    """Turn the host samplers (``--host-sample``: ``tools/host_sampler.py`` in every vLLM process; ``--py-spy``)
     on with a label, or off (None)."""
     _pyspy_window(label)
     folder = os.environ.get("QWEN4EXP_HOST_SAMPLE")
@@ -411,7 +412,7 @@ def main() -> None:
                     "in the engine core's traces (trace_summary.py then tables host time by Python function; the "
                     "profiled steps' host runs several times slower, so read its shares, not its absolute times)")
     ap.add_argument("--host-sample", action="store_true", help="sample the Python stacks of every vLLM process "
-                    "(qwen4exp.vllm.host_sampler; also for upstream) during batch-1 decode and batch-32 decode steps "
+                    "(tools/host_sampler.py; also for upstream) during batch-1 decode and batch-32 decode steps "
                     "4-27: tables in OUT/host-IMPL/host-PID.txt")
     ap.add_argument("--py-spy", default="", help="path of a py-spy executable (e.g. `pip install --target .whl/pyspy "
                     "py-spy`, carried): record the Python stacks of the bench and its engine core from outside during "

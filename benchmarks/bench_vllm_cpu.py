@@ -1,6 +1,6 @@
 """CPU throughput of the vLLM plugin vs the HF reference on the tiny test model (the numbers in README.md).
 
-    python -m qwen4exp.vllm.bench_cpu [--prompt-len 128] [--gen 64] [--server]
+    python benchmarks/bench_vllm_cpu.py [--prompt-len 128] [--gen 64] [--server]
 
 Greedy decoding, ignore EOS, bf16, same token prompts for both runtimes; batch 1 (requests one after another) and
 batch 8 (one batch). With --server also times ``qwen4exp-serve`` start-up (launch to /health) and HTTP tokens/s.
@@ -109,7 +109,7 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="qwen4exp-bench-", dir=os.environ.get("QWEN4EXP_BENCH_DIR") or None)
     ckpt = a.ckpt
     if ckpt is None:
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
         from tiny_checkpoint import build_checkpoint
 
         ckpt = build_checkpoint(os.path.join(work, "ckpt"))

@@ -2,7 +2,7 @@
 H200 (sm_90) on a machine without a GPU: Triton's front end to PTX, then ``ptxas -v`` (the ptxas Triton ships).
 
     TRITON_INTERPRET=1 python tests/triton_offline.py run LAUNCHES.json     # the interpreter records the launches
-    python recipes/kernel_resources.py LAUNCHES.json [--csv resources.csv] [--all]
+    python tools/kernel_resources.py LAUNCHES.json [--csv resources.csv] [--all]
 
 Prints one row per distinct launch (kernel, compile-time constants, warps / stages) that spills or uses 200+
 registers (``--all``: every row), and writes them all to ``--csv``. A spilling kernel reads and writes its spilled

@@ -3,39 +3,39 @@
 # `source <venv>/env.sh`): make this checkout the qwen4exp package of that Python without pip (offline), then run
 # one of the GPU jobs, logs and results under OUT (default bench_out/gpu).
 #
-#   bash recipes/gpu_device.sh register             # dist-info with the vllm.general_plugins entry point + .pth
-#   bash recipes/gpu_device.sh tests                # the plugin's teacher-forced GPU test (KERNELS=1: + the GPU
+#   bash tools/gpu_device.sh register             # dist-info with the vllm.general_plugins entry point + .pth
+#   bash tools/gpu_device.sh tests                # the plugin's teacher-forced GPU test (KERNELS=1: + the GPU
 #                                                   # kernel tests, which `bg` runs anyway)
-#   bash recipes/gpu_device.sh check [models]       # recipes/vllm_gpu_check.py, ours + upstream (default tiny,coder,fn4)
-#   bash recipes/gpu_device.sh window [ARGS]        # 2 GPUs: bench both at once (upstream GPU 0, ours GPU 1)
+#   bash tools/gpu_device.sh check [models]       # tools/vllm_gpu_check.py, ours + upstream (default tiny,coder,fn4)
+#   bash tools/gpu_device.sh window [ARGS]        # 2 GPUs: bench both at once (upstream GPU 0, ours GPU 1)
 #                                                   # (WINDOW_TESTS=1: + the GPU kernel tests beside ours); ARGS go
 #                                                   # to bench_vllm_gpu.py
-#   bash recipes/gpu_device.sh bench IMPL           # recipes/bench_vllm_gpu.py --profile for upstream or ours: one
+#   bash tools/gpu_device.sh bench IMPL           # benchmarks/bench_vllm_gpu.py --profile for upstream or ours: one
 #                                                   # implementation per call (each needs ~4-5 min at full sizes);
 #                                                   # run both back to back on the same warm machine; IMPL=both on
 #                                                   # a two-GPU machine runs them at once, one per GPU
-#   bash recipes/gpu_device.sh agentic [GPUS]       # recipes/agentic_gpu.py: qwen4exp-bench (shortened agentic
+#   bash tools/gpu_device.sh agentic [GPUS]       # benchmarks/agentic_gpu.py: qwen4exp-bench (shortened agentic
 #                                                   # workload, concurrency 1 and 8) against vLLM servers of upstream
 #                                                   # and ours (FN-12L, dummy weights); GPUS default 0,1 = one server
 #                                                   # per GPU at once (upstream on 0, ours on 1), one id = one after
 #                                                   # the other; table: $OUT/agentic/agentic.csv
-#   bash recipes/gpu_device.sh mtp                  # tests/test_vllm_mtp.py on the GPU (CUDA graphs): greedy tokens
+#   bash tools/gpu_device.sh mtp                  # tests/test_vllm_mtp.py on the GPU (CUDA graphs): greedy tokens
 #                                                   # with MTP 3 == without == HF; vLLM's acceptance length; the
 #                                                   # shared-selection run (MTP_K: pytest -k, e.g. "greedy or share")
-#   bash recipes/gpu_device.sh extras               # 2 GPUs, one call: `check` of ours on GPU 0 beside upstream's
-#                                                   # on GPU 1, then recipes/bench_ops.py on GPU 1
-#   bash recipes/gpu_device.sh bg [GPU]             # detached (setsid, survives the call): the GPU kernel tests, then
+#   bash tools/gpu_device.sh extras               # 2 GPUs, one call: `check` of ours on GPU 0 beside upstream's
+#                                                   # on GPU 1, then benchmarks/bench_ops.py on GPU 1
+#   bash tools/gpu_device.sh bg [GPU]             # detached (setsid, survives the call): the GPU kernel tests, then
 #                                                   # (BG_BENCH=0: not; BG_ONLY=op,op: those ops without
 #                                                   # sweeps, BG_OPS_ARGS: more bench_ops arguments, e.g.
 #                                                   # --no-ref --decode-breakdown; BG_AB=knobs: again with
 #                                                   # those; BG_K: pytest -k)
-#                                                   # recipes/bench_ops.py --tune, on GPU (default 1), with the
+#                                                   # benchmarks/bench_ops.py --tune, on GPU (default 1), with the
 #                                                   # image's torch (no vLLM needed), so they run while later calls
 #                                                   # stage vLLM; results in /tmp/bg
-#   bash recipes/gpu_device.sh tune-decode          # vLLM venv: the vLLM top-k test, bench_ops --decode-breakdown,
+#   bash tools/gpu_device.sh tune-decode          # vLLM venv: the vLLM top-k test, bench_ops --decode-breakdown,
 #                                                   # recipes/pick_knobs.py -> /tmp/knobs.txt (QWEN4EXP_KNOBS value)
-#   bash recipes/gpu_device.sh bgresult             # what `bg` has written so far, copied to OUT/bg and summarised
-#   bash recipes/gpu_device.sh tp2 [models]         # recipes/vllm_tp_check.py: tensor_parallel_size 2 vs 1, greedy
+#   bash tools/gpu_device.sh bgresult             # what `bg` has written so far, copied to OUT/bg and summarised
+#   bash tools/gpu_device.sh tp2 [models]         # tools/vllm_tp_check.py: tensor_parallel_size 2 vs 1, greedy
 #                                                   # tokens + teacher-forced top-1 + what is sharded (default coder,fn4;
 #                                                   # 2 GPUs: kind nvidia-h200-x2); NVLink multicast kept off
 #
@@ -73,7 +73,7 @@ case "${1:-}" in
     echo "rc=$?"; tail -15 "$OUT/tests.log" ;;
   check)
     register
-    QWEN4EXP_CHECK_TIMEOUT=${QWEN4EXP_CHECK_TIMEOUT:-240} timeout 560 python recipes/vllm_gpu_check.py --out "$OUT/check" \
+    QWEN4EXP_CHECK_TIMEOUT=${QWEN4EXP_CHECK_TIMEOUT:-240} timeout 560 python tools/vllm_gpu_check.py --out "$OUT/check" \
       --models "${2:-tiny,coder,fn4}" --impls ours,upstream > "$OUT/check.log" 2>&1
     echo "rc=$?"; tail -12 "$OUT/check.log" ;;
   bench)
@@ -82,7 +82,7 @@ case "${1:-}" in
     extra=()
     if [ "$impl" = both ]; then impl=upstream,ours; extra=(--gpus 0,1); fi  # two GPUs: side by side, same clock
     extra+=("${@:3}")  # further arguments go to bench_vllm_gpu.py (e.g. --bs32-ctx 8000)
-    timeout 585 python recipes/bench_vllm_gpu.py --out "$OUT/bench-${impl/,/-}" --impls "$impl" --profile \
+    timeout 585 python benchmarks/bench_vllm_gpu.py --out "$OUT/bench-${impl/,/-}" --impls "$impl" --profile \
       --timeout 575 "${extra[@]}" > "$OUT/bench-${impl/,/-}.log" 2>&1
     echo "rc=$?"; tail -12 "$OUT/bench-${impl/,/-}.log" ;;
   window)  # two GPUs, one call: upstream vs ours side by side (GPU 0 / GPU 1), the GPU kernel tests beside ours
@@ -91,12 +91,12 @@ case "${1:-}" in
       ( CUDA_VISIBLE_DEVICES=1 timeout 200 python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_kernels.py \
           > "$OUT/kernels.log" 2>&1; echo "rc=$?" >> "$OUT/kernels.log" ) &
     fi
-    timeout 585 python recipes/bench_vllm_gpu.py --out "$OUT/bench" --impls upstream,ours --gpus 0,1 --profile \
+    timeout 585 python benchmarks/bench_vllm_gpu.py --out "$OUT/bench" --impls upstream,ours --gpus 0,1 --profile \
       --timeout 575 "${@:2}" > "$OUT/bench.log" 2>&1
     echo "rc=$?"; wait; [ -f "$OUT/kernels.log" ] && tail -3 "$OUT/kernels.log"; tail -12 "$OUT/bench.log" ;;
   agentic)
     register
-    timeout 585 python recipes/agentic_gpu.py --out "$OUT/agentic" --gpus "${2:-0,1}" --timeout 570 "${@:3}" \
+    timeout 585 python benchmarks/agentic_gpu.py --out "$OUT/agentic" --gpus "${2:-0,1}" --timeout 570 "${@:3}" \
       > "$OUT/agentic.log" 2>&1
     echo "rc=$?"; tail -25 "$OUT/agentic.log" ;;
   mtp)
@@ -108,11 +108,11 @@ case "${1:-}" in
     register
     for impl in ours upstream; do
       ( export CUDA_VISIBLE_DEVICES=$([ $impl = ours ] && echo 0 || echo 1)
-        QWEN4EXP_CHECK_TIMEOUT=${QWEN4EXP_CHECK_TIMEOUT:-200} timeout 400 python recipes/vllm_gpu_check.py \
+        QWEN4EXP_CHECK_TIMEOUT=${QWEN4EXP_CHECK_TIMEOUT:-200} timeout 400 python tools/vllm_gpu_check.py \
           --out /tmp/check-$impl --models tiny,coder,fn4 --impls $impl > "$OUT/check-$impl.log" 2>&1
         echo "rc=$?" >> "$OUT/check-$impl.log"; cp /tmp/check-$impl/results.csv "$OUT/check-$impl.csv"
         if [ $impl = upstream ]; then
-          timeout 150 python recipes/bench_ops.py --csv "$OUT/bench_ops.csv" --no-compile ${BENCH_OPS_ARGS:-} \
+          timeout 150 python benchmarks/bench_ops.py --csv "$OUT/bench_ops.csv" --no-compile ${BENCH_OPS_ARGS:-} \
             > "$OUT/bench_ops.log" 2>&1
           echo "rc=$?" >> "$OUT/bench_ops.log"
         fi ) &
@@ -132,7 +132,7 @@ case "${1:-}" in
       for i in $(seq 60); do [ -f "$TUNE_STAGES" ] && break; sleep 5; done  # while vLLM was staged): wait for it
       stages=$TUNE_STAGES; cp "$stages" "$OUT/" 2>/dev/null
     else
-      timeout "${TUNE_TIMEOUT:-330}" python recipes/bench_ops.py --only "${TUNE_ONLY:-ple_mix}" --no-compile --no-ref \
+      timeout "${TUNE_TIMEOUT:-330}" python benchmarks/bench_ops.py --only "${TUNE_ONLY:-ple_mix}" --no-compile --no-ref \
         --decode-breakdown --csv "$OUT/ops.csv" > "$OUT/ops.log" 2>&1
       echo "bench_ops: rc=$?"
     fi
@@ -149,14 +149,14 @@ case "${1:-}" in
       echo "rc=$?" >> /tmp/bg/kernels.log
       [ "${BG_BENCH:-1}" = 1 ] || exit 0
       if [ -n "${BG_ONLY:-}" ]; then  # a few ops, no sweeps; BG_AB: once more with those knobs (an A/B)
-        timeout ${BG_TIMEOUT:-300} python recipes/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --only "$BG_ONLY" \
+        timeout ${BG_TIMEOUT:-300} python benchmarks/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --only "$BG_ONLY" \
           ${BG_OPS_ARGS:-} > /tmp/bg/bench_ops.log 2>&1
         echo "rc=$?" >> /tmp/bg/bench_ops.log
-        [ -n "${BG_AB:-}" ] && QWEN4EXP_KNOBS=$BG_AB timeout 150 python recipes/bench_ops.py \
+        [ -n "${BG_AB:-}" ] && QWEN4EXP_KNOBS=$BG_AB timeout 150 python benchmarks/bench_ops.py \
           --csv /tmp/bg/bench_ops_ab.csv --no-compile --only "$BG_ONLY" > /tmp/bg/bench_ops_ab.log 2>&1
         exit 0
       fi
-      timeout 420 python recipes/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --tune \
+      timeout 420 python benchmarks/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --tune \
         > /tmp/bg/bench_ops.log 2>&1
       echo "rc=$?" >> /tmp/bg/bench_ops.log' > /tmp/bg/bg.log 2>&1 < /dev/null &
     echo "bg started (pid $!) as $(id -un) on GPU ${2:-1}" ;;
@@ -168,7 +168,7 @@ case "${1:-}" in
     # greedy only: no FlashInfer sampler (run 6: the TP=2 engine was up after ~130 s, then stalled in FlashInfer's
     # first-use JIT build of its sampling module until the 200 s limit)
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0 \
-      VLLM_USE_FLASHINFER_SAMPLER=0 QWEN4EXP_CHECK_TIMEOUT=${QWEN4EXP_CHECK_TIMEOUT:-300} timeout 590 python recipes/vllm_tp_check.py \
+      VLLM_USE_FLASHINFER_SAMPLER=0 QWEN4EXP_CHECK_TIMEOUT=${QWEN4EXP_CHECK_TIMEOUT:-300} timeout 590 python tools/vllm_tp_check.py \
       --out "$OUT/tp2" --models "${2:-coder,fn4}" --tp 2 > "$OUT/tp2.log" 2>&1
     echo "rc=$?"; tail -30 "$OUT/tp2.log" ;;
   *) sed -n '2,/^set /{/^#/p}' "$0"; exit 2 ;;

@@ -7,7 +7,7 @@ seconds, reads every other thread's current Python stack (``sys._current_frames`
 ``QWEN4EXP_HOST_SAMPLE=<folder>`` in every process that loads vLLM's plugins (``qwen4exp.vllm.register`` starts it,
 so also the engine-core process of ``--mp`` / ``vllm serve``, and also with ``QWEN4EXP_VLLM=0``: upstream gets the
 same profile), and it only counts while the file ``<folder>/on`` exists, so a driver can frame the steps of interest
-(``recipes/bench_vllm_gpu.py --host-sample``); the file's text labels the samples (one table per label, e.g.
+(``benchmarks/bench_vllm_gpu.py --host-sample``); the file's text labels the samples (one table per label, e.g.
 "bs1" and "bs32"). Each process rewrites ``<folder>/host-<pid>.txt`` every
 ``QWEN4EXP_HOST_SAMPLE_WRITE`` seconds (a killed engine core still leaves its table).
 

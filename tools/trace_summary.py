@@ -1,9 +1,9 @@
-"""Where a decode step's time goes, from a torch-profiler Chrome trace (``recipes/bench_vllm_gpu.py --profile``
+"""Where a decode step's time goes, from a torch-profiler Chrome trace (``benchmarks/bench_vllm_gpu.py --profile``
 writes one per implementation): GPU busy time against the wall span of the steps, the idle gaps between kernels
 (inside graph replays: launch latency; between them: the host), the host-side annotations vLLM records (schedule,
 prepare inputs, sample, ...), and the kernels by total time.
 
-    python recipes/trace_summary.py TRACE.json[.gz] [--steps 8] [--csv kernels.csv]
+    python tools/trace_summary.py TRACE.json[.gz] [--steps 8] [--csv kernels.csv]
 
 Prints a report; ``--csv`` also writes the kernel table. ``summarize`` returns the same figures as a dict.
 """

@@ -1,0 +1,102 @@
+"""Every environment switch the package reads, declared once: name, type, default, one-line doc.
+
+Read a switch as ``envs.QWEN4EXP_OPS`` (any name declared below). Each is parsed on first read and kept for the
+process (vLLM's workers are fresh processes and read their own); ``envs.reset()`` forgets the parsed values, for
+tests that change the environment. A value outside a switch's choices is an error naming the variable.
+
+    python -m qwen4exp.envs        # the table of switches, their defaults and current values
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    kind: str  # "bool", "choice" or "path"
+    default: Any
+    doc: str
+    choices: tuple[str, ...] = ()
+
+    def parse(self, raw: Optional[str]) -> Any:
+        if raw is None or raw.strip() == "":
+            return self.default
+        v = raw.strip()
+        if self.kind == "bool":
+            if v.lower() in _TRUE:
+                return True
+            if v.lower() in _FALSE:
+                return False
+            raise ValueError(f"{self.name} must be 0 or 1 (or true/false), got {raw!r}")
+        if self.kind == "choice":
+            if v.lower() not in self.choices:
+                raise ValueError(f"{self.name} must be one of {', '.join(self.choices)}; got {raw!r}")
+            return v.lower()
+        return v  # path
+
+
+SWITCHES: dict[str, Switch] = {s.name: s for s in (
+    Switch("QWEN4EXP_VLLM", "bool", True,
+           "serve Qwen4Exp with this plugin's model (1) or leave it to vLLM's in-tree qwen4_exp (0)"),
+    Switch("QWEN4EXP_OPS", "choice", "auto",
+           "auto: each op's fast kernel where registered for the device (Triton on CUDA), its torch reference "
+           "elsewhere; reference: the torch references everywhere", ("auto", "reference")),
+    Switch("QWEN4EXP_VLLM_GDN", "choice", "auto",
+           "vLLM plugin's Gated DeltaNet: auto (vLLM's GDN layer on GPUs for 128-wide heads, ours otherwise), "
+           "ours (qwen4exp.layers.gdn, the HF reference's numerics) or vllm (vLLM's GDN layer and kernels)",
+           ("auto", "ours", "vllm")),
+    Switch("QWEN4EXP_PLE_TABLE", "choice", "host",
+           "vLLM plugin on GPUs: the PLE n-gram table in pinned host memory, rows gathered over UVA (host: the real "
+           "51B-parameter table fits no GPU) or in GPU memory (gpu: fastest when it fits)", ("host", "gpu")),
+    Switch("QWEN4EXP_PLE_PREFETCH", "bool", False,
+           "vLLM plugin on GPUs: the PLE layer's table gather and key/value projections start on a side CUDA "
+           "stream at the top of the forward, overlapping the layers before it"),
+    Switch("QWEN4EXP_CACHE_DIR", "path", "",
+           "qwen4exp-serve's cache folder (vLLM and inductor caches); default $XDG_CACHE_HOME/qwen4exp or "
+           "~/.cache/qwen4exp"),
+)}
+
+_values: dict[str, Any] = {}
+
+
+def get(name: str) -> Any:
+    if name not in SWITCHES:
+        raise AttributeError(f"qwen4exp.envs has no switch {name!r}")
+    if name not in _values:
+        _values[name] = SWITCHES[name].parse(os.environ.get(name))
+    return _values[name]
+
+
+def reset() -> None:
+    """Forget the parsed values: the next read parses the environment again."""
+    _values.clear()
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("QWEN4EXP_"):
+        return get(name)
+    raise AttributeError(f"module 'qwen4exp.envs' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(SWITCHES))
+
+
+def table(current: Callable[[str], Optional[str]] = os.environ.get) -> str:
+    """A Markdown table of the switches (the README links this module; ``python -m qwen4exp.envs`` prints it)."""
+    rows = ["| switch | values | default | set here | what |", "| --- | --- | --- | --- | --- |"]
+    for s in SWITCHES.values():
+        values = {"bool": "0 / 1", "path": "a folder"}.get(s.kind, " / ".join(s.choices))
+        default = {True: "1", False: "0"}.get(s.default, s.default) if s.kind == "bool" else (s.default or "(see doc)")
+        rows.append(f"| `{s.name}` | {values} | {default} | {current(s.name) or ''} | {s.doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())
