@@ -1,0 +1,123 @@
+"""Fixtures of the op tests (``tests/ops/test_<op>.py``, one file per op folder of ``qwen4exp.ops``).
+
+Each op file holds three kinds of tests:
+
+* the reference (``ops/<op>/reference.py``) against an independent per-token loop, and the CUDA path's host-side
+  logic (``ops/<op>/host.py``: what the kernels cover, how the wrappers compose them) with the references plugged
+  in: plain CPU tests;
+* the GPU kernels against the reference at the real sizes, through the dispatcher, each asserting with
+  ``op_helpers.expect_kernel`` (``_registry.record()``) that the kernel path ran: marked ``gpu``, skipped here
+  (with the reason) on a machine without CUDA;
+* the Triton checks without a GPU, one pytest item per check: ``@pytest.mark.triton_check(NAME)`` and the
+  ``triton_checks`` fixture. The checks themselves are registered in ``interpreter.py`` (``@check(NAME)``; part of
+  them in ``interpreter_qsa_ple.py``) and run ONCE per session in one subprocess under Triton's CPU interpreter;
+  the kernels they launched are then compiled for sm_90 in a second one (only when a compile item is selected).
+  Only the checks named by the selected items' markers run.
+
+Fixtures: ``device`` (each test on the CPU, and on CUDA as a ``gpu`` case), ``triton_checks``.
+Helpers: ``op_helpers.py`` (``from op_helpers import ...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+TRITON_DIR = os.environ.get("QWEN4EXP_TRITON_PATH", os.path.join(ROOT, ".cache", "triton"))
+SCRIPT = os.path.join(HERE, "interpreter.py")
+TIMEOUT_S = float(os.environ.get("QWEN4EXP_INTERPRETER_TIMEOUT", "2400"))
+NO_CUDA = "needs a CUDA GPU (the Triton kernels); none here"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "triton_check(*names): Triton checks (tests/ops/interpreter.py) this item "
+                                       "reads; the session runs only the checks its items name")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=NO_CUDA)
+    for item in items:
+        if "gpu" in item.keywords and str(item.path).startswith(HERE + os.sep):
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Each test once on the CPU (the references) and once on CUDA (the kernels; a ``gpu`` case)."""
+    return torch.device(request.param)
+
+
+# ------------------------------------------------------------------------------------------------ Triton checks
+class TritonChecks:
+    """The session's Triton checks: ``passed(name)`` asserts one interpreter check passed (showing its error),
+    ``compiled(kernel)`` that every recorded launch of a kernel compiled for sm_90 (within shared memory, without
+    register spills where required), ``compile_check(name)`` one check of the compile step."""
+
+    def __init__(self, tmp, names):
+        self.tmp, self.names = tmp, names
+        self.out = str(tmp / "out")
+        os.makedirs(self.out, exist_ok=True)
+        self.results, self.run_log = self._step("run", True, names)
+        self._compiled = None
+
+    def _step(self, step, interpret, args):
+        env = dict(os.environ, TRITON_CACHE_DIR=str(self.tmp / "cache"),
+                   PYTHONPATH=os.pathsep.join([TRITON_DIR, ROOT, HERE, os.path.dirname(HERE)]))
+        env.pop("TRITON_INTERPRET", None)
+        if interpret:
+            env["TRITON_INTERPRET"] = "1"
+        try:
+            p = subprocess.run([sys.executable, SCRIPT, step, self.out, *args], env=env, capture_output=True,
+                               text=True, timeout=TIMEOUT_S)
+            log = f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+        except subprocess.TimeoutExpired as e:
+            log = f"timed out after {TIMEOUT_S:.0f} s\n{(e.stdout or b'')[-3000:]!r}\n{(e.stderr or b'')[-6000:]!r}"
+        path = os.path.join(self.out, "checks.json" if step == "run" else "compiled.json")
+        results = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                results = json.load(f)
+        return results, log
+
+    @staticmethod
+    def _assert(res, what, log):
+        if res is None:
+            pytest.fail(f"{what}: no result (the subprocess stopped before it?)\n{log}", pytrace=False)
+        if res["status"] == "skipped":
+            pytest.skip(f"{what}: {res['message']}")
+        if res["status"] != "passed":
+            pytest.fail(f"{what} failed:\n{res['message']}", pytrace=False)
+
+    def passed(self, name):
+        self._assert(self.results.get(name), f"interpreter check {name!r}", self.run_log)
+
+    def _compile(self):
+        if self._compiled is None:
+            self._compiled = self._step("compile", False, [])
+        return self._compiled
+
+    def compiled(self, kernel):
+        results, log = self._compile()
+        self._assert(results.get("kernels", {}).get(kernel), f"sm_90 compile of {kernel}", log)
+
+    def compile_check(self, name):
+        results, log = self._compile()
+        self._assert(results.get("checks", {}).get(name), f"compile check {name!r}", log)
+
+
+@pytest.fixture(scope="session")
+def triton_checks(request, tmp_path_factory):
+    if not os.path.isdir(os.path.join(TRITON_DIR, "triton")):
+        pytest.skip(f"no Triton for the offline kernel checks in {TRITON_DIR} (`make test` installs it there)")
+    names = sorted({n for item in request.session.items for m in item.iter_markers("triton_check")
+                    for n in m.args})
+    return TritonChecks(tmp_path_factory.mktemp("triton"), names)
