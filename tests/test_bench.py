@@ -36,6 +36,7 @@ import pytest
 
 from qwen4exp.bench import cli
 from qwen4exp.bench import metrics as M
+from qwen4exp.bench import plot as P
 from qwen4exp.bench.plot import render_builtin, series_from_csvs
 
 FAKE = Path(__file__).with_name("fake_openai_server.py")
@@ -355,6 +356,14 @@ def test_token_counts_exact(mini: Run, server: Server):
 
 def test_plot_is_valid_png(mini: Run):
     check_png(mini.out / "tradeoff.png")
+    texts = P.png_texts(mini.out / "tradeoff.png")
+    # the legend is the run's --label; --num-gpus was given: per GPU; workload and hardware in the subtitle
+    assert {r["label"] for r in mini.rows} == {texts["Legend"]} and texts["Legend"].startswith("mini-")
+    assert texts["Y label"] == P.Y_LABEL and "per GPU" in texts["Y label"]
+    assert texts["X label"] == P.X_LABEL
+    assert texts["Description"] == (
+        f"workload: {FIRST}-token first turn, +{TURN} a turn, {TURNS} turns, {OUT} output tokens | hardware: 1 GPU")
+    assert all(r["hardware"] == "1 GPU" and r["workload"] in texts["Description"] for r in mini.rows)
 
 
 # ---------------------------------------------------------------------------
@@ -599,6 +608,63 @@ def test_plot_from_combines_labels(mini: Run, tmp_path):
     rc, out, _, _ = run_cli(["--plot-from", str(a), str(b), "--plot-out", str(png)], timeout=30)
     assert rc == 0 and str(png) in out
     check_png(png)
+
+
+def _pixels(path: Path) -> tuple[int, int, bytes]:
+    """RGB pixels of a PNG our writer produced (8-bit RGB, filter 0 on every row)."""
+    w, h = check_png(path)
+    data, pos, idat = path.read_bytes(), 8, b""
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        if data[pos + 4 : pos + 8] == b"IDAT":
+            idat += data[pos + 8 : pos + 8 + length]
+        pos += 12 + length
+    raw = zlib.decompress(idat)
+    rows = [raw[y * (1 + 3 * w) : (y + 1) * (1 + 3 * w)] for y in range(h)]
+    assert all(r[0] == 0 for r in rows)
+    return w, h, b"".join(r[1:] for r in rows)
+
+
+def test_plot_texts_and_nothing_outside_the_axes(mini: Run, tmp_path):
+    # a CPU run without --num-gpus: per server; --hardware in the subtitle; two labels in the legend
+    rows = [dict(r, num_gpus="", hardware="2-core CPU") for r in mini.rows]
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    _write_csv(a, rows, "cpu-a", 1.0)
+    _write_csv(b, rows, "cpu-b", 0.6)
+    png = P.plot_summary_csvs([a, b], tmp_path / "cpu.png", backend="builtin")
+    texts = P.png_texts(png)
+    assert texts["Legend"].split("\n") == ["cpu-a", "cpu-b"]
+    assert texts["Y label"] == P.Y_LABEL_SERVER and "GPU" not in texts["Y label"]
+    assert texts["Description"].endswith("| hardware: 2-core CPU") and f"{FIRST}-token first turn" in texts["Description"]
+    assert texts["Title"] == P.DEFAULT_TITLE
+    # one run per GPU, one per server: the axis says both
+    _write_csv(b, mini.rows, "gpu-b", 1.0)
+    assert P.png_texts(P.plot_summary_csvs([a, b], tmp_path / "mixed.png", backend="builtin"))["Y label"] == (
+        P.Y_LABEL_MIXED)
+    # every pixel of a series colour (lines, points, their c=N labels) lies inside the plot box
+    w, h, px = _pixels(png)
+    x0, y0, x1, y1 = 110, 40 + 21 + 22 * 2, w - 40, h - 90  # render_builtin's box: title + a two-line subtitle
+    colours = {bytes(c) for c in P.PALETTE[:2]}
+    outside = [(x, y) for y in range(h) for x in range(w)
+               if not (x0 <= x <= x1 and y0 <= y <= y1) and px[3 * (y * w + x) : 3 * (y * w + x) + 3] in colours]
+    assert not outside, f"{len(outside)} series pixels outside the axes, e.g. {outside[:3]}"
+
+
+def test_subtitle_wraps_instead_of_clipping():
+    sub = P.subtitle([{"workload": M.describe_workload(50000, 800, 10, 15, 500),
+                       "hardware": "4x GB300, TP4 + EP4, MTP 3, FP8 KV"}])
+    lines = P.wrap_text(sub, 40)
+    assert " ".join(lines).replace("  ", " ") == sub.replace(" | ", " ") and all(len(x) <= 40 for x in lines)
+    assert lines[0].startswith("workload: 50000-token") and any(x.startswith("hardware: 4x GB300") for x in lines)
+
+
+def test_point_labels_stay_inside_the_box():
+    box = (100, 50, 900, 600)
+    for px, py in [(898, 300), (899, 52), (101, 598), (500, 300), (101, 51)]:
+        x, y = P.label_position(px, py, 36, 14, box)
+        assert box[0] < x and x + 36 < box[2] and box[1] < y and y + 14 < box[3]
+    assert P.label_position(500, 300, 36, 14, box) == (509, 277)  # default: above right of the point
+    assert P.label_position(898, 300, 36, 14, box)[0] < 898 - 36  # at the right edge: left of the point
 
 
 def test_builtin_renderer_writes_a_valid_png(tmp_path):

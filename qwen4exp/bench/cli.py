@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import metrics as M
-from .plot import plot_summary_csvs, plot_tradeoff, series_from_rows
+from .plot import plot_rows, plot_summary_csvs
 from .runner import BenchConfig, Runner, SetupError
 from .workload import WorkloadSpec
 
@@ -42,7 +42,7 @@ level's cache.
 Metrics (as the field defines them): TTFT; TPOT = (latency - TTFT) /
 (output tokens - 1) per turn; per-user rate = 1000 / mean TPOT in ms (every
 completed turn weighted equally); P90 interactivity = 1000 / P90 TPOT;
-output tok/s in all and per GPU (--num-gpus), also per GPU per minute, over
+output tok/s in all and per GPU (--num-gpus; per server without it), also per minute, over
 the time requests were in flight (busy_s; client-side token counting between
 turns excluded, wall time kept as duration_s); ITL
 P50/P90/P99; prefix-cache hit rate and MTP acceptance length from the server's
@@ -51,7 +51,8 @@ counted and reported.
 
 Outputs in --out: summary.csv (one row per concurrency), summary.json,
 turns.jsonl (one record per turn) and tradeoff.png (per-user tok/s against
-per-GPU tok/s, one line per --label). Compare servers with
+per-GPU tok/s, one line per --label, workload and --hardware beneath the
+title). Compare servers with
 --plot-from a/summary.csv b/summary.csv.
 
 Exit status: 0 all turns completed, 1 some turns failed (results still
@@ -167,8 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=2, metavar="N",
                    help="warm-up conversations run at concurrency N before the sweep, not counted "
                         "(default: %(default)s)")
-    g.add_argument("--num-gpus", type=_positive(float), default=1.0, metavar="N",
-                   help="GPUs serving the model, for the per-GPU columns (default: %(default)s)")
+    g.add_argument("--num-gpus", type=_positive(float), default=None, metavar="N",
+                   help="GPUs serving the model, for the per-GPU columns (default: not given; those columns and "
+                        "the plot are then per server)")
+    g.add_argument("--hardware", default=None, metavar="TEXT",
+                   help="what serves the model, e.g. '1x H200' or '2-core CPU', for summary.csv and the plot's "
+                        "subtitle (default: 'N GPU(s)' from --num-gpus, else not stated)")
 
     g = p.add_argument_group("output")
     g.add_argument("--label", default=None,
@@ -190,6 +195,10 @@ def _nonce(value: str | None) -> str:
     if value is None:
         return secrets.token_hex(4)
     return "" if value.lower() == "none" else value
+
+
+def _gpus_text(n: float | None) -> str:
+    return "" if n is None else f"{n:g} GPU" + ("" if n == 1 else "s")
 
 
 def _safe_name(s: str) -> str:
@@ -269,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         conversations=args.conversations,
         duration_s=args.duration,
         num_gpus=args.num_gpus,
+        hardware=args.hardware or _gpus_text(args.num_gpus),
         request_timeout_s=args.request_timeout,
         out_dir=out_dir or Path("bench_out"),
         warmup=args.warmup,
@@ -315,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_path = None
     if rows and not args.no_plot:
         plot_path = Path(args.plot_out) if args.plot_out else cfg.out_dir / "tradeoff.png"
-        plot_tradeoff(series_from_rows(rows), plot_path, args.title)
+        plot_rows(rows, plot_path, args.title)
     runner.write_summary_json(
         {
             "wall_time_s": round(time.time() - t0, 3),

@@ -86,13 +86,15 @@ SUMMARY_COLUMNS: list[str] = [
     "prep_ms_mean",
     "busy_s",
     "duration_s",
+    "hardware",
+    "workload",
 ]
 
 # What each column means (used for --help and the README-style note).
 COLUMN_DOC: dict[str, str] = {
     "label": "the run's --label (one line per label in the plot)",
     "concurrency": "simultaneous conversations",
-    "num_gpus": "--num-gpus",
+    "num_gpus": "--num-gpus (blank when not given: the per-GPU columns are then per server)",
     "conversations": "conversations started at this level",
     "turns_sent": "turns whose request was sent (ok + truncated + failed)",
     "turns_ok": "turns that returned exactly --max-output-tokens tokens",
@@ -124,6 +126,8 @@ COLUMN_DOC: dict[str, str] = {
     "prep_ms_mean": "client time per turn between deciding to send and sending (token counting)",
     "busy_s": "time with at least one request in flight (the throughput denominator)",
     "duration_s": "level wall time, first request sent to last response finished",
+    "hardware": "--hardware, or N GPU(s) from --num-gpus (the plot's subtitle)",
+    "workload": "the workload in short: first turn, tokens per turn, turns, output tokens (the plot's subtitle)",
 }
 
 
@@ -262,17 +266,20 @@ def summarize_level(
     *,
     label: str,
     concurrency: int,
-    num_gpus: float,
+    num_gpus: float | None,
     conversations: int,
     turns_not_sent: int,
     duration_s: float,
     server: Mapping[str, Any] | None = None,
+    hardware: str = "",
+    workload: str = "",
 ) -> dict[str, Any]:
     """One summary row from the per-turn records of one concurrency level.
 
     ``turns`` holds every turn that was sent, with ``status`` one of ok /
     truncated / failed. Completed turns (ok + truncated) feed the latency and
-    throughput metrics; failed turns only feed the counts.
+    throughput metrics; failed turns only feed the counts. ``num_gpus`` None
+    (not given) makes the per-GPU columns per server.
     """
     done = [t for t in turns if t["status"] in (OK, TRUNCATED)]
     n_ok = sum(1 for t in turns if t["status"] == OK)
@@ -300,7 +307,8 @@ def summarize_level(
     out_tps = out_tokens / busy_s if busy_s > 0 else None
     total_tps = (out_tokens + sum(prompt_tokens)) / busy_s if busy_s > 0 else None
     preps = [float(t["prep_ms"]) for t in turns if t.get("prep_ms") is not None]
-    per_gpu = out_tps / num_gpus if out_tps is not None and num_gpus > 0 else None
+    gpus = 1.0 if num_gpus is None else num_gpus
+    per_gpu = out_tps / gpus if out_tps is not None and gpus > 0 else None
 
     cache_usage = None
     if done and all(c is not None for c in cached) and sum(prompt_tokens) > 0:
@@ -342,8 +350,18 @@ def summarize_level(
         "prep_ms_mean": mean(preps),
         "busy_s": busy_s,
         "duration_s": duration_s,
+        "hardware": hardware,
+        "workload": workload,
     }
     return row
+
+
+def describe_workload(first_turn_tokens: int, turn_tokens: int, min_turns: int, max_turns: int,
+                      max_output_tokens: int) -> str:
+    """The workload in one short line (summary.csv's ``workload``, the plot's subtitle)."""
+    turns = str(min_turns) if min_turns == max_turns else f"{min_turns}-{max_turns}"
+    return (f"{first_turn_tokens}-token first turn, +{turn_tokens} a turn, {turns} turns, "
+            f"{max_output_tokens} output tokens")
 
 
 def format_cell(value: Any) -> str:

@@ -1,11 +1,17 @@
-"""Trade-off plot: per-user rate against per-GPU throughput, one line per label.
+"""Trade-off plot: per-user rate against throughput, one line per label.
 
 Axes follow the field's convention for these curves (InferenceX, TokenSpeed
-blog posts): x = interactivity, output tok/s per user; y = output tok/s per GPU;
-each point is one concurrency level, annotated ``c=N``.
+blog posts): x = interactivity, output tok/s per user; y = output tok/s per GPU
+(per server when the runs did not give --num-gpus); each point is one
+concurrency level, annotated ``c=N`` inside the axes. The legend names each
+run by its --label; the subtitle gives the workload and hardware from the
+summary rows (``workload`` / ``hardware`` columns).
 
 matplotlib is used when installed; otherwise a small built-in rasterizer
 writes the PNG with zlib + struct only (5x7 bitmap font, no anti-aliasing).
+Either way the PNG carries its texts as metadata (``Title``, ``Description``
+= the subtitle, ``X label``, ``Y label``, ``Legend``: one label a line), which
+``png_texts`` reads back.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ from pathlib import Path
 
 X_KEY, Y_KEY = "tok_s_user", "tok_s_gpu"
 X_LABEL = "Interactivity (output tok/s per user)"
-Y_LABEL = "Throughput (output tok/s per GPU)"
+Y_LABEL = "Throughput (output tok/s per GPU)"  # every run gave --num-gpus
+Y_LABEL_SERVER = "Throughput (output tok/s per server)"  # none did
+Y_LABEL_MIXED = "Throughput (output tok/s per GPU, or per server without --num-gpus)"
+DEFAULT_TITLE = "Agentic benchmark: throughput vs interactivity"
 
 Series = dict[str, list[tuple[float, float, int]]]  # label -> [(x, y, concurrency)]
 
@@ -83,12 +92,42 @@ def series_from_csvs(paths: Sequence[str | Path]) -> Series:
     return merged
 
 
+def _unique(values: Iterable[str]) -> list[str]:
+    out: list[str] = []
+    for v in values:
+        if v and v not in out:
+            out.append(v)
+    return out
+
+
+def y_label(rows: Sequence[dict[str, object]]) -> str:
+    """Per GPU when every row has ``num_gpus`` (the run gave --num-gpus), per server when none has."""
+    given = [str(r.get("num_gpus") or "").strip() != "" for r in rows]
+    if given and all(given):
+        return Y_LABEL
+    return Y_LABEL_MIXED if any(given) else Y_LABEL_SERVER
+
+
+def subtitle(rows: Sequence[dict[str, object]]) -> str:
+    """``workload: ... | hardware: ...`` from the rows' columns (distinct values joined by ' / ')."""
+    work = _unique(str(r.get("workload") or "") for r in rows)
+    hw = _unique(str(r.get("hardware") or "") for r in rows)
+    return (f"workload: {' / '.join(work) or 'not recorded'} | "
+            f"hardware: {' / '.join(hw) or 'not stated (--hardware)'}")
+
+
+def read_rows(paths: Sequence[str | Path]) -> list[dict[str, str]]:
+    return [r for p in paths for r in read_summary_csv(p)]
+
+
 # ---------------------------------------------------------------------------
 # PNG writer
 
 
-def write_png(path: str | Path, width: int, height: int, rgb: bytes | bytearray) -> None:
-    """Write an 8-bit RGB PNG (filter 0 on every row)."""
+def write_png(
+    path: str | Path, width: int, height: int, rgb: bytes | bytearray, texts: dict[str, str] | None = None
+) -> None:
+    """Write an 8-bit RGB PNG (filter 0 on every row), with ``texts`` as tEXt chunks (Latin-1)."""
     if len(rgb) != width * height * 3:
         raise ValueError("pixel buffer size does not match width * height * 3")
     stride = width * 3
@@ -102,8 +141,36 @@ def write_png(path: str | Path, width: int, height: int, rgb: bytes | bytearray)
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     idat = zlib.compress(bytes(raw), 6)
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+    meta = b"".join(
+        chunk(b"tEXt", k.encode("latin-1", "replace")[:79] + b"\0" + v.encode("latin-1", "replace"))
+        for k, v in (texts or {}).items()
+    )
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + meta + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
     Path(path).write_bytes(png)
+
+
+def png_texts(path: str | Path) -> dict[str, str]:
+    """The tEXt / iTXt metadata of a PNG (what ``write_png`` or matplotlib's ``metadata`` wrote)."""
+    data = Path(path).read_bytes()
+    pos, out = 8, {}
+    while pos + 8 <= len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        tag, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        if tag == b"tEXt":
+            k, _, v = body.partition(b"\0")
+            out[k.decode("latin-1")] = v.decode("latin-1")
+        elif tag == b"iTXt":  # keyword \0 flag method \0 language \0 translated keyword \0 text
+            k, _, rest = body.partition(b"\0")
+            flag, rest = rest[0], rest[2:]
+            _, _, rest = rest.partition(b"\0")
+            _, _, text = rest.partition(b"\0")
+            out[k.decode("latin-1")] = (zlib.decompress(text) if flag else text).decode("utf-8")
+        pos += 12 + length
+    return out
+
+
+def _texts(title: str, sub: str, ylab: str, series: Series) -> dict[str, str]:
+    return {"Title": title, "Description": sub, "X label": X_LABEL, "Y label": ylab, "Legend": "\n".join(series)}
 
 
 # 5x7 bitmap font: 7 rows of 5 pixels per glyph (9 for lowercase descenders).
@@ -309,16 +376,61 @@ def _fmt_tick(v: float) -> str:
     return f"{v:g}"
 
 
-def render_builtin(series: Series, out: str | Path, title: str, width: int = 1000, height: int = 680) -> Path:
+def label_position(
+    px: int, py: int, w: int, h: int, box: tuple[int, int, int, int], gap: int = 9
+) -> tuple[int, int]:
+    """Top-left corner of a ``w`` x ``h`` point label near (px, py), kept inside ``box`` = (x0, y0, x1, y1).
+
+    Above right of the point by default; left of it where it would cross the right edge, below it where it would
+    cross the top.
+    """
+    x0, y0, x1, y1 = box
+    x = px + gap if px + gap + w <= x1 - 2 else px - gap - w
+    y = py - gap - h if py - gap - h >= y0 + 2 else py + gap
+    return max(x0 + 2, min(x, x1 - 2 - w)), max(y0 + 2, min(y, y1 - 2 - h))
+
+
+def wrap_text(text: str, max_chars: int) -> list[str]:
+    """``text`` in lines of at most ``max_chars``: split at ' | ' first, then between words."""
+    lines: list[str] = []
+    for part in (p.strip() for p in text.split(" | ")):
+        line = ""
+        for word in part.split():
+            if line and len(line) + 1 + len(word) > max_chars:
+                lines.append(line)
+                line = word
+            else:
+                line = f"{line} {word}" if line else word
+        if line:
+            lines.append(line)
+    return lines
+
+
+# Headroom over the largest value on each axis, so that no point (or its label) sits on the frame.
+AXIS_HEADROOM = 1.08
+
+
+def render_builtin(
+    series: Series,
+    out: str | Path,
+    title: str,
+    width: int = 1000,
+    height: int = 680,
+    sub: str = "",
+    ylab: str = Y_LABEL,
+) -> Path:
     cv = Canvas(width, height)
     black, grey, light = (20, 20, 20), (110, 110, 110), (222, 222, 222)
-    left, right, top, bottom = 110, 40, 70, 90
+    tscale = 3 if cv.text_width(title, 3) <= width - 80 else 2
+    sub_lines = wrap_text(sub, (width - 20) // (ADVANCE * 2))
+    left, right, top, bottom = 110, 40, 40 + 7 * tscale + 22 * len(sub_lines), 90
     x0, x1, y0, y1 = left, width - right, top, height - bottom  # plot box (y0 top)
+    box = (x0, y0, x1, y1)
 
     xs = [p[0] for pts in series.values() for p in pts]
     ys = [p[1] for pts in series.values() for p in pts]
-    xmax, xticks = nice_ticks(max(xs) if xs else 1.0)
-    ymax, yticks = nice_ticks(max(ys) if ys else 1.0)
+    xmax, xticks = nice_ticks(max(xs) * AXIS_HEADROOM if xs else 1.0)
+    ymax, yticks = nice_ticks(max(ys) * AXIS_HEADROOM if ys else 1.0)
 
     def tx(v: float) -> int:
         return int(round(x0 + (x1 - x0) * v / xmax))
@@ -339,12 +451,19 @@ def render_builtin(series: Series, out: str | Path, title: str, width: int = 100
     cv.line(x1, y0, x1, y1, grey, 1)
     cv.line(x0, y0, x1, y0, grey, 1)
 
-    tscale = 3 if cv.text_width(title, 3) <= width - 80 else 2
-    if cv.text_width(title, tscale) > width - 20:
-        title = title[: max(1, (width - 20) // (ADVANCE * tscale) - 3)] + "..."
-    cv.text((width - cv.text_width(title, tscale)) // 2, 20, title, black, tscale)
+    def fit(text: str, scale: int) -> str:
+        if cv.text_width(text, scale) > width - 20:
+            text = text[: max(1, (width - 20) // (ADVANCE * scale) - 3)] + "..."
+        return text
+
+    shown = fit(title, tscale)
+    cv.text((width - cv.text_width(shown, tscale)) // 2, 20, shown, black, tscale)
+    for i, line in enumerate(sub_lines):
+        shown = fit(line, 2)
+        cv.text((width - cv.text_width(shown)) // 2, 20 + 7 * tscale + 12 + 22 * i, shown, grey)
     cv.text((x0 + x1 - cv.text_width(X_LABEL)) // 2, height - 40, X_LABEL, black)
-    cv.text_up(22, (y0 + y1 + cv.text_width(Y_LABEL)) // 2, Y_LABEL, black)
+    shown = ylab if cv.text_width(ylab) <= y1 - y0 + 60 else ylab[: (y1 - y0 + 60) // (ADVANCE * 2) - 3] + "..."
+    cv.text_up(22, (y0 + y1 + cv.text_width(shown)) // 2, shown, black)
 
     for i, (label, pts) in enumerate(series.items()):
         color = PALETTE[i % len(PALETTE)]
@@ -356,7 +475,9 @@ def render_builtin(series: Series, out: str | Path, title: str, width: int = 100
             prev = p
         for x, y, c in pts:
             cv.disc(tx(x), ty(y), 6, color)
-            cv.text(tx(x) + 9, ty(y) - 18, f"c={c}", color, 2)
+            text = f"c={c}"
+            lx, ly = label_position(tx(x), ty(y), cv.text_width(text), GLYPH_H * 2, box)
+            cv.text(lx, ly, text, color, 2)
 
     # legend inside the plot box, in the corner that hides the fewest points
     if series:
@@ -379,49 +500,69 @@ def render_builtin(series: Series, out: str | Path, title: str, width: int = 100
     if not xs:
         msg = "no completed turns to plot"
         cv.text((width - cv.text_width(msg)) // 2, (y0 + y1) // 2, msg, grey)
-    write_png(out, width, height, cv.px)
+    write_png(out, width, height, cv.px, _texts(title, sub, ylab, series))
     return Path(out)
 
 
-def render_matplotlib(series: Series, out: str | Path, title: str) -> Path:
+def render_matplotlib(series: Series, out: str | Path, title: str, sub: str = "", ylab: str = Y_LABEL) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 6), dpi=110)
+    xs = [p[0] for pts in series.values() for p in pts]
+    ys = [p[1] for pts in series.values() for p in pts]
+    xmax = max(xs) * AXIS_HEADROOM if xs else 1.0
     for i, (label, pts) in enumerate(series.items()):
         color = tuple(v / 255 for v in PALETTE[i % len(PALETTE)])
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=color, label=label)
         for x, y, c in pts:
-            ax.annotate(f"c={c}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=8, color=color)
+            right = x > 0.8 * xmax  # near the right edge: the label goes left of the point
+            ax.annotate(f"c={c}", (x, y), textcoords="offset points", xytext=(-6 if right else 6, 6),
+                        ha="right" if right else "left", fontsize=8, color=color, annotation_clip=True)
     ax.set_xlabel(X_LABEL)
-    ax.set_ylabel(Y_LABEL)
-    ax.set_title(title)
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
+    ax.set_ylabel(ylab)
+    ax.set_title(title + (f"\n{sub}" if sub else ""), fontsize=11)
+    ax.set_xlim(0, xmax)
+    ax.set_ylim(0, max(ys) * AXIS_HEADROOM if ys else 1.0)
     ax.grid(True, linestyle=":", alpha=0.6)
     if series:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out, format="png")
+    fig.savefig(out, format="png", metadata=_texts(title, sub, ylab, series))
     plt.close(fig)
     return Path(out)
 
 
-def plot_tradeoff(series: Series, out: str | Path, title: str | None = None, backend: str = "auto") -> Path:
+def plot_tradeoff(
+    series: Series,
+    out: str | Path,
+    title: str | None = None,
+    backend: str = "auto",
+    sub: str = "",
+    ylab: str = Y_LABEL,
+) -> Path:
     """Write the trade-off PNG; ``backend`` is auto, matplotlib or builtin."""
-    title = title or "Agentic benchmark: throughput vs interactivity"
+    title = title or DEFAULT_TITLE
     if backend in ("auto", "matplotlib"):
         try:
-            return render_matplotlib(series, out, title)
+            return render_matplotlib(series, out, title, sub, ylab)
         except ImportError:
             if backend == "matplotlib":
                 raise
-    return render_builtin(series, out, title)
+    return render_builtin(series, out, title, sub=sub, ylab=ylab)
+
+
+def plot_rows(
+    rows: Sequence[dict[str, object]], out: str | Path, title: str | None = None, backend: str = "auto"
+) -> Path:
+    """The PNG of summary rows: one line per label, the y axis per GPU or per server, workload and hardware."""
+    return plot_tradeoff(series_from_rows(rows), out, title, backend, subtitle(rows), y_label(rows))
 
 
 def plot_summary_csvs(
     paths: Sequence[str | Path], out: str | Path, title: str | None = None, backend: str = "auto"
 ) -> Path:
-    return plot_tradeoff(series_from_csvs(paths), out, title, backend)
+    return plot_tradeoff(series_from_csvs(paths), out, title, backend, subtitle(read_rows(paths)),
+                         y_label(read_rows(paths)))

@@ -41,7 +41,7 @@ class BenchConfig:
     concurrency: list[int]
     conversations: list[int] | None  # per level; None = max(4, 2 * concurrency)
     duration_s: float | None
-    num_gpus: float
+    num_gpus: float | None  # None: not given (the per-GPU columns are per server)
     request_timeout_s: float
     out_dir: Path
     warmup: int = 2
@@ -53,6 +53,7 @@ class BenchConfig:
     tokenizer_dir: str | None = None
     trust_remote_code: bool = False
     progress: bool = True
+    hardware: str = ""  # what serves the model, for the plot's subtitle
     log: TextIO | None = None  # default: sys.stderr at the time of writing
 
     def conversations_for(self, i: int, c: int) -> int:
@@ -512,6 +513,7 @@ class Runner:
             "workload": spec,
             "concurrency": self.cfg.concurrency,
             "num_gpus": self.cfg.num_gpus,
+            "hardware": self.cfg.hardware,
             "duration_limit_s": self.cfg.duration_s,
             "request_timeout_s": self.cfg.request_timeout_s,
             "warmup_conversations": self.cfg.warmup,
@@ -588,6 +590,9 @@ class Runner:
                 turns_not_sent=lv.not_sent,
                 duration_s=lv.duration_s,
                 server=M.server_metrics(lv.server_before, lv.server_after),
+                hardware=cfg.hardware,
+                workload=M.describe_workload(cfg.spec.first_turn_tokens, cfg.spec.turn_tokens, cfg.spec.min_turns,
+                                             cfg.spec.max_turns, cfg.spec.max_output_tokens),
             )
             self.rows.append(row)
             self.write_summary_csv()
