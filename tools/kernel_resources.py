@@ -1,14 +1,14 @@
-"""Registers, spills and shared memory of every Triton kernel launch the offline checks record, compiled for the
+"""Registers, spills and shared memory of every Triton kernel launch the Triton checks record, compiled for the
 H200 (sm_90) on a machine without a GPU: Triton's front end to PTX, then ``ptxas -v`` (the ptxas Triton ships).
 
-    TRITON_INTERPRET=1 python tests/triton_offline.py run LAUNCHES.json     # the interpreter records the launches
-    python tools/kernel_resources.py LAUNCHES.json [--csv resources.csv] [--all]
+    TRITON_INTERPRET=1 PYTHONPATH=.cache/triton python tests/ops/interpreter.py run OUT   # records OUT/launches.json
+    PYTHONPATH=.cache/triton python tools/kernel_resources.py OUT/launches.json [--csv resources.csv] [--all]
 
 Prints one row per distinct launch (kernel, compile-time constants, warps / stages) that spills or uses 200+
 registers (``--all``: every row), and writes them all to ``--csv``. A spilling kernel reads and writes its spilled
-registers through local memory (L1 / L2 / HBM) on every use: run 10's first PLE mix kernel (255 registers, 136 B
-spilled) took 36 us where its bytes need ~3 us. Needs Triton importable (``make test`` installs the GPU image's
-3.6.0 in ``.cache/triton``: ``PYTHONPATH=.cache/triton``).
+registers through local memory (L1 / L2 / HBM) on every use, which can make a memory-bound kernel several times
+slower than its bytes need. Needs Triton importable (``make test`` installs the GPU image's 3.6.0 in
+``.cache/triton``).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ def resources(launches: list[dict]) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "ops"))
     sys.path.insert(0, ROOT)
-    from triton_offline import ptxas_resources
+    from interpreter import ptxas_resources
 
     target = GPUTarget("cuda", 90, 32)
     rows, seen = [], set()
@@ -52,7 +52,7 @@ def resources(launches: list[dict]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("launches", help="the JSON written by `tests/triton_offline.py run`")
+    ap.add_argument("launches", help="the launches.json written by `tests/ops/interpreter.py run`")
     ap.add_argument("--csv", help="write every row here")
     ap.add_argument("--all", action="store_true", help="print every launch, not only the heavy ones")
     args = ap.parse_args()

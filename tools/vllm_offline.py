@@ -1,6 +1,7 @@
 """Run an offline ``vllm.LLM`` over token-id prompts in a clean subprocess (tests, benchmarks).
 
     python tools/vllm_offline.py spec.json out.pt [--tensor-parallel-size N]
+    from vllm_offline import run_offline   # (tools/ on sys.path) run_offline(spec, workdir) -> the out dict
 
 spec: {"model": dir, "engine": {LLM kwargs}, "env": {extra environment} (run_offline only),
        "sampling": {SamplingParams kwargs}, "prompts": [[ids], ...],
@@ -120,7 +121,7 @@ def kv_cache_block_sizes(llm) -> list[int] | None:
 
 
 def _main(spec_path: str, out_path: str, tensor_parallel_size: int | None = None) -> None:
-    from ..serve import cpu_env
+    from qwen4exp.serve import cpu_env
 
     cpu_env()
     import torch

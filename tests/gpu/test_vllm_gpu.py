@@ -1,8 +1,9 @@
-"""The vLLM plugin on a CUDA GPU (issue 7): teacher-forced top-1 against our HF reference's fp32 logits, no worse
-than the HF reference's own bf16 run, on the tiny random checkpoint and the trained tiny-coder, with vLLM's default
-CUDA graphs (breakable, PIECEWISE) and eager. Runs ``tools/vllm_gpu_check.py``; needs the CUDA build of vLLM.
+"""The vLLM plugin on a CUDA GPU: teacher-forced top-1 against our HF reference's fp32 logits, no worse than the HF
+reference's own bf16 run, on the tiny random checkpoint and the trained tiny-coder, with vLLM's default CUDA graphs
+(breakable, PIECEWISE) and eager. Runs ``tools/vllm_gpu_check.py``; needs the CUDA build of vLLM.
 
-On the H200 (after the gpu-vllm kit's install):  python -m pytest tests/test_vllm_gpu.py -q -rs
+On a GPU machine with the gpu-vllm kit's venv:  python -m pytest -m gpu tests/gpu -q -rs
+(or ``bash tools/gpu_device.sh suite``: the whole GPU suite).
 """
 
 import csv
@@ -13,10 +14,11 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.vllm,
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and vLLM's CUDA build")]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHECK = os.path.join(ROOT, "tools", "vllm_gpu_check.py")
 
 
 @pytest.mark.parametrize("eager,ple_prefetch", [(False, False), (True, False), (False, True)],
@@ -24,13 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_plugin_top1_no_worse_than_hf_bf16(tmp_path, eager, ple_prefetch):
     """No worse than HF bf16 where it is decidable: on every position whose fp32 top-2 gap exceeds twice the HF bf16
     run's own 99th-percentile gap error the plugin's top-1 is the fp32 one (``no_worse_decisive``; the all-position
-    counts differ by a few near ties either way, e.g. tiny-coder 1,233 vs 1,236 of 1,249 in runs 8 and 9).
+    counts differ by a few near ties either way, so they are held to 98% of HF bf16's, not to it exactly).
     ``ple_prefetch``: the PLE embedding step on a side stream ahead of its layer (``QWEN4EXP_PLE_PREFETCH=1``)."""
     env = dict(os.environ, QWEN4EXP_CHECK_EAGER="1" if eager else "0",
                QWEN4EXP_PLE_PREFETCH="1" if ple_prefetch else "0")
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "vllm_gpu_check.py"), "--out", str(tmp_path),
-                        "--models", "tiny,coder", "--impls", "ours"], env=env, capture_output=True, text=True,
-                       timeout=900)
+    p = subprocess.run([sys.executable, CHECK, "--out", str(tmp_path), "--models", "tiny,coder", "--impls", "ours"],
+                       env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     assert [r["model"] for r in rows] == ["tiny", "coder"]

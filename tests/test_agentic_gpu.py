@@ -1,4 +1,4 @@
-"""``benchmarks/agentic_gpu.py``: the combined table from the bench's summary.csv files (fast), and the whole recipe on
+"""``benchmarks/agentic_gpu.py``: the combined table from the bench's summary.csv files (fast), and the whole script on
 CPU with the embedded tiny-coder checkpoint behind our plugin's server (``--preset tiny --impls ours``, a miniature
 workload at concurrency 1 and 8)."""
 
@@ -18,11 +18,11 @@ from qwen4exp.bench import metrics as M
 from qwen4exp.demo import stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "agentic_gpu.py"
+SCRIPT = ROOT / "benchmarks" / "agentic_gpu.py"
 
 
 @pytest.fixture(scope="module")
-def recipe():
+def agentic():
     return load_script("agentic_gpu")
 
 
@@ -38,11 +38,11 @@ def _summary_rows(ttft: float) -> list[dict[str, str]]:
     return rows
 
 
-def test_table_and_ratios_from_two_summaries(recipe, tmp_path):
+def test_table_and_ratios_from_two_summaries(agentic, tmp_path):
     up, ours = tmp_path / "upstream.csv", tmp_path / "ours.csv"
     _write_csv(up, _summary_rows(ttft=50.0), "upstream", 1.0)
     _write_csv(ours, _summary_rows(ttft=100.0), "ours", 0.25)  # a quarter of upstream's per-user rate
-    rows = recipe.combine([
+    rows = agentic.combine([
         dict(label="upstream", gpu="0", summary=str(up), startup_s=180.0, error=""),
         dict(label="ours", gpu="1", summary=str(ours), startup_s=95.5, error=""),
     ])
@@ -58,47 +58,47 @@ def test_table_and_ratios_from_two_summaries(recipe, tmp_path):
             assert float(ratio[k]) == pytest.approx(1.0), k
         assert ratio["turns_ok"] == "" and ratio["cache_hit_pct"] == ""
     path = tmp_path / "agentic.csv"
-    recipe.write_csv(rows, str(path))
+    agentic.write_csv(rows, str(path))
     with path.open(newline="") as f:
         back = list(csv.DictReader(f))
-    assert list(back[0]) == recipe.COLUMNS and len(back) == 6
-    md = recipe.markdown(rows)
+    assert list(back[0]) == agentic.COLUMNS and len(back) == 6
+    md = agentic.markdown(rows)
     assert md.count("\n") == 7 and "| ours/upstream | - | 8 |" in md and "| 0.25 |" in md
 
 
-def test_a_failed_server_keeps_the_other_and_says_why(recipe, tmp_path):
+def test_a_failed_server_keeps_the_other_and_says_why(agentic, tmp_path):
     ours = tmp_path / "ours.csv"
     _write_csv(ours, _summary_rows(ttft=100.0), "ours", 1.0)
-    rows = recipe.combine([
+    rows = agentic.combine([
         dict(label="upstream", gpu="0", summary=str(tmp_path / "missing.csv"), startup_s=None,
              error="server did not start: server exited with code 1 during start-up (ValueError: no)"),
         dict(label="ours", gpu="1", summary=str(ours), startup_s=90.0, error=""),
     ])
     assert [(r["label"], r["concurrency"]) for r in rows] == [("upstream", ""), ("ours", "1"), ("ours", "8")]
     assert "ValueError: no" in rows[0]["error"]
-    assert "* upstream: server did not start" in recipe.markdown(rows)
+    assert "* upstream: server did not start" in agentic.markdown(rows)
 
 
-def test_fn_model_dir_has_the_fn12l_config_and_a_chat_tokenizer(recipe, tmp_path):
+def test_fn_model_dir_has_the_fn12l_config_and_a_chat_tokenizer(agentic, tmp_path):
     import json
 
     from qwen4exp import presets
 
-    path = recipe.build_model_dir(str(tmp_path), "fn", 12, 10240)
+    path = agentic.build_model_dir(str(tmp_path), "fn", 12, 10240)
     cfg = json.loads((Path(path) / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 12 and cfg["hidden_size"] == presets.fn12l().hidden_size
     tc = json.loads((Path(path) / "tokenizer_config.json").read_text())
     assert "chat_template" in tc and tc["model_max_length"] >= 10240
     assert not (Path(path) / "model.safetensors").exists()
-    ids = recipe.allowed_ids(path)
+    ids = agentic.allowed_ids(path)
     assert 500 < len(ids) <= 1000 and min(ids) > 2 and max(ids) < 2048  # no special tokens, all decodable
-    assert recipe.allowed_ids(recipe.ASSET) is None  # tiny-coder's tokenizer covers its vocabulary
+    assert agentic.allowed_ids(agentic.ASSET) is None  # tiny-coder's tokenizer covers its vocabulary
 
 
 @pytest.mark.vllm
-def test_recipe_end_to_end_on_cpu(tmp_path):
-    out, log = tmp_path / "agentic", tmp_path / "recipe.log"
-    cmd = [sys.executable, str(RECIPE), "--preset", "tiny", "--impls", "ours", "--out", str(out),
+def test_end_to_end_on_cpu(tmp_path):
+    out, log = tmp_path / "agentic", tmp_path / "agentic.log"
+    cmd = [sys.executable, str(SCRIPT), "--preset", "tiny", "--impls", "ours", "--out", str(out),
            "--first-turn-tokens", "128", "--turn-tokens", "16", "--turns", "2", "--max-output-tokens", "8",
            "--conversations", "1,8", "--warmup", "0", "--timeout", "240"]
     t0 = time.monotonic()
@@ -108,9 +108,9 @@ def test_recipe_end_to_end_on_cpu(tmp_path):
     try:
         rc = p.wait(timeout=300)
     finally:
-        stop_server(p, timeout=40)  # SIGTERM: the recipe stops its servers itself
+        stop_server(p, timeout=40)  # SIGTERM: the script stops its servers itself
     text = log.read_text()
-    print(f"recipe: {time.monotonic() - t0:.0f} s\n{text[-3000:]}")
+    print(f"agentic_gpu: {time.monotonic() - t0:.0f} s\n{text[-3000:]}")
     assert rc == 0, text[-4000:]
     with (out / "agentic.csv").open(newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["label"] == "ours"]

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.vllm
 
 def test_host_overhead_reports_groups_and_step_timers(tiny_ckpt):
     pytest.importorskip("vllm")
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "host_overhead.py"), tiny_ckpt, "--batch", "2",
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "host_overhead.py"), tiny_ckpt, "--batch", "2",
                         "--ctx", "40", "--tokens", "6"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])

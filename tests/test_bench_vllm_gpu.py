@@ -1,7 +1,7 @@
-"""``benchmarks/bench_vllm_gpu.py``'s step timing (CPU, with a scripted engine; the script itself runs on the GPU
-machine): only steps in which the whole batch decodes count. Long prompts are prefilled one after another, so the
-first requests decode (and may finish) while later ones still prefill; timing those steps measured a smaller batch
-than the name says (run 9: the "batch-32" steps had 8-16 requests)."""
+"""``benchmarks/bench_vllm_gpu.py`` on CPU (the script itself runs on the GPU machine): its step timing with a scripted
+engine (only steps in which the whole batch decodes count: long prompts are prefilled one after another, so the
+first requests decode, and may finish, while later ones still prefill; timing those steps would measure a smaller
+batch than the name says), the py-spy window and its tables, and the A/B runs (``--variant``, ``--ours-at``)."""
 
 import types
 
@@ -76,47 +76,6 @@ def test_steps_after_a_profile_of_an_engine_in_its_own_process_are_not_timed(mon
     assert calls == [8, 8]
 
 
-def _spin_in_python(seconds: float) -> int:
-    n, end = 0, __import__("time").perf_counter() + seconds
-    while __import__("time").perf_counter() < end:
-        n += 1
-    return n
-
-
-def test_host_sampler_counts_the_busy_function_only_inside_a_labelled_window(tmp_path, monkeypatch):
-    """``--host-sample``: the sampler thread (started in every vLLM process by the plugin's ``register``) counts
-    the other threads' Python stacks while ``<folder>/on`` exists, one table per window label; ``_drive`` opens
-    the window at the first-th timed decode step and closes it at the last-th (or at the end)."""
-    import sys
-
-    from host_sampler import HostSampler
-
-    switch = sys.getswitchinterval()
-    sampler = HostSampler(str(tmp_path), interval=0.001, write_every=0.1).start()
-    try:
-        _spin_in_python(0.2)  # no window: nothing counted
-        assert sum(sampler.samples.values()) == 0
-        monkeypatch.setenv("QWEN4EXP_HOST_SAMPLE", str(tmp_path))
-
-        class SpinningEngine(ScriptedEngine):
-            def step(self):
-                _spin_in_python(0.01)
-                return super().step()
-
-        eng = SpinningEngine(prefill_steps=1)
-        bench._drive(eng, [[1]], 60, sample=("decode", 4, 40))
-        assert not (tmp_path / "on").exists()  # closed again
-        _spin_in_python(0.2)
-    finally:
-        sampler.stop()
-        sys.setswitchinterval(switch)
-    assert set(sampler.samples) == {"decode"} and sampler.samples["decode"] >= 20, sampler.samples
-    table = (tmp_path / f"host-{__import__('os').getpid()}.txt").read_text()
-    assert "== decode: thread MainThread" in table
-    main = [line for line in table.splitlines() if line.strip().endswith(":_spin_in_python")]
-    assert main and float(main[0].split("%")[0]) > 50, table[:2000]  # the step's busy function dominates
-
-
 _FAKE_PYSPY = """#!{python}
 # stands in for py-spy: checks the arguments, waits for SIGINT, then writes raw stacks (py-spy's format) to -o
 import signal, sys, time
@@ -140,7 +99,8 @@ with open(out, "w") as f:
 def test_py_spy_window_records_the_process_tree_and_writes_tables(tmp_path, monkeypatch):
     """``--py-spy``: ``_drive``'s sample window starts py-spy on this process and its children (nonblocking, raw
     stacks with threads) and stops it with SIGINT at the window's end; its raw output becomes the host-sampler
-    tables: per process and thread, functions named file:function (lines dropped) with inclusive / self shares."""
+    stack tables: per process and thread, functions named file:function (lines dropped) with inclusive / self
+    shares."""
     import os
     import sys
 
@@ -149,7 +109,6 @@ def test_py_spy_window_records_the_process_tree_and_writes_tables(tmp_path, monk
     exe.chmod(0o755)
     monkeypatch.setenv("QWEN4EXP_PYSPY", str(exe))
     monkeypatch.setenv("QWEN4EXP_PYSPY_OUT", str(tmp_path / "pyspy-ours"))
-    monkeypatch.delenv("QWEN4EXP_HOST_SAMPLE", raising=False)
     class SlowEngine(ScriptedEngine):  # (a window of ~1 s: the stand-in starts up and installs its handler)
         def step(self):
             __import__("time").sleep(0.04)
@@ -167,57 +126,77 @@ def test_py_spy_window_records_the_process_tree_and_writes_tables(tmp_path, monk
     assert "== bs1: thread pid %d MainThread: 12 samples" % os.getpid() in table
 
 
-def test_host_sampler_restarts_in_a_forked_child(tmp_path, monkeypatch):
-    """vLLM's engine core can be forked from the front end after the plugin registered there: threads do not
-    survive a fork and ``register`` does not run again, so the child must start its own sampler (run 13 lost the
-    engine core's table to this)."""
-    import os
-    import sys
-
-    import host_sampler as hs
-
-    monkeypatch.setenv("QWEN4EXP_HOST_SAMPLE", str(tmp_path))
-    monkeypatch.setenv("QWEN4EXP_HOST_SAMPLE_WRITE", "0.1")
-    monkeypatch.setattr(hs, "_started", None)
-    switch = sys.getswitchinterval()
-    parent = hs.maybe_start()
-    try:
-        assert parent is not None and parent.pid == os.getpid()
-        (tmp_path / "on").write_text("child")
-        pid = os.fork()
-        if pid == 0:  # the child: its own sampler, its own table
-            code = 1
-            try:
-                mine = hs._started
-                if mine is not None and mine is not parent and mine.pid == os.getpid():
-                    _spin_in_python(0.4)
-                    mine.stop()
-                    code = 0
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.WEXITSTATUS(status) == 0, "the forked child had no sampler of its own"
-    finally:
-        (tmp_path / "on").unlink(missing_ok=True)
-        parent.stop()
-        monkeypatch.setattr(hs, "_started", None)
-        sys.setswitchinterval(switch)
-    table = (tmp_path / f"host-{pid}.txt").read_text()
-    assert "== child: thread MainThread" in table and ":_spin_in_python" in table, table[:1500]
-
-
 def test_variants_are_ours_with_extra_environment():
-    """``--variant lean=QWEN4EXP_QSA_METADATA=lean``: an A/B of a plugin switch in the same run as ours and
-    upstream; values may hold '=' and ',' (a knobs list); a bad or clashing name is refused with the spec."""
+    """``--variant prefetch=QWEN4EXP_PLE_PREFETCH=1``: an A/B of a plugin switch in the same run as ours and
+    upstream; values may hold '=' and ','; a bad or clashing name is refused with the spec."""
     import pytest
 
-    got = bench.parse_variants(["lean=QWEN4EXP_QSA_METADATA=lean",
-                                "tri=QWEN4EXP_KNOBS=qsa.TOPK=triton,hc.FUSED=1;QWEN4EXP_PLE_TABLE=gpu"])
-    assert got == {"lean": {"QWEN4EXP_QSA_METADATA": "lean"},
-                   "tri": {"QWEN4EXP_KNOBS": "qsa.TOPK=triton,hc.FUSED=1", "QWEN4EXP_PLE_TABLE": "gpu"}}
+    got = bench.parse_variants(["prefetch=QWEN4EXP_PLE_PREFETCH=1",
+                                "both=VLLM_EXTRA=a=b,c;QWEN4EXP_PLE_TABLE=gpu"])
+    assert got == {"prefetch": {"QWEN4EXP_PLE_PREFETCH": "1"},
+                   "both": {"VLLM_EXTRA": "a=b,c", "QWEN4EXP_PLE_TABLE": "gpu"}}
     for bad in ("ours=X=1", "lean", "lean=", "lean=NOVALUE"):
         with pytest.raises(SystemExit, match="--variant"):
             bench.parse_variants([bad])
+
+
+def _checkout(path, marker: str):
+    """A stand-in checkout: a ``qwen4exp`` package that says which one it is."""
+    (path / "qwen4exp").mkdir(parents=True)
+    (path / "qwen4exp" / "__init__.py").write_text(f"WHICH = {marker!r}\n")
+    return path
+
+
+def test_ours_at_runs_ours_from_another_checkout_first_on_the_path(tmp_path, monkeypatch):
+    """``--ours-at prev=PATH``: the worker named prev gets PATH first on its PYTHONPATH (before what was there and
+    before the installed package), the other workers keep theirs; its Python then imports PATH's qwen4exp, which
+    the driver checks against what the worker reports (``qwen4exp_from``)."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    prev = _checkout(tmp_path / "prev", "prev")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    args = bench.build_parser().parse_args(["--out", str(tmp_path / "out"), "--impls", "upstream,ours,prev,pf",
+                                            "--ours-at", f"prev={prev}", "--ours-at", "pf=" + str(prev),
+                                            "--variant", "pf=QWEN4EXP_PLE_PREFETCH=1", "--gpus", "0,1", "--mp",
+                                            "--profile"])
+    variants, ours_at = bench.parse_variants(args.variant), bench.parse_ours_at(args.ours_at)
+    assert ours_at == {"prev": str(prev), "pf": str(prev)}
+    runs = {r[0]: r for r in bench.worker_runs(args, args.impls.split(","), "MODEL", variants, ours_at)}
+    env = {k: r[4] for k, r in runs.items()}
+    assert env["prev"]["PYTHONPATH"].split(os.pathsep) == [str(prev), "/elsewhere"]
+    assert env["pf"]["PYTHONPATH"].split(os.pathsep)[0] == str(prev) and env["pf"]["QWEN4EXP_PLE_PREFETCH"] == "1"
+    assert env["ours"]["PYTHONPATH"] == env["upstream"]["PYTHONPATH"] == "/elsewhere"
+    assert [env[k]["QWEN4EXP_VLLM"] for k in ("upstream", "ours", "prev", "pf")] == ["0", "1", "1", "1"]
+    assert [env[k]["CUDA_VISIBLE_DEVICES"] for k in ("upstream", "ours", "prev", "pf")] == ["0", "1", "0", "1"]
+    cmd = runs["prev"][3]
+    assert cmd[cmd.index("--impl") + 1] == "prev" and cmd[cmd.index("--model") + 1] == "MODEL"
+    assert "--mp" in cmd and "--profile" in cmd and cmd[cmd.index("--eager") + 1] == "0"
+
+    # the worker's Python (a script run from this checkout's root) imports the other checkout's package, not this
+    # one's (installed in editable mode)
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys\nimport qwen4exp\nsys.path.insert(0, sys.argv[1])\nimport bench_vllm_gpu as b\n"
+                     "print(qwen4exp.WHICH, b.package_root())\n")
+    p = subprocess.run([sys.executable, str(probe), bench.HERE], env=env["prev"], capture_output=True, text=True,
+                       timeout=60, cwd=os.path.dirname(bench.HERE))
+    assert p.returncode == 0, p.stderr
+    which, root = p.stdout.split()
+    assert which == "prev" and os.path.realpath(root) == os.path.realpath(prev)
+    assert bench.package_error("prev", {"qwen4exp_from": root}, ours_at) is None
+    assert "not " + str(prev) in bench.package_error("prev", {"qwen4exp_from": bench.HERE}, ours_at)
+    assert "plugin not loaded" in bench.package_error("prev", {"qwen4exp_from": ""}, ours_at)
+    assert bench.package_error("ours", {"qwen4exp_from": bench.HERE}, ours_at) is None
+    assert bench.package_error("prev", {}, ours_at) is None  # no result at all: the run's own error says why
+
+    for bad in ("prev", "ours=" + str(prev), "x=" + str(tmp_path / "missing"), "x="):
+        with pytest.raises(SystemExit, match="--ours-at"):
+            bench.parse_ours_at([bad])
+    with pytest.raises(SystemExit, match="--ours-at"):
+        bench.parse_ours_at([f"a={prev}", f"a={prev}"])
 
 
 def test_collapsed_table_splits_an_engine_step_into_phases():
@@ -247,3 +226,20 @@ def test_collapsed_table_splits_an_engine_step_into_phases():
                    "waiting for the GPU (synchronize)": 5.0, "other (idle, loop, serialisation)": 5.0}, phases
     bench_thread = table.split("thread pid 5 MainThread: 50 samples")[1]
     assert "step phases" not in bench_thread
+
+
+def test_host_sampler_script_prints_the_tables_of_a_raw_file(tmp_path):
+    """``python tools/host_sampler.py stacks.raw --label L``: the same tables as ``collapsed_table`` (py-spy run by
+    hand, outside the bench)."""
+    import os
+    import subprocess
+    import sys
+
+    from host_sampler import collapsed_table
+
+    raw = 'process 7:"VLLM::EngineCore";thread (7): MainThread;step (core.py:1);sample_tokens (runner.py:2) 9\n'
+    (tmp_path / "stacks.raw").write_text(raw)
+    p = subprocess.run([sys.executable, os.path.join(os.path.dirname(bench.HERE), "tools", "host_sampler.py"),
+                        str(tmp_path / "stacks.raw"), "--label", "bs1"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == collapsed_table(raw, "bs1") and "sampling (sample_tokens)" in p.stdout
