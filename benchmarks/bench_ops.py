@@ -368,10 +368,9 @@ def tune_and_breakdown():
         o = qsa_tk.qsa_attention_triton(*sets[0])
         return bool(((o.float() - want.float()).norm() / want.float().norm()) < 1e-2)
 
-    sweep("qsa", qsa_tk, sets, [("TOPK_SMALL", (True, False)), ("TOPK_SMALL_BITS", (0, 2, 1, 8)),
-                                ("TOPK_SMALL_WARPS", (32, 16)), ("TOPK_SPLIT", (4096, 2048, 0)),
-                                ("TOPK_SPLIT_WARPS", (8, 4, 16)),
-                                ("ATTN_SLOT_BLOCK", (64, 32))],
+    # (the unpaged op selects with torch.topk of the sort keys: the Triton select's settings are swept by
+    # --decode-breakdown, on the paged decode op that runs it)
+    sweep("qsa", qsa_tk, sets, [("ATTN_SLOT_BLOCK", (64, 32)), ("ATTN_WARPS", (8, 4))],
           qsa_tk.qsa_attention_triton, qsa_ok)
     m = 2048 // 4
     for Tq in (1, 32):
@@ -379,8 +378,7 @@ def tune_and_breakdown():
         timed("qsa", f"Tq={Tq}", "stage: indexer scores (Triton)",
               lambda q, k, v, qp, iq, bk, r, b, sc, isc: qsa_tk.score_keys(qp, iq, bk, r, isc), sets)
         keys = [(qsa_tk.score_keys(s[3], s[4], s[5], s[6], s[9]),) for s in sets]
-        timed("qsa", f"Tq={Tq}", f"stage: top-512 (Triton, TOPK_SMALL={qsa_tk.TOPK_SMALL})",
-              lambda kk: qsa_tk.top_ids(kk, m), keys)
+        timed("qsa", f"Tq={Tq}", "stage: top-512 (Triton select)", lambda kk: qsa_tk.top_ids(kk, m), keys)
         timed("qsa", f"Tq={Tq}", "stage: top-512 (torch.topk)", lambda kk: qsa_tk.top_keys(kk, m), keys)
         asets = [(s[0], s[1], s[2], s[3], qsa_tk.top_ids(kk[0], m), s[6], s[8], False) for s, kk in zip(sets, keys)]
         timed("qsa", f"Tq={Tq}", "stage: attention + merge", qsa_tk.sparse_attention_slots, asets)
@@ -418,14 +416,13 @@ def prefill_breakdown(Tq=4096):
               lambda: tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc))
     tk.SCORE_BLOCK_M, tk.SCORE_BLOCK_N, tk.SCORE_WARPS = 64, 64, 4
     keys = tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc)
-    steps = {0: "1 bit a step, differing bits only, early exit", 1: "1 bit a step", 8: "8 bits a step",
-             11: "11 bits a step"}
-    saved = tk.TOPK_SMALL, tk.TOPK_SMALL_BITS
-    for small, bits in tk.TOPK_SELECTS:  # the in-register select's search steps, the radix select
-        tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = small, bits
-        timed(f"top-k ({f'in-register select, {steps[bits]}' if small else 'radix select'})",
-              lambda: tk.top_ids(keys, m))
-    tk.TOPK_SMALL, tk.TOPK_SMALL_BITS = saved
+    saved = tk.TOPK_SMALL_BITS, tk.TOPK_SMALL_MAX
+    for way, bits, small_max in (("in-register select, 1 bit a step", 0, saved[1]),
+                                 ("in-register select, 2 bits a step", 2, saved[1]),
+                                 ("chunked radix select (past TOPK_SMALL_MAX blocks)", saved[0], 0)):
+        tk.TOPK_SMALL_BITS, tk.TOPK_SMALL_MAX = bits, small_max
+        timed(f"top-k ({way})", lambda: tk.top_ids(keys, m))
+    tk.TOPK_SMALL_BITS, tk.TOPK_SMALL_MAX = saved
     sel = tk.top_ids(keys, m)
     same = sel[:1].expand(Tq, -1).contiguous()
     kc, vc = kv[..., :HD], kv[..., HD:]
@@ -455,8 +452,9 @@ def decode_breakdown(bw):
     """qsa_decode_paged at batch 1 and 32 (L=50,000, paged, shuffled blocks) by stage: the paged scores, the top-k
     select and the split attention + merge, each over its launch settings (every variant's ids / output checked
     against the default's first); bytes and the fraction of the measured bandwidth beside each. -> rows."""
+    from qwen4exp.ops.qsa import host
     from qwen4exp.ops.qsa import triton_kernel as tk
-    tk.load_vllm_kernels()  # vLLM's CUDA extension (its top-k kernel), where this runs inside the vLLM venv
+    host.load_vllm_kernels()  # vLLM's CUDA extension (its top-k kernel), where this runs inside the vLLM venv
     out = []
 
     def timed(B, stage, fn, sets, by=None):
@@ -470,10 +468,10 @@ def decode_breakdown(bw):
         print(f"   B={B} {stage}: {t:.1f} us{frac}", flush=True)
         return t
 
-    def knobs(**kw):
-        saved = {k: getattr(tk, k) for k in kw}
+    def knobs(mod=tk, **kw):
+        saved = {k: getattr(mod, k) for k in kw}
         for k, v in kw.items():
-            setattr(tk, k, v)
+            setattr(mod, k, v)
         return saved
 
     for B in (1, 32):
@@ -501,14 +499,14 @@ def decode_breakdown(bw):
         keys = [(score(s),) for s in sets]
         want = tk.top_ids(keys[0][0], m).sort(dim=1).values
         for split, w, bits in ((4096, 8, 0), (4096, 4, 0), (4096, 16, 0), (2048, 4, 0), (2048, 8, 0), (8192, 8, 0),
-                               (8192, 16, 0), (4096, 8, 2), (4096, 8, 4), (2048, 4, 2), (0, 8, 0)):
+                               (8192, 16, 0), (4096, 8, 2), (2048, 4, 2), (0, 8, 0)):
             saved = knobs(TOPK_SPLIT=split, TOPK_SPLIT_WARPS=w, TOPK_SPLIT_BITS=bits, TOPK_SMALL_BITS=bits)
             ok = torch.equal(tk.top_ids(keys[0][0], m).sort(dim=1).values, want)
             timed(B, f"top-k split={split} warps={w} bits={bits}{'' if ok else ' WRONG'}",
                   lambda kk, m=m: tk.top_ids(kk, m), keys)
             knobs(**saved)
         timed(B, "top-k torch.topk", lambda kk, m=m: tk.top_keys(kk, m), keys)
-        if tk.vllm_topk_covers(B, m):  # vLLM's CUDA select (inside the vLLM venv): fp32 scores in, ids out
+        if host.vllm_topk_covers(B, m):  # vLLM's CUDA select (inside the vLLM venv): fp32 scores in, ids out
             timed(B, f"scores as fp32 logits BLOCK_N={tk.SCORE_PAGED_BLOCK_N}", score_logits, [(s,) for s in sets],
                   score_by)
             lsets = [(*score_logits(s), s[1]) for s in sets]  # (logits, visible counts, positions)
@@ -516,32 +514,29 @@ def decode_breakdown(bw):
             agree = (got == want).all(dim=1).float().mean().item()
             timed(B, f"top-k vLLM cooperative_topk (rows equal to the Triton select's: {agree:.0%})",
                   lambda lg, vis, p, r=r, m=m: tk.vllm_top_ids(lg, p, r, m, vis), lsets)
-            saved = knobs(TOPK="vllm")
-            timed(B, "whole op (TOPK=vllm)", tk.qsa_decode_paged_triton, sets, score_by + attn_by)
-            knobs(**saved)
+            saved = knobs(host, VLLM_TOPK=True)
+            timed(B, "whole op (vLLM's select)", tk.qsa_decode_paged_triton, sets, score_by + attn_by)
+            knobs(host, **saved)
             lsets = None
         else:
             print(f"   B={B}: vLLM's cooperative_topk not loaded (run inside the vLLM venv)", flush=True)
-        saved = knobs(TOPK="triton")
-        timed(B, "whole op (TOPK=triton)", tk.qsa_decode_paged_triton, sets, score_by + attn_by)
-        knobs(**saved)
+        saved = knobs(host, VLLM_TOPK=False)
+        timed(B, "whole op (Triton select)", tk.qsa_decode_paged_triton, sets, score_by + attn_by)
+        knobs(host, **saved)
         asets = [(s[0], s[3][..., :HD], s[3][..., HD:], s[1], tk.top_ids(kk[0], m), r, s[10], False, s[4])
                  for s, kk in zip(sets, keys)]
         ref = tk.sparse_attention_slots(*asets[0]).float()
         many = B >= tk.ATTN_MANY_QUERIES
-        names = ("ATTN_SLOT_BLOCK_MANY", "ATTN_WARPS_MANY", "ATTN_PREFETCH_MANY", "ATTN_K_T_MANY") if many else (
-            "ATTN_SLOT_BLOCK", "ATTN_WARPS", "ATTN_PREFETCH", "ATTN_K_T")
-        # (run 12 swept 16/32 slots x 2-8 warps x 1-3 stages x prefetch x 512/1024 programs: 16 x 2, 3 stages,
-        # prefetch, 512 programs best at batch 32; 32 x 8 / 64 x 8 at batch 1.) Now: one-warp programs (upstream's
-        # decode attention at batch 32 runs 1,024 of them: 32 slots, 1 warp) and more programs, beside the default.
-        # Run 13 adds K loaded transposed (kt: ``_attn_chunks``' KT).
+        names = ("ATTN_SLOT_BLOCK_MANY", "ATTN_WARPS_MANY", "ATTN_PREFETCH_MANY") if many else (
+            "ATTN_SLOT_BLOCK", "ATTN_WARPS", "ATTN_PREFETCH")
+        # slots x warps x stages (x programs at batch 32, one-warp programs included) around the defaults
         shapes = ((16, 2), (16, 1), (32, 1), (32, 2)) if many else ((32, 8), (64, 8), (32, 4), (64, 4), (32, 2))
         for sb, w in shapes:
             for st in ((2, 3) if many else (1, 2)):
-                for pf, kt in (((True, False), (True, True)) if many else ((False, False), (False, True))):
+                for pf in ((True,) if many else (False,)):
                     for progs in ((512, 1024, 2048) if many else (512,)):
                         stage_knob = "ATTN_STAGES_MANY" if many else "ATTN_STAGES"
-                        saved = knobs(**dict(zip(names, (sb, w, pf, kt))), **{stage_knob: st}, ATTN_PROGRAMS=progs)
+                        saved = knobs(**dict(zip(names, (sb, w, pf))), **{stage_knob: st}, ATTN_PROGRAMS=progs)
                         try:
                             o = tk.sparse_attention_slots(*asets[0]).float()
                             ok = bool(((o - ref).norm() / ref.norm()) < 1e-2)
@@ -550,7 +545,7 @@ def decode_breakdown(bw):
                             knobs(**saved)
                             continue
                         timed(B, f"attention+merge SB={sb} warps={w} stages={st} prefetch={pf} programs={progs}"
-                              f" kt={kt}{'' if ok else ' WRONG'}", tk.sparse_attention_slots, asets, attn_by)
+                              f"{'' if ok else ' WRONG'}", tk.sparse_attention_slots, asets, attn_by)
                         knobs(**saved)
         timed(B, "whole op (defaults)", tk.qsa_decode_paged_triton, sets, score_by + attn_by)
         sets = keys = asets = None
@@ -560,13 +555,14 @@ def decode_breakdown(bw):
 
 def profile_once():
     """A few eager calls of each kernel at decode size, for a profiler (ncu) to catch."""
+    from qwen4exp.ops.qsa import cuda as qsa_cuda
     from qwen4exp.ops import cuda
 
     for _ in range(2):
         s = hc_mix_case(1)[0][0]
         cuda.hc_mix(*s)
         s = qsa_case(1)[0][0]
-        cuda.qsa_attention(*s)
+        qsa_cuda.qsa_attention(*s)
     torch.cuda.synchronize()
 
 
@@ -624,15 +620,17 @@ def main():
         for bd in (16, 32):
             cases.append(("hc_step", f"T={T},inject_norm+mix,BD{bd}", mk,
                           with_knobs(hc_step_fused_norm, hc_tk, B_BLOCK_D=bd, B_BLOCK_D_MANY=bd), None))
+    from qwen4exp.ops.ple import cuda as ple_cuda
+    from qwen4exp.ops.qsa import cuda as qsa_cuda
     for Tq in (1, 32):
-        cases.append(("qsa_attention", f"Tq={Tq},L=50000", lambda Tq=Tq: qsa_case(Tq), cuda.qsa_attention,
+        cases.append(("qsa_attention", f"Tq={Tq},L=50000", lambda Tq=Tq: qsa_case(Tq), qsa_cuda.qsa_attention,
                       qsa_ref.qsa_attention))
     for B in (1, 32):
         cases.append(("qsa_decode_paged", f"B={B},L=50000,paged", lambda B=B: paged_qsa_case(B),
-                      cuda.qsa_decode_paged, qsa_ref.qsa_decode_paged))
+                      qsa_cuda.qsa_decode_paged, qsa_ref.qsa_decode_paged))
     # a 10k-token context (the agentic benchmark's max_model_len: 2,560 blocks, the 4,096-key top-k variant)
     cases.append(("qsa_decode_paged", "B=1,L=10240,paged", lambda: paged_qsa_case(1, L=10_240),
-                  cuda.qsa_decode_paged, qsa_ref.qsa_decode_paged))
+                  qsa_cuda.qsa_decode_paged, qsa_ref.qsa_decode_paged))
     from qwen4exp.ops.qsa import triton_kernel as qsa_tk
     # the decode attention's launch settings side by side (the rest of the op is the same in every variant)
     sweep = [(1, dict(ATTN_PREFETCH=True)), (32, dict(ATTN_PREFETCH_MANY=False)),
@@ -643,10 +641,10 @@ def main():
     for B, knobs in sweep if args.attn_sweep else ():
         name = ",".join(f"{k.removeprefix('ATTN_').lower()}={v}" for k, v in knobs.items())
         cases.append(("qsa_decode_paged", f"B={B},L=50000,{name}", lambda B=B: paged_qsa_case(B),
-                      with_knobs(cuda.qsa_decode_paged, qsa_tk, **knobs), None))  # (no reference timing again)
+                      with_knobs(qsa_cuda.qsa_decode_paged, qsa_tk, **knobs), None))  # (no reference timing again)
     for Tq in (4, 4096):
         cases.append(("qsa_prefill_paged", f"Tq={Tq},L=50000,paged", lambda Tq=Tq: prefill_qsa_case(Tq),
-                      cuda.qsa_prefill_paged, qsa_ref.qsa_prefill_paged))
+                      qsa_cuda.qsa_prefill_paged, qsa_ref.qsa_prefill_paged))
     for shape, group in (((1, 24, 256), 256), ((32, 24, 256), 256), ((32, 10240), 2560)):
         cases.append(("rms_norm", "x".join(map(str, shape)) + f"/{group}", lambda a=shape, g=group: rms_norm_case(a, g),
                       cuda.rms_norm, norm_ref.grouped_rms_norm))
@@ -662,24 +660,24 @@ def main():
         cases.append(("apply_rope", f"T={T},24x256,R=64", lambda T=T: rope_case(T), cuda.apply_rope,
                       rope_ref.apply_rope))
     for T in (1, 32):
-        cases.append(("ple_lookup", f"T={T},fp8,pinned-host", lambda T=T: ple_case(T, "pinned"), cuda.ple_lookup,
-                      ple_ref_host))
-        cases.append(("ple_lookup", f"T={T},fp8,gpu", lambda T=T: ple_case(T, "gpu"), cuda.ple_lookup,
+        cases.append(("ple_lookup", f"T={T},fp8,pinned-host", lambda T=T: ple_case(T, "pinned"),
+                      ple_cuda.ple_lookup, ple_ref_host))
+        cases.append(("ple_lookup", f"T={T},fp8,gpu", lambda T=T: ple_case(T, "gpu"), ple_cuda.ple_lookup,
                       ple_ref.ple_lookup))
     for T in (1, 32):
         cases.append(("ngram_lookup_decode", f"T={T},fp8,pinned-host", lambda T=T: ngram_lookup_case(T, "pinned"),
-                      cuda.ngram_lookup_decode, ple_ref.ngram_lookup_decode))
+                      ple_cuda.ngram_lookup_decode, ple_ref.ngram_lookup_decode))
     from qwen4exp.ops.ple import triton_kernel as ple_tk
     for T in (1, 32):
-        cases.append(("ple_mix", f"T={T},4x2560,K=4,dil=3", lambda T=T: ple_mix_case(T), cuda.ple_mix,
+        cases.append(("ple_mix", f"T={T},4x2560,K=4,dil=3", lambda T=T: ple_mix_case(T), ple_cuda.ple_mix,
                       ple_ref.ple_mix))
-        # the decode kernel's launch settings: programs (1 << 20: one channel block a program, the run-11 kernel),
+        # the decode kernel's launch settings: programs (1 << 20: one channel block a program),
         # channels a block, warps
         for progs, bc, w in ((1 << 20, 512, 8), (264, 512, 8), (132, 256, 8), (264, 256, 4), (528, 256, 4),
                              (132, 512, 4), (264, 128, 4)):
             cases.append(("ple_mix", f"T={T},4x2560,K=4,dil=3,programs={progs},block_c={bc},warps={w}",
                           lambda T=T: ple_mix_case(T),
-                          with_knobs(cuda.ple_mix, ple_tk, MIX_PROGRAMS=progs, MIX_BLOCK_C=bc, MIX_WARPS=w), None))
+                          with_knobs(ple_cuda.ple_mix, ple_tk, MIX_PROGRAMS=progs, MIX_BLOCK_C=bc, MIX_WARPS=w), None))
     if cuda._FLA is not None:  # GDN through flash-linear-attention (the HF path's kernels; vLLM has its own copy)
         from qwen4exp.ops.gated_delta_rule import reference as gdn_ref
 

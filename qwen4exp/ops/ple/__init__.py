@@ -1,7 +1,14 @@
-from .._dispatch import pick
+"""PLE (the hashed n-gram embedding and its mix into the streams): ``reference`` (readable torch, the contract),
+``triton_kernel`` (the CUDA kernels), ``cuda`` (their registration as custom operators and the host wrappers),
+``host`` (what the kernels cover; Triton-free). Tests: ``tests/ops/test_ple.py``."""
+
+from .. import _registry
 from . import reference
 from .reference import (hash_multipliers, head_table_sizes, lookup_to, ngram_context, ngram_context_decode,
                         splitmix64, table_rows)
+
+KERNELS = _registry.Kernels(__name__, cuda=".cuda")  # the CUDA kernels (cuda.py), loaded on the first CUDA call
+pick = KERNELS.pick
 
 
 def ngram_ids(ctx, multipliers, head_sizes, head_offsets, heads_per_ngram):

@@ -9,7 +9,9 @@ Rounding as the reference: bf16(float(row) * float(scale)); without a scale the 
 
 The mix (``reference.ple_mix`` for one token per sequence): query norm, key dot product, gate, value scaling, conv
 norm, the dilated depthwise conv against the carried state, SiLU and the sum, with the new state, in ONE launch; the
-reference is ~35 torch launches at decode sizes (run 10's batch-32 profile: ~100 us of GPU time a step).
+reference is ~35 torch launches at decode sizes.
+
+What each kernel covers: ``host``; the custom operators and wrappers: ``cuda``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..triton_utils import round_bf16 as _rbf
 from ..triton_utils import rsqrt as _rsqrt
 from ..triton_utils import sigmoid as _sigmoid
 from ..triton_utils import silu as _silu
+from .host import out_dtype_of
 
 
 @triton.jit
@@ -86,22 +89,6 @@ def _ngram_gather_decode_kernel(IDS, PREV, MUL, HSZ, HOFF, TAB, SCALE, scale_val
         tl.store(NEXT + t * stride_next + offs_c, nxt.to(NEXT.dtype.element_ty), mask=cm)
 
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
-
-
-def supported(table, rows, scale, out_dtype) -> bool:
-    if not rows.is_cuda or table.dim() != 2 or table.dtype not in _DTYPES or table.stride(-1) != 1:
-        return False
-    if not (table.is_cuda or (table.device.type == "cpu" and table.is_pinned())):
-        return False
-    if scale is not None and (scale.numel() != 1 or not (scale.is_cuda or scale.device.type == "cpu")):
-        return False
-    if rows.dtype not in (torch.int32, torch.int64) or rows.dim() < 1:
-        return False
-    dt = out_dtype or (table.dtype if scale is None else torch.bfloat16)
-    return dt in (torch.bfloat16, torch.float16, torch.float32)
-
-
 def _scale_args(scale, dummy):
     """(SCALE_MODE, scale pointer, scale value): none, a GPU tensor, or a host scalar passed by value (read here:
     no device sync)."""
@@ -112,17 +99,6 @@ def _scale_args(scale, dummy):
     return 2, dummy, float(scale.float().reshape(()))
 
 
-def ngram_lookup_decode_supported(ids, prev, table, scale, out_dtype) -> bool:
-    return (ids.is_cuda and prev.is_cuda and ngram_lookup_decode_covers(ids, prev)
-            and supported(table, ids.unsqueeze(1), scale, out_dtype))
-
-
-def ngram_lookup_decode_covers(ids, prev) -> bool:
-    """The shapes the kernel covers, devices aside: one id per sequence, integer contexts of 1-8 ids."""
-    return (ids.dim() == 1 and prev.dim() == 2 and prev.shape[0] == ids.shape[0] and 1 <= prev.shape[1] <= 8
-            and prev.stride(1) == 1 and not prev.dtype.is_floating_point and not ids.dtype.is_floating_point)
-
-
 def ngram_lookup_decode_triton(ids, prev, eos, multipliers, head_sizes, head_offsets, heads_per_ngram, table,
                                scale=None, out_dtype=None):
     """``reference.ngram_lookup_decode`` in one launch -> (embeddings [N, G * d_g], next context [N, n-1])."""
@@ -131,7 +107,7 @@ def ngram_lookup_decode_triton(ids, prev, eos, multipliers, head_sizes, head_off
     if G != C * heads_per_ngram or multipliers.numel() != C + 1:
         raise ValueError(f"ngram_lookup_decode: {G} heads, {multipliers.numel()} multipliers for a context of {C} "
                          f"ids and {heads_per_ngram} heads per n-gram")
-    dt = out_dtype or (table.dtype if scale is None else torch.bfloat16)
+    dt = out_dtype_of(table, scale, out_dtype)
     DG = table.shape[1]
     out = torch.empty(N, G * DG, dtype=dt, device=ids.device)
     nxt = torch.empty_like(prev)
@@ -147,7 +123,7 @@ def ngram_lookup_decode_triton(ids, prev, eos, multipliers, head_sizes, head_off
 
 def ple_lookup_triton(table, rows, scale=None, out_dtype=None):
     """[..., G] row ids -> [..., G * d_g]; ``table`` on the GPU or pinned on the host (read through UVA)."""
-    dt = out_dtype or (table.dtype if scale is None else torch.bfloat16)
+    dt = out_dtype_of(table, scale, out_dtype)
     G = rows.shape[-1]
     DG = table.shape[1]
     rows2 = rows.reshape(-1, G)
@@ -165,13 +141,12 @@ def ple_lookup_triton(table, rows, scale=None, out_dtype=None):
 
 
 # ------------------------------------------------------------------------------------------------- the decode mix
+# Launch settings (the chosen values: the fastest of the shapes swept at the real widths, 1 and 32 tokens;
+# docs/performance.md has the measurements)
 MIX_BLOCK_C = 128  # channels of one stream per block (the conv state block is [MIX_BLOCK_C, S] in registers)
 MIX_BLOCK_R = 1024  # columns per step of the reductions over a stream's D
 MIX_WARPS = 4
-MIX_PROGRAMS = 264  # about this many programs (at least one per (token, stream), at most one per channel block).
-# H200 run 12 (bench_ops, 4 x 2560, K 4, dilation 3), T = 32 / T = 1 tokens: 128 channels, 4 warps, 264 programs
-# 22.3 / 4.3 us; 256 ch, 4 w, 264 p 24.6 / 6.3; 256 ch, 8 w, 132 p 27.1 / 6.5; the run-11 launch (512 ch, 8 w, one
-# block a program) 41.0 / 8.0 (the engine profile: 36.3 us at 32 tokens)
+MIX_PROGRAMS = 264  # about this many programs (at least one per (token, stream), at most one per channel block)
 
 
 @triton.jit(do_not_specialize=['CPP'])
@@ -250,27 +225,6 @@ def _ple_mix_channels(VAL, CW, WC, STATE, OUT, NEW, t, s, cb, g, rstd_u, stride_
     nxt = tl.where(offs_j[None, :] == S - 1, un[:, None], nxt.to(WC.dtype.element_ty).to(tl.float32))
     tl.store(NEW + t * stride_nn + ch[:, None] * stride_nc + offs_j[None, :], nxt.to(NEW.dtype.element_ty),
              mask=mc[:, None] & (offs_j < S)[None, :])
-
-
-def ple_mix_decode_supported(H, k, v, qw, cw, wc, cu_seqlens, state, n: int) -> bool:
-    return H.is_cuda and ple_mix_decode_covers(H, k, v, qw, cw, wc, cu_seqlens, state, n)
-
-
-def ple_mix_decode_covers(H, k, v, qw, cw, wc, cu_seqlens, state, n: int) -> bool:
-    """What the kernel covers, device aside: one token per sequence, bf16, a state, sizes within its blocks."""
-    if cu_seqlens is not None or state is None or H.dim() != 2 or n <= 0:
-        return False
-    T, nD = H.shape
-    if nD % n or wc.dim() != 2 or state.dim() != 3:
-        return False
-    D, KS = nD // n, wc.shape[1]
-    S = state.shape[2]
-    bf = torch.bfloat16
-    return (H.dtype == k.dtype == v.dtype == wc.dtype == bf and D <= 8192 and 1 <= KS <= 16 and 1 <= S <= 64
-            and k.shape == (T, nD) and v.shape == (T, D) and state.shape[:2] == (T, nD) and wc.shape[0] == nD
-            and qw.numel() == cw.numel() == nD and qw.is_contiguous() and cw.is_contiguous() and wc.is_contiguous()
-            and H.stride(1) == k.stride(1) == v.stride(1) == state.stride(2) == 1
-            and state.dtype in (bf, torch.float32))
 
 
 def ple_mix_decode_triton(H, k, v, qw, cw, wc, state, n: int, eps: float, dilation: int):

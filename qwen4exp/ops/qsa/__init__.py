@@ -1,8 +1,15 @@
-from .._dispatch import pick
+"""QSA (Qwen Sparse Attention): ``reference`` (readable torch, the contract), ``triton_kernel`` (the CUDA
+kernels), ``cuda`` (their registration as custom operators and the host wrappers), ``host`` (what the kernels cover
+and which top-k select runs; Triton-free). Tests: ``tests/ops/test_qsa.py``."""
+
+from .. import _registry
 from . import reference
 from .reference import (block_mean, indexer_scores, num_complete_blocks, paged_rows, qsa_attention_gathered,
                         qsa_decode_batched, reused_block_ids, select_blocks, selected_token_indices, selection_mask,
                         sparse_attention)
+
+KERNELS = _registry.Kernels(__name__, cuda=".cuda")  # the CUDA kernels (cuda.py), loaded on the first CUDA call
+pick = KERNELS.pick
 
 
 def qsa_attention(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_scale):

@@ -7,12 +7,13 @@ Three stages, no host synchronisation (so the decode op can be captured in a CUD
    products) for every block key, written as an int64 sort key  (orderable score bits << 32) | (2^32 - 1 - j),
    or INT64_MIN for blocks the query cannot see yet.  The keys are unique and order like the reference's stable
    sort ("higher score first, lower block id on ties").
-2. Selection of the top m = budget / r blocks per query, one program per query: ``_qsa_topk_small_kernel`` (up to
-   TOPK_SMALL_MAX blocks, keys held in registers, the threshold bit by bit or byte by byte: TOPK_SMALL_BITS) or
-   ``_qsa_topk_kernel`` (radix select over chunks); ties at the threshold go to the lower block ids, so the set is
-   exactly the reference's.  ``TOPK = "torch"`` uses ``torch.topk`` on the keys instead (slower); ``TOPK = "vllm"``
-   (opt-in, paged decode inside a vLLM engine) hands fp32 scores to vLLM's own CUDA select (ties: its choice).  A
-   query with at most m complete blocks takes all of them (the reference's dense regime).
+2. Selection of the top m = budget / r blocks per query (``top_ids``): ``_qsa_topk_small_kernel`` (up to
+   TOPK_SMALL_MAX blocks, keys held in registers, the threshold found bit by bit; split over chunks of keys for few
+   queries: TOPK_SPLIT) or ``_qsa_topk_kernel`` (radix select over chunks); ties at the threshold go to the lower
+   block ids, so the set is exactly the reference's.  The paged decode hands fp32 scores to vLLM's own CUDA select
+   instead where vLLM has loaded it (``host.decode_select``; ties: its choice); the unpaged op takes
+   ``torch.topk`` of the sort keys (``top_keys``: the same set, largest first).  A query with at most m complete
+   blocks takes all of them (the reference's dense regime).
 3. ``_qsa_attn_kernel`` (split over slot ranges, one program per (range, kv head, query), an online softmax over
    the range's chunks of ATTN_SLOT_BLOCK slots) + ``_qsa_merge_kernel``: attention of the query heads of one GQA
    group over the selected tokens: slot i < m*r is token ids[i // r] * r + i % r, slot m*r + j is tail token
@@ -31,10 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import apply_knobs
 from ..triton_utils import dot as _dot
 from ..triton_utils import round_bf16 as _rbf
 from ..triton_utils import rsqrt as _rsqrt
+from . import host
 
 INT64_MIN = -(1 << 63)
 _KEY_MIN = tl.constexpr(INT64_MIN)
@@ -209,12 +210,10 @@ def _bit_or(a, b):
 def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.constexpr, M_P: tl.constexpr,
                            BITS: tl.constexpr, MODE: tl.constexpr = 0):
     """Same selection as ``_qsa_topk_kernel`` for Nb <= N_P keys held in registers: the threshold (the m-th
-    largest score half of the keys) by a search of counts, one bit a step (BITS = 1: 32 block-wide counts; BITS = 0:
-    from the first bit where the keys differ, stopping once exactly k keys are at or above the candidate; BITS = 2:
-    as 0 with two bits a step, three counts packed into one block-wide sum) or one
-    digit a step (BITS = 8 or 11: 2^BITS-bin histograms of the keys still tied with the threshold so far), then ties by
-    block id; the output positions come out of ONE prefix sum (the counts of "above the threshold" and "at it"
-    packed into the two halves of an int32).
+    largest score half of the keys) by a search of counts over the bits where the keys differ, stopping once exactly
+    k keys are at or above the candidate (BITS = 0: one bit a step; BITS = 2: two bits a step, three counts packed
+    into one block-wide sum), then ties by block id; the output positions come out of ONE prefix sum (the counts of
+    "above the threshold" and "at it" packed into the two halves of an int32).
     MODE 0: the selected positions (block ids) in id order, -1 padded. The two stages of the split select
     (``top_ids``, TOPK_SPLIT): MODE 1, program (t, c) selects among keys c * N_P .. of row t and writes the selected
     KEYS themselves (id order, INT64_MIN padded) to OUT[t, c * m ..]; MODE 2 selects among those candidates and
@@ -227,66 +226,47 @@ def _qsa_topk_small_kernel(KEYS, OUT, Nb, m, stride_kt, stride_ot, N_P: tl.const
     u = ((kv >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order = key order
     k = tl.minimum(m, tl.sum(valid.to(tl.int32), axis=0))
     prefix = tl.zeros([], dtype=tl.uint32)  # invariant: at least k valid keys are >= prefix
-    if (BITS == 0) | (BITS == 2):  # one bit a step as BITS = 1 (or two: BITS = 2), but only over the bits where
-        # the valid keys differ, and no further once exactly k keys are >= the candidate (then every key at or above
-        # it is selected: no tie to split)
-        umax = tl.max(tl.where(valid, u, tl.zeros([N_P], dtype=tl.uint32)), axis=0)
-        differ = tl.reduce(tl.where(valid, u ^ umax, tl.zeros([N_P], dtype=tl.uint32)), 0, _bit_or)
-        lz = tl.zeros([], dtype=tl.int32)  # leading bits every valid key shares (32: all equal)
-        tz = tl.zeros([], dtype=tl.int32)  # trailing bits every valid key shares
-        d64 = differ.to(tl.int64)
-        for j in tl.static_range(32):
-            lz += ((d64 >> (31 - j)) == 0).to(tl.int32)
-            tz += ((d64 & ((2 << j) - 1)) == 0).to(tl.int32)
-        low = tl.maximum(32 - lz, 1).to(tl.uint32)  # (shift counts stay below 32)
-        prefix = tl.where(lz == 0, prefix, tl.where(lz >= 32, umax, (umax >> low) << low))
-        if BITS == 0:
-            b = lz
-            while b < 32 - tz:
-                cand = prefix | (tl.full([], 1, tl.uint32) << (31 - b).to(tl.uint32))
-                cnt = tl.sum((valid & (u >= cand)).to(tl.int32), axis=0)
-                prefix = tl.where(cnt >= k, cand, prefix)
-                b = tl.where(cnt == k, 32, b + 1)
-        else:  # two bits a step: the counts of keys >= prefix | d for the digits d = 1, 2, 3 in ONE block-wide sum
-            # (16-bit fields of an int64, as in the final prefix sum below); the pairs are aligned to even bit numbers
-            # (a pair reaching into the shared leading bits re-decides a shared bit: harmless)
-            uv = tl.where(valid, u, tl.zeros([N_P], dtype=tl.uint32))  # candidates are >= 1: invalid keys never count
-            b = lz - lz % 2
-            while b < 32 - tz:
-                sh = (30 - b).to(tl.uint32)
-                c1 = prefix | (tl.full([], 1, tl.uint32) << sh)
-                c2 = prefix | (tl.full([], 2, tl.uint32) << sh)
-                c3 = prefix | (tl.full([], 3, tl.uint32) << sh)
-                packed = tl.sum((uv >= c1).to(tl.int64) + ((uv >= c2).to(tl.int64) << 16)
-                                + ((uv >= c3).to(tl.int64) << 32), axis=0)
-                n1 = packed & 0xFFFF
-                n2 = (packed >> 16) & 0xFFFF
-                n3 = packed >> 32
-                d = tl.where(n3 >= k, 3, tl.where(n2 >= k, 2, tl.where(n1 >= k, 1, 0)))
-                cnt = tl.where(d == 3, n3, tl.where(d == 2, n2, tl.where(d == 1, n1, -1)))
-                prefix = prefix | (d.to(tl.uint32) << sh)
-                b = tl.where(cnt == k, 32, b + 2)
-        # the shared trailing bits (every key has them: the threshold too)
-        tail = (tl.full([], 1, tl.int64) << tz.to(tl.int64)) - 1
-        prefix = prefix | (umax.to(tl.int64) & tail).to(tl.uint32)
-    elif BITS == 1:
-        for b in tl.static_range(32):
-            cand = prefix | (1 << (31 - b))
+    # one or two bits a step, but only over the bits where the valid keys differ, and no further once exactly k
+    # keys are >= the candidate (then every key at or above it is selected: no tie to split)
+    umax = tl.max(tl.where(valid, u, tl.zeros([N_P], dtype=tl.uint32)), axis=0)
+    differ = tl.reduce(tl.where(valid, u ^ umax, tl.zeros([N_P], dtype=tl.uint32)), 0, _bit_or)
+    lz = tl.zeros([], dtype=tl.int32)  # leading bits every valid key shares (32: all equal)
+    tz = tl.zeros([], dtype=tl.int32)  # trailing bits every valid key shares
+    d64 = differ.to(tl.int64)
+    for j in tl.static_range(32):
+        lz += ((d64 >> (31 - j)) == 0).to(tl.int32)
+        tz += ((d64 & ((2 << j) - 1)) == 0).to(tl.int32)
+    low = tl.maximum(32 - lz, 1).to(tl.uint32)  # (shift counts stay below 32)
+    prefix = tl.where(lz == 0, prefix, tl.where(lz >= 32, umax, (umax >> low) << low))
+    if BITS == 0:
+        b = lz
+        while b < 32 - tz:
+            cand = prefix | (tl.full([], 1, tl.uint32) << (31 - b).to(tl.uint32))
             cnt = tl.sum((valid & (u >= cand)).to(tl.int32), axis=0)
             prefix = tl.where(cnt >= k, cand, prefix)
-    else:  # radix, BITS-bit digits from the top: k_rem = rank of the threshold among the keys that share its
-        # digits found so far (BITS = 8: 8+8+8+8; BITS = 11: 11+11+10)
-        bins = tl.arange(0, 1 << BITS)
-        k_rem = k
-        for p in tl.static_range((32 + BITS - 1) // BITS):
-            HI = 32 - BITS * p  # compile-time values (p is): the digit is bits SHIFT .. HI-1
-            SHIFT = HI - BITS if HI > BITS else 0
-            active = valid
-            if p > 0:
-                active = valid & ((u >> HI) == (prefix >> HI))
-            h = tl.histogram(((u >> SHIFT) & ((1 << (HI - SHIFT)) - 1)).to(tl.int32), 1 << BITS, mask=active)
-            d, k_rem = _radix_digit(h, bins, k_rem)
-            prefix = prefix | (d.to(tl.uint32) << SHIFT)
+            b = tl.where(cnt == k, 32, b + 1)
+    else:  # two bits a step: the counts of keys >= prefix | d for the digits d = 1, 2, 3 in ONE block-wide sum
+        # (16-bit fields of an int64, as in the final prefix sum below); the pairs are aligned to even bit numbers
+        # (a pair reaching into the shared leading bits re-decides a shared bit: harmless)
+        uv = tl.where(valid, u, tl.zeros([N_P], dtype=tl.uint32))  # candidates are >= 1: invalid keys never count
+        b = lz - lz % 2
+        while b < 32 - tz:
+            sh = (30 - b).to(tl.uint32)
+            c1 = prefix | (tl.full([], 1, tl.uint32) << sh)
+            c2 = prefix | (tl.full([], 2, tl.uint32) << sh)
+            c3 = prefix | (tl.full([], 3, tl.uint32) << sh)
+            packed = tl.sum((uv >= c1).to(tl.int64) + ((uv >= c2).to(tl.int64) << 16)
+                            + ((uv >= c3).to(tl.int64) << 32), axis=0)
+            n1 = packed & 0xFFFF
+            n2 = (packed >> 16) & 0xFFFF
+            n3 = packed >> 32
+            d = tl.where(n3 >= k, 3, tl.where(n2 >= k, 2, tl.where(n1 >= k, 1, 0)))
+            cnt = tl.where(d == 3, n3, tl.where(d == 2, n2, tl.where(d == 1, n1, -1)))
+            prefix = prefix | (d.to(tl.uint32) << sh)
+            b = tl.where(cnt == k, 32, b + 2)
+    # the shared trailing bits (every key has them: the threshold too)
+    tail = (tl.full([], 1, tl.int64) << tz.to(tl.int64)) - 1
+    prefix = prefix | (umax.to(tl.int64) & tail).to(tl.uint32)
     thr = prefix
     gt = valid & (u > thr)
     eq = valid & (u == thr)
@@ -341,14 +321,11 @@ def _slot_rows(IDS, QPOS, BT, t, slots, r, m, stride_kl, stride_vl, stride_ids_t
 def _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, c0, c1, r, m, scale_log2, stride_qt, stride_qh, stride_kl, stride_kh,
                  stride_vl, stride_vh, stride_ids_t, stride_bt, n_bt, stride_kb, stride_vb,
                  G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr, TAIL: tl.constexpr,
-                 KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr, PREFETCH: tl.constexpr,
-                 KT: tl.constexpr = False):
+                 KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr, PREFETCH: tl.constexpr):
     """Online softmax of the G query heads of KV head g of query t over slot chunks [c0, c1) of SB slots:
     (acc [G_P, HD] = sum_j 2^(s_j - m) v_j unnormalised, m [G_P] the running max in log2 units, l = sum 2^(s_j - m)).
     PREFETCH: the next chunk's rows (selected ids -> block table -> row offsets: two dependent loads) are looked up
-    while this chunk's K/V loads are in flight, so an iteration waits on one memory round trip instead of three.
-    KT: K is loaded as its transpose [HD, SB] (the dot's right operand as it is used) instead of [SB, HD] and
-    transposed in registers (the in-tree decode kernel's way; a launch setting to time, same values)."""
+    while this chunk's K/V loads are in flight, so an iteration waits on one memory round trip instead of three."""
     offs_g = tl.arange(0, G_P)
     offs_d = tl.arange(0, HD)
     gmask = offs_g < G
@@ -365,22 +342,15 @@ def _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, c0, c1, r, m, scale_log2, stride_
             k_row, v_row, valid = _slot_rows(IDS, QPOS, BT, t, c * SB + tl.arange(0, SB), r, m, stride_kl,
                                              stride_vl, stride_ids_t, stride_bt, n_bt, stride_kb, stride_vb, TAIL,
                                              KEYS, PAGED, PBS)
-        if KT:
-            kt = tl.load(K + k_row[None, :] + g * stride_kh + offs_d[:, None], mask=valid[None, :],
-                         other=0.0).to(tl.bfloat16)  # [HD, SB]
-        else:
-            k = tl.load(K + k_row[:, None] + g * stride_kh + offs_d[None, :], mask=valid[:, None],
-                        other=0.0).to(tl.bfloat16)  # FP8 caches widen exactly
+        k = tl.load(K + k_row[:, None] + g * stride_kh + offs_d[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.bfloat16)  # FP8 caches widen exactly
         v = tl.load(V + v_row[:, None] + g * stride_vh + offs_d[None, :], mask=valid[:, None],
                     other=0.0).to(tl.bfloat16)
         if PREFETCH:  # (past the last chunk the slots are invalid: masked loads, nothing read)
             nk_row, nv_row, nvalid = _slot_rows(IDS, QPOS, BT, t, (c + 1) * SB + tl.arange(0, SB), r, m, stride_kl,
                                                 stride_vl, stride_ids_t, stride_bt, n_bt, stride_kb, stride_vb, TAIL,
                                                 KEYS, PAGED, PBS)
-        if KT:
-            s = _dot(q, kt) * scale_log2  # [G_P, SB], log2 units
-        else:
-            s = _dot(q, tl.trans(k)) * scale_log2
+        s = _dot(q, tl.trans(k)) * scale_log2  # [G_P, SB], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -399,8 +369,7 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_chunks, cpp, scale_
                      stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                      BT, stride_bt, n_bt, stride_kb, stride_vb,
                      G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr, TAIL: tl.constexpr,
-                     KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr, PREFETCH: tl.constexpr,
-                     KT: tl.constexpr = False):
+                     KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr, PREFETCH: tl.constexpr):
     """Slot chunks [sp * cpp, (sp + 1) * cpp) of one (query, KV head): fp32 partial output (unnormalised), max and
     sum of its G heads for ``_qsa_merge_kernel`` (decode: the split over slot ranges gives the GPU enough programs;
     ranges of several chunks keep the partials, written and read back through memory, few at batch 32)."""
@@ -413,7 +382,7 @@ def _qsa_attn_kernel(Q, K, V, QPOS, IDS, OP, MP, LP, r, m, n_chunks, cpp, scale_
     acc, m_i, l_i = _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, c0, tl.minimum(c0 + cpp, n_chunks), r, m, scale_log2,
                                  stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                                  stride_bt, n_bt, stride_kb, stride_vb, G, G_P, HD, SB, TAIL, KEYS, PAGED, PBS,
-                                 PREFETCH, KT)
+                                 PREFETCH)
     offs_g = tl.arange(0, G_P)
     gmask = offs_g < G
     base = (t * n_kvh + g) * n_split + sp
@@ -427,15 +396,14 @@ def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
                           stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                           BT, stride_bt, n_bt, stride_kb, stride_vb, stride_ot, stride_oh,
                           G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr,
-                          TAIL: tl.constexpr, KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr,
-                          PREFETCH: tl.constexpr):
+                          TAIL: tl.constexpr, KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
     """All slots of one (query, KV head) in one program (prefill: many queries fill the GPU without a split, and no
-    fp32 partials go through memory)."""
+    fp32 partials go through memory; rows looked up chunk by chunk, no prefetch)."""
     g = tl.program_id(0)
     t = tl.program_id(1)
     acc, m_i, l_i = _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, 0, n_chunks, r, m, scale_log2, stride_qt, stride_qh,
                                  stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t, stride_bt, n_bt,
-                                 stride_kb, stride_vb, G, G_P, HD, SB, TAIL, KEYS, PAGED, PBS, PREFETCH)
+                                 stride_kb, stride_vb, G, G_P, HD, SB, TAIL, KEYS, PAGED, PBS, False)
     offs_g = tl.arange(0, G_P)
     offs_d = tl.arange(0, HD)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -473,93 +441,57 @@ def _qsa_merge_kernel(OP, MP, LP, O, n_split, stride_ot, stride_oh,
     tl.store(O + t * stride_ot + (g * G + i) * stride_oh + offs_d, out.to(tl.bfloat16))
 
 
-LAUNCHED = {}  # the last compiled kernels (registers / spills for the notes)
-ATTN_SLOT_BLOCK = 32  # selected-token slots per loop step of the decode attention kernel, and its warps (few
-ATTN_WARPS = 8  # queries: batch 1): at the real widths (12 heads padded to 16 x 256) 32 x 8 compiles to 254
-# registers and no spills (ptxas, sm_90). 64 x 8 is ~1 us a layer faster at batch 1 (attention + merge 11.8 / 12.2
-# us against 13.2 / 12.7, H200 runs 12 / 13, bench_ops --decode-breakdown; the engine's batch-1 profile in run 13:
-# 11.5 against run 12's 12.6 us) but spills 1,728 bytes a thread (tests/triton_offline.py compile): not taken.
-# (64 x 4 with the loop: ptxas falls back to 32 registers and spills 17.6 KB a thread)
-ATTN_PROGRAMS = 512  # decode attention: each (query, KV head) split over slot ranges so that about this many
-# programs run (batch 1: one 32-slot chunk a program, 130 programs; batch 32: 9 chunks, 512 programs). Before:
-# always one chunk a program, which at batch 32 wrote (and the merge read back) 35 MB of fp32 partials a layer
-ATTN_STAGES = 1  # software-pipeline stages of its loop over chunks (few queries; batch 1: 1-3 within noise)
-ATTN_STAGES_MANY = 3  # many queries (batch 32 x 50k, attention + merge at 16 x 2 + prefetch, H200 run 12: 1 stage
-# 73.1 us, 2: 67.7, 3: 59.9; Triton's pipeliner issues the next chunks' K/V loads (cp.async) ahead of the math)
-ATTN_MANY_QUERIES = 8  # from this many queries (batch-32 decode): 16 slots x 2 warps (H200 bench_ops, batch 32 x 50k,
-ATTN_SLOT_BLOCK_MANY = 16  # the whole op: 128 us, vs 16 x 4: 159 (135 without the row prefetch: 2 programs an SM, two
-ATTN_WARPS_MANY = 2  # waves of 512), 32 x 8: 144-150, 64 x 8: 156; at batch 1 32 x 8 is the faster: 36.7 vs 39.7 us)
-# the attention loops can look the next chunk's rows up while this chunk's K/V loads are in flight (PREFETCH):
-ATTN_PREFETCH_MANY = True  # many-query decode (batch 32: 128 vs 141.8 us with 16 x 2)
-ATTN_PREFETCH = False  # few-query decode (batch 1: 36.7 vs 37.4 us, noise-level, and 32 x 8 then spills 140 B)
-LOOP_PREFETCH = False  # prefill loop (not timed with it)
-ATTN_K_T = False  # decode attention: K loaded as [head dim, slots] (``_attn_chunks``' KT): slower at every shape
-ATTN_K_T_MANY = False  # timed (H200 run 13, batch 32, 16 x 2 x 3 stages: 67.7 vs 59.2 us); bench_ops sweeps both
-TOPK = "vllm"  # the top-m selection: "triton" (radix select kernel) or "torch" (torch.topk on the keys); "vllm":
-# paged decode of up to 64 rows through vLLM's CUDA top-k kernel where it is loaded (in the engine: the in-tree
-# model's select), else "triton". H200 run 13 (bench_ops --decode-breakdown, the whole decode op at 50k): batch 1
-# 28.1 vs 33.3 us, batch 32 105.6 vs 110.6 us. Its choice among blocks tied at the threshold is its own (not the
-# reference's lower ids), and the order of the ids it returns varies from call to call (so does the attention's
-# fp32 summation order: bf16 outputs may differ in the last bit between runs); the set is the reference's
-# wherever the scores at the threshold do not tie
-VLLM_TOPK_WORKSPACE_BYTES = 1 << 20  # its scratch (the size vLLM's callers give it)
-TOPK_CHUNK = 8192  # keys per pass step of the radix select
-TOPK_SMALL = True  # up to TOPK_SMALL_MAX blocks: the in-register select instead of the chunked radix select
-TOPK_SMALL_MAX = 16384  # (<= 2^16: the in-register kernel packs two counts into an int32)
-# threshold bits per search step of the in-register select: 1 (binary search over all 32 bits), 0 (binary search
-# from the first bit where the keys differ, stopping once exactly m keys are at or above the candidate: at most as
-# many block-wide counts as 1, plus a max and a bitwise OR), 2 (as 0, two bits a step: about half the block-wide
-# sums, each of three counts packed in an int64), 8 or 11 (radix). H200 run 9 (bench_ops --tune, QSA decode of one
-# query at 50k context): 0 -> 40.5 us, 2 -> 43.0, 1 -> 48.3, 8 -> 69.4 (the select alone 26.5 us with 0)
+LAUNCHED = {}  # the last launch of each kernel (tests check which ran; tools read registers / spills from them)
+# Launch settings (the chosen values; docs/performance.md has the measurements behind them).
+# Decode attention, few queries (batch 1): selected-token slots per loop step and warps. 32 x 8 fits the real widths
+# (12 heads padded to 16 x 256) in registers without spills; 64 x 8 is a little faster but spills.
+ATTN_SLOT_BLOCK = 32
+ATTN_WARPS = 8
+# Each (query, KV head) is split over slot ranges so that about this many programs run (batch 1: one chunk a
+# program; batch 32: several chunks a program, which keeps the fp32 partials the merge reads back few).
+ATTN_PROGRAMS = 512
+ATTN_STAGES = 1  # software-pipeline stages of its loop over chunks, few queries (1-3 within noise)
+ATTN_STAGES_MANY = 3  # many queries: Triton's pipeliner issues the next chunks' K/V loads ahead of the math
+ATTN_MANY_QUERIES = 8  # from this many queries (batch-32 decode) the many-query settings: 16 slots x 2 warps
+ATTN_SLOT_BLOCK_MANY = 16
+ATTN_WARPS_MANY = 2
+# Look the next chunk's rows up while this chunk's K/V loads are in flight: a gain for many-query decode; for few
+# queries noise-level, and it makes the 32 x 8 launch spill.
+ATTN_PREFETCH_MANY = True
+ATTN_PREFETCH = False
+VLLM_TOPK_WORKSPACE_BYTES = 1 << 20  # vLLM's select's scratch (the size vLLM's callers give it)
+TOPK_CHUNK = 8192  # keys per pass step of the chunked radix select (past TOPK_SMALL_MAX blocks)
+TOPK_SMALL_MAX = 16384  # up to this many blocks the in-register select (<= 2^16: it packs two counts in an int32)
+# Threshold bits per search step of the in-register select in one launch (0: one bit a step; the fastest measured
+# against two bits, a search over all 32 bits and 8-bit radix digits)
 TOPK_SMALL_BITS = 0
-# every (TOPK_SMALL, TOPK_SMALL_BITS) variant, for the checks and the benchmark
-TOPK_SELECTS = ((True, 0), (True, 1), (True, 2), (True, 8), (True, 11), (False, 1))
-TOPK_SMALL_WARPS = 16  # warps of the in-register select (16: 48 vs 53 us with 32 at N_P 16384, H200 run 6)
-TOPK_SMALL_MIN = 2048  # the in-register select holds N_P = the next power of two >= the block count, at least this
-TOPK_SPLIT = 4096  # past this many blocks, for up to TOPK_SPLIT_MAX_ROWS queries (decode, MTP verification): the
-# select in two launches, chunks of TOPK_SPLIT keys each selecting their top m (one program per chunk: more SMs
-# at work than one program per query), then the top m of those candidates (exact: every key of the top m is in
-# its chunk's top m). 0: one launch, one program per query (prefill-sized batches always)
+TOPK_SMALL_WARPS = 16  # its warps
+# It holds N_P = the next power of two >= the block count, at least this: four variants (2048 .. 16384), each
+# compiled at its first use (the kernels' integer sizes are not specialised, so no other length compiles anything).
+TOPK_SMALL_MIN = 2048
+# Past this many blocks, for up to TOPK_SPLIT_MAX_ROWS queries (decode, MTP verification): the select in two
+# launches, chunks of TOPK_SPLIT keys each selecting their top m (one program per chunk: more SMs at work than one
+# program per query), then the top m of those candidates (exact: every key of the top m is in its chunk's top m).
+# 0: one launch, one program per query (prefill-sized batches always).
+TOPK_SPLIT = 4096
 TOPK_SPLIT_MAX_ROWS = 128
 TOPK_SPLIT_WARPS = 8
-TOPK_SPLIT_BITS = 2  # the split select's threshold bits a step (TOPK_SMALL_BITS' values; H200 run 12, bench_ops
-# --decode-breakdown, both launches at 50k: batch 1 18.1 us with 2 vs 21.9 with 0, batch 32 21.6 vs 23.8)
-# (2048 / 4096 / 8192 / 16384: four variants, each compiled at its first use; the kernels' integer sizes are not
-# specialised, so no other length compiles anything). Until run 9 every count past 2048 took N_P = 16384: a 10k
-# context (2,560 blocks) did 6x the work, and a decode graph captured for such a max_model_len ran it every step.
-MAX_TQ = 64  # qsa_attention (unpaged K/V): decode / verify / short chunks; longer ones go to the reference
+TOPK_SPLIT_BITS = 2  # the split select's threshold bits a step (two: faster than one at batch 1 and 32)
 LOOP_MIN_QUERIES = 256  # prefill chunks of this many queries on: one looping program per (query, KV head)
-LOOP_SLOT_BLOCK = 128  # slots per loop iteration of that kernel, its warps and software-pipeline stages (the
-LOOP_WARPS = 4  # fastest of 18 shapes on the H200 at 4,096 queries x 50k context: `bench_ops.py --tune-prefill`)
+# Slots per loop iteration of that kernel, its warps and software-pipeline stages (the fastest of the shapes swept
+# at 4,096 queries x 50k context: ``benchmarks/bench_ops.py --tune-prefill``)
+LOOP_SLOT_BLOCK = 128
+LOOP_WARPS = 4
 LOOP_STAGES = 2
 SCORE_WARPS = 4
 PREFILL_KEYS_BYTES = 256 << 20  # the int64 sort keys of one query chunk of qsa_prefill_paged_triton stay below this
 PREFILL_MAX_QUERIES = 16384  # and a chunk has at most this many queries
-SCORE_PAGED_BLOCK_N = 128  # block keys per program of the decode score kernel, and its warps (H200 run 12, 50k:
-SCORE_PAGED_WARPS = 8  # batch 32 32.2 us vs 34.4 with 64 x 4 (71 -> 76% of the bandwidth); batch 1 4.1 either way)
+# Block keys per program of the decode score kernel, and its warps (128 x 8: more of the memory bandwidth at batch
+# 32 than 64 x 4; the same at batch 1)
+SCORE_PAGED_BLOCK_N = 128
+SCORE_PAGED_WARPS = 8
 SCORE_BLOCK_M = 64  # queries x block keys per program of the prefill score kernel
 SCORE_BLOCK_N = 64
-apply_knobs(globals(), "qsa")  # QWEN4EXP_KNOBS=qsa.<SETTING>=<value>,...
-
-
-def supported(q, k, v, q_pos, index_q, block_keys, r, budget) -> bool:
-    if not (q.is_cuda and q.dtype == k.dtype == v.dtype == torch.bfloat16):
-        return False
-    Tq, Hq, HD = q.shape
-    Hkv = k.shape[1]
-    if Tq == 0 or Tq > MAX_TQ or Hq % Hkv or HD not in (64, 128, 256) or Hq // Hkv > 16 or r < 1:
-        return False
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
-        return False
-    if index_q is not None and block_keys is not None:
-        if index_q.dtype != torch.bfloat16 or block_keys.dtype != torch.bfloat16:
-            return False
-        di = block_keys.shape[-1]
-        if di not in (32, 64, 128, 256) or index_q.shape[-1] != di or index_q.shape[1] > 16:
-            return False
-        if index_q.stride(-1) != 1 or block_keys.stride(-1) != 1:
-            return False
-    return True
 
 
 def score_keys(q_pos, index_q, block_keys, r: int, index_scale: float):
@@ -577,7 +509,7 @@ def score_keys(q_pos, index_q, block_keys, r: int, index_scale: float):
 
 
 def top_keys(keys, m: int):
-    """The m largest keys per row, largest first (torch.topk; the alternative to ``top_ids``)."""
+    """The m largest keys per row, largest first (torch.topk: the unpaged op's select)."""
     return torch.topk(keys, m, dim=1, largest=True, sorted=True).values
 
 
@@ -586,8 +518,7 @@ def top_ids(keys, m: int):
     Tq, Nb = keys.shape
     out = torch.empty(Tq, m, dtype=torch.int32, device=keys.device)
     n_chunks = triton.cdiv(Nb, TOPK_SPLIT) if TOPK_SPLIT else 0
-    if (TOPK_SMALL and n_chunks > 1 and Tq <= TOPK_SPLIT_MAX_ROWS and 2 * m <= TOPK_SPLIT
-            and n_chunks * m <= TOPK_SMALL_MAX):
+    if n_chunks > 1 and Tq <= TOPK_SPLIT_MAX_ROWS and 2 * m <= TOPK_SPLIT and n_chunks * m <= TOPK_SMALL_MAX:
         M_P = triton.next_power_of_2(m)
         cand = torch.empty(Tq, n_chunks * m, dtype=torch.int64, device=keys.device)
         LAUNCHED["qsa_topk_split"] = _qsa_topk_small_kernel[(Tq, n_chunks)](
@@ -597,7 +528,7 @@ def top_ids(keys, m: int):
         LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
             cand, out, n_chunks * m, m, cand.stride(0), out.stride(0), N_P=N_P, M_P=M_P, BITS=TOPK_SPLIT_BITS,
             MODE=2, num_warps=TOPK_SPLIT_WARPS)
-    elif TOPK_SMALL and Nb <= TOPK_SMALL_MAX:  # keys in registers, the threshold by TOPK_SMALL_BITS a step
+    elif Nb <= TOPK_SMALL_MAX:  # keys in registers, the threshold by TOPK_SMALL_BITS a step
         N_P = min(max(TOPK_SMALL_MIN, triton.next_power_of_2(max(Nb, 1))), TOPK_SMALL_MAX)
         LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
             keys, out, Nb, m, keys.stride(0), out.stride(0), N_P=N_P, M_P=triton.next_power_of_2(m),
@@ -611,33 +542,12 @@ def top_ids(keys, m: int):
 _VLLM_TOPK_WORKSPACE = {}
 
 
-def vllm_topk_covers(rows: int, m: int) -> bool:
-    """Whether vLLM's own top-k kernel (``torch.ops._C.cooperative_topk``: the CUDA build's, as the in-tree model
-    uses it; registered once vLLM's extension is loaded) serves ``rows`` rows of top ``m``."""
-    if rows > 64 or m not in (512, 1024, 2048):  # its row limit (one cluster wave) and its k values
-        return False
-    try:
-        return hasattr(torch.ops._C, "cooperative_topk")
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def load_vllm_kernels() -> bool:
-    """Registers vLLM's CUDA operators the way its platform does at engine start (outside an engine: benchmarks,
-    tests); False where vLLM is not installed."""
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        return False
-    current_platform.import_kernels()
-    return True
-
-
 def vllm_top_ids(logits, q_pos, r: int, m: int, visible=None):
     """Top-m block ids [rows, m] (int32, -1 pad) of fp32 scores by vLLM's select. It reads each row's first
     n_complete = (q_pos + 1) // r scores (``visible``: those counts [rows] int32 when the caller has them, e.g. from
-    ``paged_score_keys``); unlike ``top_ids`` its choice among blocks tied at the threshold is its own (not the
-    lower ids): the set can differ from the reference's where scores tie exactly."""
+    ``paged_score_keys``); ``host.vllm_topk_covers`` says where it serves. Unlike ``top_ids`` its choice among
+    blocks tied at the threshold is its own (not the lower ids): the set can differ from the reference's where
+    scores tie exactly."""
     rows, n_blocks = logits.shape
     dev = logits.device
     ws = _VLLM_TOPK_WORKSPACE.get(dev)
@@ -662,14 +572,12 @@ def _uses_indexer(index_q, block_keys, m):
 
 
 def select_block_ids(q_pos, index_q, block_keys, r: int, budget: int, index_scale: float):
-    """Top-m block ids [Tq, m] (-1 pad) in the reference's order; no host sync."""
+    """The selection of ``qsa_attention_triton``: top-m block ids [Tq, m] (-1 pad) in the reference's order (the
+    sort keys' torch.topk); no host sync."""
     m = budget // r
     if not _uses_indexer(index_q, block_keys, m):
         return _dense_ids(q_pos, r, m)
-    keys = score_keys(q_pos, index_q, block_keys, r, index_scale)
-    if TOPK == "triton":
-        return top_ids(keys, m).long()
-    top = top_keys(keys, m)
+    top = top_keys(score_keys(q_pos, index_q, block_keys, r, index_scale), m)
     return torch.where(top == INT64_MIN, -1, 4294967295 - (top & 4294967295))
 
 
@@ -705,7 +613,7 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
             q, k, v, q_pos, sel, out, r, m, triton.cdiv(max(n_slots, 1), SB), scale_log2,
             q.stride(0), q.stride(1), *strides, sel.stride(0), *paged, out.stride(0), out.stride(1),
             G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
-            PREFETCH=LOOP_PREFETCH, num_warps=LOOP_WARPS, num_stages=LOOP_STAGES)
+            num_warps=LOOP_WARPS, num_stages=LOOP_STAGES)
         return out
     many = Tq >= ATTN_MANY_QUERIES
     SB, warps = (ATTN_SLOT_BLOCK_MANY, ATTN_WARPS_MANY) if many else (ATTN_SLOT_BLOCK, ATTN_WARPS)
@@ -719,8 +627,7 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
         q, k, v, q_pos, sel, op, mp, lp, r, m, n_chunks, cpp, scale_log2,
         q.stride(0), q.stride(1), *strides, sel.stride(0), *paged,
         G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
-        PREFETCH=ATTN_PREFETCH_MANY if many else ATTN_PREFETCH, KT=ATTN_K_T_MANY if many else ATTN_K_T,
-        num_warps=warps,
+        PREFETCH=ATTN_PREFETCH_MANY if many else ATTN_PREFETCH, num_warps=warps,
         num_stages=ATTN_STAGES_MANY if many else ATTN_STAGES)
     LAUNCHED["qsa_merge"] = _qsa_merge_kernel[(G, Hkv, Tq)](
         op, mp, lp, out, n_split, out.stride(0), out.stride(1),
@@ -733,44 +640,8 @@ def qsa_attention_triton(q, k, v, q_pos, index_q, block_keys, r: int, budget: in
     m = budget // r
     if not _uses_indexer(index_q, block_keys, m):
         return sparse_attention_slots(q, k, v, q_pos, _dense_ids(q_pos, r, m), r, scale, keys=False)
-    keys = score_keys(q_pos, index_q, block_keys, r, index_scale)
-    if TOPK == "triton":
-        return sparse_attention_slots(q, k, v, q_pos, top_ids(keys, m), r, scale, keys=False)
+    keys = score_keys(q_pos, index_q, block_keys, r, index_scale)  # the attention decodes the ids from its top keys
     return sparse_attention_slots(q, k, v, q_pos, top_keys(keys, m), r, scale, keys=True)
-
-
-CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)  # FP8 (unit scales) widens exactly to bf16
-
-
-def paged_supported(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, r, budget) -> bool:
-    """What ``qsa_decode_paged_triton`` covers: bf16 queries, bf16 or FP8 caches (read and widened to bf16), the
-    head sizes above; its two halves' conditions."""
-    return (select_paged_supported(index_q, index_kv, index_block_table, r)
-            and attend_paged_supported(q, kv, block_table, r) and q.shape[0] == index_q.shape[0])
-
-
-def select_paged_supported(index_q, index_kv, index_block_table, r) -> bool:
-    """What ``qsa_select_paged_triton`` covers: bf16 indexer queries, a bf16 or FP8 index cache, the widths above."""
-    if not (index_q.is_cuda and index_q.dtype == torch.bfloat16 and index_kv.dtype in CACHE_DTYPES):
-        return False
-    di = index_kv.shape[-1] // 2
-    if index_q.shape[0] == 0 or r < 1 or di not in (32, 64, 128, 256) or index_q.shape[-1] != di:
-        return False
-    # any block/head/row strides (vLLM pads each block of a hybrid model's caches to the common page size, so the
-    # caches are not contiguous); elements of a row contiguous
-    return (index_q.shape[1] <= 16 and index_kv.shape[1] == 1 and index_kv.stride(-1) == 1
-            and index_q.stride(-1) == 1 and index_block_table.dim() == 2)
-
-
-def attend_paged_supported(q, kv, block_table, r) -> bool:
-    """What ``qsa_attend_paged_triton`` covers: bf16 queries, a bf16 or FP8 K|V cache, the head sizes above."""
-    if not (q.is_cuda and q.dtype == torch.bfloat16 and kv.dtype in CACHE_DTYPES):
-        return False
-    B, Hq, HD = q.shape
-    Hkv = kv.shape[1]
-    if B == 0 or Hq % Hkv or Hq // Hkv > 16 or HD not in (64, 128, 256) or kv.shape[-1] != 2 * HD or r < 1:
-        return False
-    return kv.stride(-1) == 1 and q.stride(-1) == 1 and block_table.dim() == 2
 
 
 def paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks: int, r: int, index_scale: float,
@@ -806,12 +677,13 @@ def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_
 def qsa_select_paged_triton(q_pos, index_q, index_kv, index_block_table, n_blocks: int, r: int, budget: int,
                             index_scale: float):
     """The selection of ``qsa_decode_paged_triton``: block ids [B, m] (-1 pad; int32 from the selects, int64 when
-    every row is dense): scores of every paged block key, then top-m (``TOPK``); dense ids when no row can
-    be past the budget."""
+    every row is dense): scores of every paged block key, then top-m (``host.decode_select``: vLLM's select or
+    ``top_ids``); dense ids when no row can be past the budget."""
     m = budget // r
-    if not (n_blocks > m and m > 0):
+    select = host.decode_select(q_pos.shape[0], n_blocks, m)
+    if select == "dense":
         return _dense_ids(q_pos, r, m)
-    if TOPK == "vllm" and vllm_topk_covers(q_pos.shape[0], m):
+    if select == "vllm":
         lg, vis = paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks, r, index_scale, True)
         return vllm_top_ids(lg, q_pos, r, m, vis)
     return top_ids(paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks, r, index_scale), m)
@@ -823,13 +695,6 @@ def qsa_attend_paged_triton(q, q_pos, kv, block_table, sel, r: int, scale: float
     HD = q.shape[-1]
     return sparse_attention_slots(q, kv[..., :HD], kv[..., HD:], q_pos, sel, r, scale, keys=False,
                                   block_table=block_table)
-
-
-def prefill_paged_supported(q, q_pos, index_q, kv, block_row, index_kv, r, budget) -> bool:
-    """What ``qsa_prefill_paged_triton`` covers: ``paged_supported``'s caches and widths, one block-table row."""
-    row = block_row.unsqueeze(0)
-    return (block_row.dim() == 1 and index_q.dim() == 3
-            and paged_supported(q, q_pos, index_q, kv, row, index_kv, row, r, budget))
 
 
 def prefill_score_keys(q_pos, index_q, index_kv, block_row, n_blocks: int, r: int, index_scale: float):
@@ -889,13 +754,6 @@ def _write_paged_kernel(KV, SLOTS, K, V, stride_kvb, stride_kvh, stride_kvl, str
         v = tl.minimum(tl.maximum(v, -FMAX), FMAX)
     tl.store(row + o, k.to(KV.dtype.element_ty), mask=m)
     tl.store(row + HD + o, v.to(KV.dtype.element_ty), mask=m)
-
-
-def write_paged_supported(kv, slots, k, v) -> bool:
-    return (kv.is_cuda and kv.dim() == 4 and k.dim() == v.dim() == 3 and k.shape == v.shape
-            and kv.shape[-1] == 2 * k.shape[-1] and kv.shape[1] == k.shape[1] and kv.stride(-1) == 1
-            and k.stride(-1) == 1 and v.stride(-1) == 1 and slots.dim() == 1 and slots.shape[0] == k.shape[0]
-            and kv.dtype in (torch.bfloat16, torch.float16, torch.float32) and k.dtype == v.dtype == kv.dtype)
 
 
 def write_paged_triton(kv, slots, k, v) -> None:
@@ -963,18 +821,6 @@ def _index_update_kernel(IKV, SLOTS, BT, POS, VALID, RAW, NW, COS, SIN, eps, n_b
     tl.store(row + DI + o1, tl.where(ok, k1, zero).to(IKV.dtype.element_ty), mask=m1 & real)
     tl.store(row + DI + HALF + o1, tl.where(ok, k2, zero).to(IKV.dtype.element_ty), mask=m1 & real)
     tl.store(row + DI + o3, tl.where(ok, y3, zero).to(IKV.dtype.element_ty), mask=m3 & real)
-
-
-def index_update_supported(index_kv, slots, block_table, pos, valid, raw, norm_weight, cos, sin, r) -> bool:
-    B, di = raw.shape if raw.dim() == 2 else (0, 0)
-    if not (index_kv.is_cuda and index_kv.dtype == raw.dtype == cos.dtype == sin.dtype == torch.bfloat16):
-        return False
-    RD = cos.shape[-1] if cos.dim() == 2 else 0
-    return (index_kv.dim() == 4 and index_kv.shape[1] == 1 and index_kv.shape[-1] == 2 * di and raw.dim() == 2
-            and 0 < RD <= di and RD % 2 == 0 and cos.shape == sin.shape == (B, RD) and cos.stride() == sin.stride()
-            and cos.stride(-1) == 1 and raw.stride(-1) == 1 and index_kv.stride(-1) == 1 and 1 <= r <= 64
-            and norm_weight.numel() == di and norm_weight.is_contiguous() and block_table.dim() == 2
-            and slots.shape == pos.shape == valid.shape == (B,))
 
 
 def index_update_triton(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos, sin, r: int) -> None:

@@ -1,0 +1,402 @@
+"""The Triton checks of QSA and PLE (registered into ``interpreter.py``; one pytest item each in
+``test_qsa.py`` / ``test_ple.py``): each kernel launcher against its torch reference under Triton's CPU interpreter
+on small random inputs, every launch path a default call can take (the settings that pick among them varied here),
+and the QSA decode / prefill once at the real model widths, so that the compile step builds those variants too."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from interpreter import BF, check, close, compile_check
+from test_qsa import paged_qsa_case, qsa_inputs
+
+
+@contextlib.contextmanager
+def settings(module, **values):
+    """The module's launch settings set to ``values`` inside the block, restored after it."""
+    saved = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
+# ------------------------------------------------------------------------------------------------------------ QSA
+@check("qsa_topk")
+def check_qsa_topk():
+    """``top_ids`` by each select a default call can take (the in-register select in one launch with 0 and 2
+    threshold bits a step, the split select over chunks of keys, the chunked radix select) = the reference's block
+    sets, ties to the lower ids; torch.topk of the sort keys (the unpaged op's select) = the reference's order."""
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    torch.manual_seed(0)
+    m = 16
+    cases = ((10, 3, False), (17, 2, True), (300, 4, False), (300, 4, True), (2049, 2, True),
+             (300, 3, "narrow"), (300, 3, "bf16"), (300, 3, "equal"), (40, 2, "none"),
+             (5000, 1, False), (9000, 1, "bf16"))  # (the 4096 / 8192 / 16384-key variants too)
+    ways = {"small bits=0": dict(TOPK_SPLIT=0, TOPK_SMALL_BITS=0),
+            "small bits=2": dict(TOPK_SPLIT=0, TOPK_SMALL_BITS=2),
+            "radix": dict(TOPK_SPLIT=0, TOPK_SMALL_MAX=0),
+            "split 256 bits=2": dict(TOPK_SPLIT=256, TOPK_SPLIT_BITS=2),
+            "split 256 bits=0": dict(TOPK_SPLIT=256, TOPK_SPLIT_BITS=0),
+            "split 4096 bits=2": dict(TOPK_SPLIT=4096, TOPK_SPLIT_BITS=2)}
+    for Nb, Tq, ties in cases:
+        sc = torch.randn(Tq, Nb)
+        if ties is True:
+            sc = sc.round().clamp(min=0)  # many exact ties (zeros and small integers)
+        elif ties == "narrow":  # all in [1, 2): sign and exponent bits shared (the search starts past them)
+            sc = torch.rand(Tq, Nb) + 1.0
+        elif ties == "bf16":  # bf16 values: the low 16 bits shared by every key (the search stops above them)
+            sc = (torch.rand(Tq, Nb) * 3).to(torch.bfloat16).float()
+        elif ties == "equal":  # every key the same score: the ids decide
+            sc = torch.full((Tq, Nb), 0.75)
+        nc = torch.randint(0, Nb + 1, (Tq,))
+        nc[0] = Nb
+        if ties == "none":  # no visible block at all (nothing selected)
+            nc[:] = 0
+        keys = ref._order_keys(sc, torch.arange(Nb)[None] < nc[:, None])
+        want = ref.select_blocks(sc, nc, m)
+        for way, values in ways.items():
+            with settings(tk, **values):
+                got = tk.top_ids(keys, m)
+            for t in range(Tq):
+                a = [x for x in got[t].tolist() if x >= 0]
+                b = sorted(x for x in want[t].tolist() if x >= 0)
+                assert a == b and (got[t] >= 0).sum() == (want[t] >= 0).sum(), (Nb, ties, way, t)
+        top = tk.top_keys(keys, min(m, Nb))
+        ids = torch.where(top == tk.INT64_MIN, -1, 4294967295 - (top & 4294967295))
+        assert torch.equal(ids, want), (Nb, ties, "torch.topk of the sort keys")
+
+
+def _paged(lens, seed, shared_table):
+    seqs = [[t.to(BF) for t in qsa_inputs(L, Hq=6, Hkv=2, d=64, hi=4, di=32, seed=seed + i)]
+            for i, L in enumerate(lens)]
+    return seqs, paged_qsa_case(seqs, lens, 4, 16, 16 if shared_table else 64, shared_table=shared_table)
+
+
+def _decode_case():
+    lens = [1, 9, 37, 150, 203]
+    seqs, (kv, bt, ikv, ibt) = _paged(lens, 700, False)
+    pos = torch.tensor(lens) - 1
+    q, iq = torch.stack([s[0][-1] for s in seqs]), torch.stack([s[3][-1] for s in seqs])
+    return lens, seqs, q, pos, iq, kv, bt, ikv, ibt
+
+
+@check("qsa_decode")
+def check_qsa_decode():
+    """The paged decode against the reference: slot ranges of one chunk, of all 3 chunks, of 2 + 1 (an uneven last
+    range); rows looked up ahead or not; the few-query and the many-query settings."""
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    r, budget = 4, 32
+    lens, seqs, q, pos, iq, kv, bt, ikv, ibt = _decode_case()
+    want = ref.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
+    n4 = 4 * len(lens)
+    for sb, programs, prefetch, many in ((64, 512, True, 99), (16, 10 ** 6, True, 99), (16, 1, True, 99),
+                                         (16, n4, True, 99), (16, n4, False, 99), (16, 10 ** 6, False, 99),
+                                         (64, n4, True, 1), (16, n4, True, 1), (16, n4, False, 1)):
+        with settings(tk, ATTN_SLOT_BLOCK=sb, ATTN_SLOT_BLOCK_MANY=sb, ATTN_PROGRAMS=programs,
+                      ATTN_MANY_QUERIES=many, ATTN_PREFETCH=prefetch, ATTN_PREFETCH_MANY=prefetch):
+            got = tk.qsa_decode_paged_triton(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
+        close(got, want, 0.05, f"decode paged SB={sb} programs={programs} prefetch={prefetch} many>={many}")
+
+
+@check("qsa_score_logits")
+def check_qsa_score_logits():
+    """The scores as fp32 logits (what vLLM's select reads) are the sort keys' scores; the same launch writes each
+    query's visible block count (n_complete, capped at the table's blocks: 60 here, 51 for the longest)."""
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    r = 4
+    _, _, q, pos, iq, kv, bt, ikv, ibt = _decode_case()
+    for nb in (60, 40):
+        keys = tk.paged_score_keys(pos, iq, ikv, ibt, nb, r, 0.4)
+        lg, vis = tk.paged_score_keys(pos, iq, ikv, ibt, nb, r, 0.4, logits=True)
+        want_vis = torch.clamp((pos + 1) // r, max=nb).to(torch.int32)
+        assert torch.equal(vis, want_vis), (nb, vis, want_vis)
+        seen = torch.arange(nb)[None] < want_vis[:, None].long()
+        bits = lg.contiguous().view(torch.int32).long()  # the fp32 bits as signed integers
+        order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        assert torch.equal(torch.where(seen, order, 0), torch.where(seen, keys >> 32, 0)), f"logits vs keys, nb={nb}"
+
+
+@check("qsa_select_attend_halves")
+def check_qsa_select_attend_halves():
+    """The decode op's two halves on their own (MTP drafts sharing a selection): the select's block sets, the
+    attention over a given selection with holes."""
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    r, budget = 4, 32
+    _, _, q, pos, iq, kv, bt, ikv, ibt = _decode_case()
+    sel = tk.qsa_select_paged_triton(pos, iq, ikv, ibt, 60, r, budget, 0.4)
+    want_sel = ref.qsa_select_paged(pos, iq, ikv, ibt, 60, r, budget, 0.4)
+    assert torch.equal(sel.long().sort(dim=1).values, want_sel.sort(dim=1).values), (sel, want_sel)
+    holed = want_sel.clone()
+    holed[:, ::3] = -1
+    close(tk.qsa_attend_paged_triton(q, pos, kv, bt, holed, r, 0.3),
+          ref.qsa_attend_paged(q, pos, kv, bt, holed, r, budget, 0.3), 0.05, "attend paged, a given selection")
+
+
+@check("qsa_unpaged")
+def check_qsa_unpaged():
+    """The unpaged op (five queries of one sequence past the budget; and in the dense regime)."""
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    r, budget, L = 4, 32, 150
+    _, seqs, *_ = _decode_case()
+    qq, k, v, iqq, bk = seqs[3]
+    p = torch.arange(L - 5, L)
+    got = tk.qsa_attention_triton(qq[-5:], k, v, p, iqq[-5:], bk[: L // r], r, budget, 0.3, 0.4)
+    close(got, ref.qsa_attention(qq[-5:], k, v, p, iqq[-5:], bk, r, budget, 0.3, 0.4), 0.05, "unpaged")
+    p = torch.arange(20, 25)  # at most m complete blocks: every token up to the query, no indexer
+    got = tk.qsa_attention_triton(qq[:5], k, v, p, None, None, r, budget, 0.3, 0.4)
+    close(got, ref.qsa_attention(qq[:5], k, v, p, None, None, r, budget, 0.3, 0.4), 0.05, "unpaged dense")
+
+
+@check("qsa_prefill")
+def check_qsa_prefill():
+    """The paged prefill: split attention / looping attention (128- and 32-slot steps); one query chunk / chunks by
+    the keys' bytes / by the query cap."""
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    r, budget = 4, 32
+    lens = [9, 150, 203]
+    seqs, (kv, bt, ikv, _) = _paged(lens, 500, True)
+    for loop_min, keys_bytes, max_q, sb in ((1, 1 << 30, 1 << 14, 128), (10 ** 9, 8 * 7 * 50, 1 << 14, 128),
+                                            (5, 1 << 30, 7, 128), (1, 1 << 30, 1 << 14, 32)):
+        with settings(tk, LOOP_MIN_QUERIES=loop_min, PREFILL_KEYS_BYTES=keys_bytes, PREFILL_MAX_QUERIES=max_q,
+                      LOOP_SLOT_BLOCK=sb):
+            for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
+                for n in (1, min(L, 40)):
+                    pos = torch.arange(L - n, L)
+                    got = tk.qsa_prefill_paged_triton(q[-n:], pos, iq[-n:], kv, bt[b], ikv, L, r, budget, 0.3, 0.4)
+                    want = ref.qsa_prefill_paged(q[-n:], pos, iq[-n:], kv, bt[b], ikv, L, r, budget, 0.3, 0.4)
+                    close(got, want, 0.05, f"prefill L={L} n={n} loop_min={loop_min} keys_bytes={keys_bytes} "
+                                           f"slots={sb}")
+
+
+@check("qsa_fp8_caches")
+def check_qsa_fp8_caches():
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    r, budget = 4, 32
+    lens = [9, 150, 203]
+    seqs, (kv, bt, ikv, _) = _paged(lens, 900, True)
+    pos = torch.tensor(lens) - 1
+    q, iq = torch.stack([s[0][-1] for s in seqs]), torch.stack([s[3][-1] for s in seqs])
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        k8, i8 = kv.clamp(-400, 400).to(dt), ikv.clamp(-400, 400).to(dt)
+        got = tk.qsa_decode_paged_triton(q, pos, iq, k8, bt, i8, bt, 60, r, budget, 0.3, 0.4)
+        close(got, ref.qsa_decode_paged(q, pos, iq, k8, bt, i8, bt, 60, r, budget, 0.3, 0.4), 0.05, f"{dt} decode")
+        n = 30
+        p = pos[2:] - torch.arange(n - 1, -1, -1)
+        got = tk.qsa_prefill_paged_triton(seqs[2][0][-n:], p, seqs[2][3][-n:], k8, bt[2], i8, lens[2], r, budget,
+                                          0.3, 0.4)
+        want = ref.qsa_prefill_paged(seqs[2][0][-n:], p, seqs[2][3][-n:], k8, bt[2], i8, lens[2], r, budget, 0.3,
+                                     0.4)
+        close(got, want, 0.05, f"{dt} prefill")
+
+
+@check("qsa_write_paged")
+def check_qsa_write_paged():
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    g = torch.Generator().manual_seed(11)
+    for blocks, H, bs, d, N in ((12, 2, 16, 64, 9), (4, 1, 64, 32, 5)):  # main K|V cache, index cache shapes
+        kv = torch.randn(blocks, H, bs, 2 * d, generator=g).to(BF)
+        kv2 = kv.clone()
+        slots = torch.randperm(blocks * bs, generator=g)[:N]
+        slots[::3] = -1  # padding rows store nothing
+        k = torch.randn(N, H, 2 * d, generator=g).to(BF)[..., :d]  # strided rows
+        v = torch.randn(N, H, d, generator=g).to(BF)
+        tk.write_paged_triton(kv, slots, k, v)
+        ref.write_paged(kv2, slots, k, v)
+        assert torch.equal(kv, kv2), "write_paged"
+
+
+@check("qsa_index_update")
+def check_qsa_index_update():
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    g = torch.Generator().manual_seed(12)
+    B, di, RD, ibs, nb, r = 9, 64, 32, 16, 60, 4
+    ikv = (torch.randn(nb, 1, ibs, 2 * di, generator=g) * 2).to(BF)
+    bt = (torch.randperm(nb - 1, generator=g)[: B * 6] + 1).view(B, 6).int()
+    pos = torch.tensor([0, 1, 2, 3, 4, 7, 11, 63, 90])
+    slots = bt.gather(1, (pos // ibs).unsqueeze(1)).squeeze(1).long() * ibs + pos % ibs
+    slots[-1] = -1
+    raw = (torch.randn(B, di + 16, generator=g) * 2).to(BF)[:, :di]
+    w = (torch.randn(di, generator=g) * 0.2).to(BF)
+    ang = torch.randn(B, RD // 2, generator=g) * 30
+    cos, sin = torch.cat([ang, ang], -1).cos().to(BF), torch.cat([ang, ang], -1).sin().to(BF)
+    a, b = ikv.clone(), ikv.clone()
+    tk.index_update_triton(a, slots, bt, pos, slots >= 0, raw, w, 1e-6, cos, sin, r)
+    ref.index_update_decode(b, slots, bt, pos, slots >= 0, raw, w, 1e-6, cos, sin, r)
+    close(a, b, 1e-3, "index_update_decode", rtol=2 ** -7)
+
+
+@check("qsa_real_widths")
+def check_qsa_real_widths():
+    """Qwen3.8-Flash-Next's QSA widths (24 / 2 heads x 256, indexer 4 x 128, budget 2048 in blocks of 4, a
+    1,568-token page as vLLM picked on the H200) on a context past the budget: decode with the few- and the
+    many-query (batch-32) settings, prefill looping and split."""
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    r, budget, L, bs = 4, 2048, 2100, 1568
+    seq = [t.to(BF) for t in qsa_inputs(L, Hq=24, Hkv=2, d=256, hi=4, di=128, seed=3)]
+    kv, bt, ikv, _ = paged_qsa_case([seq], [L], r, bs, bs, shared_table=True)
+    q, k, v, iq, bk = seq
+    pos = torch.tensor([L - 1])
+    want = ref.qsa_decode_paged(q[-1:], pos, iq[-1:], kv, bt, ikv, bt, L // r, r, budget, 0.0625, 0.1)
+    for many in (tk.ATTN_MANY_QUERIES, 1):
+        with settings(tk, ATTN_MANY_QUERIES=many):
+            got = tk.qsa_decode_paged_triton(q[-1:], pos, iq[-1:], kv, bt, ikv, bt, L // r, r, budget, 0.0625, 0.1)
+        close(got, want, 0.05, f"decode real widths ATTN_MANY_QUERIES={many}")
+    for loop_min in (1, 10 ** 9):  # looping / split attention
+        with settings(tk, LOOP_MIN_QUERIES=loop_min):
+            p = torch.arange(L - 2, L)
+            got = tk.qsa_prefill_paged_triton(q[-2:], p, iq[-2:], kv, bt[0], ikv, L, r, budget, 0.0625, 0.1)
+        want = ref.qsa_prefill_paged(q[-2:], p, iq[-2:], kv, bt[0], ikv, L, r, budget, 0.0625, 0.1)
+        close(got, want, 0.05, f"prefill real widths loop_min={loop_min}")
+
+
+@check("qsa_registration")
+def check_qsa_registration():
+    """QSA's custom operators: each defined (in-place ones with a mutable schema) with a fake giving the kernels'
+    output shapes to torch.compile / CUDA-graph tracing."""
+    from interpreter import _registration
+
+    def fakes(ops, t):
+        i64, i32 = dict(dtype=torch.int64), dict(dtype=torch.int32)
+        assert ops["qsa_attention"](t(3, 6, 64), t(40, 2, 64), t(40, 2, 64), t(3, **i64), t(3, 4, 32), t(10, 32), 4,
+                                    32, 0.3, 0.4).shape == (3, 6, 64)
+        assert ops["qsa_decode_paged"](t(3, 6, 64), t(3, **i64), t(3, 4, 32), t(9, 2, 16, 128), t(3, 5, **i32),
+                                       t(9, 1, 16, 64), t(3, 5, **i32), 40, 4, 32, 0.3, 0.4).shape == (3, 6, 64)
+        ids = ops["qsa_select_paged"](t(3, **i64), t(3, 4, 32), t(9, 1, 16, 64), t(3, 5, **i32), 40, 4, 32, 0.4)
+        assert ids.shape == (3, 8) and ids.dtype == torch.int64
+        assert ops["qsa_attend_paged"](t(3, 6, 64), t(3, **i64), t(9, 2, 16, 128), t(3, 5, **i32), ids, 4,
+                                       0.3).shape == (3, 6, 64)
+        assert ops["qsa_prefill_paged"](t(7, 6, 64), t(7, **i64), t(7, 4, 32), t(9, 2, 16, 128), t(5, **i32),
+                                        t(9, 1, 16, 64), 70, 4, 32, 0.3, 0.4).shape == (7, 6, 64)
+        assert ops["qsa_write_paged"](t(4, 2, 16, 64), t(3, **i64), t(3, 2, 32), t(3, 2, 32)) is None
+        assert ops["qsa_index_update_decode"](t(9, 1, 16, 64), t(3, **i64), t(3, 5, **i32), t(3, **i64),
+                                              t(3, dtype=torch.bool), t(3, 32), t(32), 1e-6, t(3, 16), t(3, 16),
+                                              4) is None
+    _registration("qwen4exp.ops.qsa.cuda",
+                  ("qsa_attention", "qsa_decode_paged", "qsa_select_paged", "qsa_attend_paged", "qsa_prefill_paged",
+                   "qsa_write_paged", "qsa_index_update_decode"), fakes,
+                  mutating=("qsa_write_paged", "qsa_index_update_decode"))
+
+
+@compile_check("qsa_row_views")
+def check_qsa_row_views(target):
+    """Positions and block-table rows arrive as views whose start may or may not be 16-byte aligned (where the
+    request sits in the step): no QSA kernel may compile a variant per alignment of them (a JIT stall mid-serving).
+    Every such parameter is marked, and the launch key of the prefill score kernel is the same for an aligned and a
+    misaligned view."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    marked = 0
+    for name, fn in vars(tk).items():
+        if isinstance(fn, JITFunction) and name.endswith("_kernel"):  # (launched; helpers take what they get)
+            for p in fn.params:
+                if p.name in tk._ROW_VIEWS:
+                    assert p.do_not_specialize_on_alignment, f"{name}: {p.name} specialised on alignment"
+                    marked += 1
+    assert marked >= 8, marked
+    k = tk._qsa_score_prefill_kernel
+    binder = create_function_from_signature(k.signature, k.params, CUDABackend(target))
+    pos, bt = torch.arange(10), torch.zeros(4, 7, dtype=torch.int32)
+
+    def key(p, row):
+        args = (torch.zeros(8, 4, 128, dtype=BF), torch.zeros(2, 1, 16, 256, dtype=BF), row, p,
+                torch.zeros(8, 64, dtype=torch.int64), 8, 64, 4, 0.5, 7, 512, 128, 8192, 256, 64)
+        return str(binder(*args, HI=4, DI=128, IBS=16, BLOCK_M=64, BLOCK_N=64, debug=False)[1])
+
+    assert key(pos[0:8], bt[0]) == key(pos[1:9], bt[1]), "prefill score kernel: a new variant per alignment"
+
+
+# ------------------------------------------------------------------------------------------------------------ PLE
+@check("ple_lookup")
+def check_ple_lookup():
+    """The row gather: an fp8 table dequantised by a scale, a bf16 table copied, an fp32 output."""
+    from qwen4exp.ops.ple import reference as ref, triton_kernel as tk
+    g = torch.Generator().manual_seed(5)
+    table = (torch.randn(1001, 32, generator=g) * 120).clamp(-448, 448).to(torch.float8_e4m3fn)
+    rows = torch.randint(0, 1001, (5, 4), generator=g)
+    scale = torch.tensor(0.0173)
+    close(tk.ple_lookup_triton(table, rows, scale), ref.ple_lookup(table, rows, scale), 0.0, "ple fp8", rtol=2 ** -7)
+    close(tk.ple_lookup_triton(table, rows, scale, torch.float32), ref.ple_lookup(table, rows, scale, torch.float32),
+          1e-6, "ple fp8 -> fp32", rtol=1e-6)
+    tb = torch.randn(1001, 24, generator=g).to(BF)
+    rows3 = torch.randint(0, 1001, (2, 3, 4), generator=g)  # lead dims kept
+    assert torch.equal(tk.ple_lookup_triton(tb, rows3), ref.ple_lookup(tb, rows3)), "ple bf16"
+
+
+@check("ngram_lookup_decode")
+def check_ngram_lookup_decode():
+    """Decode's n-gram context + hashing + gather in one launch against ``reference.ngram_lookup_decode``: contexts
+    with EOS at every position (fresh sequences: all EOS), an fp8 table with a scale and a bf16 one without."""
+    from qwen4exp.ops.ple import hash_multipliers, head_table_sizes, host, reference as ref, triton_kernel as tk
+    g = torch.Generator().manual_seed(17)
+    eos = 5
+    for n, hpn, sdt in ((3, 8, torch.float8_e4m3fn), (4, 2, BF), (2, 3, BF)):
+        C, G = n - 1, (n - 1) * hpn
+        sizes = head_table_sizes(1000, G, 1)
+        offs = [sum(sizes[:i]) for i in range(G)]
+        mult = torch.tensor(hash_multipliers(248320, n, 1, 0), dtype=torch.long)
+        hsz, hoff = torch.tensor(sizes), torch.tensor(offs)
+        table = torch.randn(sum(sizes), 24, generator=g).to(sdt)
+        scale = torch.tensor(0.05) if sdt != BF else None
+        N = 4 * (C + 1)
+        prev = torch.randint(0, 248320, (N, C), generator=g)
+        for i in range(C):  # an EOS in each column for some rows, all-EOS rows
+            prev[i::C + 1, i] = eos
+        prev[C::C + 1] = eos
+        ids = torch.randint(0, 248320, (N,), generator=g)
+        ids[::3] = eos
+        assert host.ngram_lookup_decode_covers(ids, prev)
+        want, want_next = ref.ngram_lookup_decode(ids, prev, eos, mult, hsz, hoff, hpn, table, scale, None)
+        got, got_next = tk.ngram_lookup_decode_triton(ids, prev, eos, mult, hsz, hoff, hpn, table, scale, None)
+        assert torch.equal(got_next, want_next), f"n={n}: next context"
+        close(got, want, 0.0, f"ngram_lookup_decode n={n}", rtol=2 ** -7)  # (the interpreter truncates the cast)
+
+
+@check("ple_mix")
+def check_ple_mix():
+    """The decode-time PLE mix (one launch) against ``reference.ple_mix`` with one token per sequence: streams,
+    keys and values strided as the vLLM model passes them (views into one keys|values buffer), a bf16 and an fp32
+    conv state, a width that is not a power of two, and the real widths."""
+    from qwen4exp.ops.ple import host, reference as ref, triton_kernel as tk
+    g = torch.Generator().manual_seed(13)
+    for T, n, D, K, dil, sdt in ((3, 4, 256, 4, 3, BF), (2, 2, 384, 3, 2, torch.float32), (1, 4, 2560, 4, 3, BF)):
+        nD, S = n * D, (K - 1) * dil
+        H = (torch.randn(T, nD, generator=g) * 2).to(BF)
+        kv = torch.randn(T, nD + D, generator=g).to(BF)
+        k, v = kv[:, :nD], kv[:, nD:]
+        qw, cw = ((torch.randn(nD, generator=g) * 0.2).to(BF) for _ in range(2))
+        wc = (torch.randn(nD, K, generator=g) * 0.5).to(BF)
+        state = torch.randn(T, nD, S, generator=g).to(sdt)
+        want, want_st = ref.ple_mix(H, k, v, qw, cw, wc, None, state, n, 1e-6, dil)
+        assert host.ple_mix_decode_covers(H, k, v, qw, cw, wc, None, state, n)
+        got, got_st = tk.ple_mix_decode_triton(H, k, v, qw, cw, wc, state, n, 1e-6, dil)
+        # (fp32 sums in another order: a norm or the gate can move by one bf16 unit, and what follows it)
+        close(got, want, 0.03, f"ple_mix T={T} D={D}", rtol=2 ** -6)
+        assert got_st.dtype == want_st.dtype
+        close(got_st, want_st, 0.03, f"ple_mix state T={T} D={D}", rtol=2 ** -6)
+        assert torch.equal(got_st[..., :-1], want_st[..., :-1].to(got_st.dtype)) or sdt != BF  # shifted as is
+
+
+@check("ple_registration")
+def check_ple_registration():
+    """PLE's custom operators with fakes giving the kernels' output shapes and dtypes."""
+    from interpreter import _registration
+
+    def fakes(ops, t):
+        out, st = ops["ple_mix_decode"](t(3, 256), t(3, 256), t(3, 64), t(256), t(256), t(256, 4), t(3, 256, 9),
+                                        4, 1e-6, 3)
+        assert out.shape == (3, 256) and st.shape == (3, 256, 9) and st.dtype == BF
+        i64 = dict(dtype=torch.int64)
+        emb, nxt = ops["ngram_lookup_decode"](t(3, **i64), t(3, 2, **i64), 7, t(3, **i64), t(16, **i64),
+                                              t(16, **i64), 8, t(100, 160, dtype=torch.float8_e4m3fn),
+                                              t(1, dtype=torch.float32), BF)
+        assert emb.shape == (3, 16 * 160) and emb.dtype == BF and nxt.shape == (3, 2)
+        out = ops["ple_lookup"](t(100, 8, dtype=torch.float8_e4m3fn), t(3, 16, **i64), None, BF)
+        assert out.shape == (3, 128) and out.dtype == BF
+    _registration("qwen4exp.ops.ple.cuda", ("ple_lookup", "ngram_lookup_decode", "ple_mix_decode"), fakes)
