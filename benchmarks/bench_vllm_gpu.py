@@ -413,14 +413,20 @@ def worker_env(impl: str, args, variants: dict, ours_at: dict, gpu: str | None =
 
 
 def package_label(root: str) -> str:
-    """A checkout for the results table: its git commit where it has one, else its folder's name."""
+    """A checkout for the results table: its git commit (``-dirty`` with local changes) where the folder is a git
+    work tree of its own, else the folder's name."""
     if not root:
         return ""
+
+    def git(*a):
+        return subprocess.run(["git", "-C", root, *a], capture_output=True, text=True, timeout=10)
+
     try:
-        p = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           timeout=10)
-        if p.returncode == 0 and p.stdout.strip():
-            return p.stdout.strip()
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode == 0 and os.path.realpath(top.stdout.strip()) == os.path.realpath(root):
+            d = git("describe", "--always", "--dirty")
+            if d.returncode == 0 and d.stdout.strip():
+                return d.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
     return os.path.basename(root.rstrip(os.sep))
@@ -469,8 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--py-spy", default="", help="path of a py-spy executable (e.g. `pip install --target .whl/pyspy "
                     "py-spy`): record the Python stacks of the bench and its engine core from outside (no GIL bias, "
                     "no pausing) during batch-1 decode and batch-32 decode steps 4-27: OUT/pyspy-IMPL-LABEL.txt")
-    ap.add_argument("--variant", action="append", default=[], help="NAME=ENV=VALUE[;ENV=VALUE...]: ours with those "
-                    "environment settings, run as NAME when --impls names it (repeatable)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ENV=VALUE",
+                    help="NAME=ENV=VALUE[;ENV=VALUE...]: ours with those environment settings, run as NAME when "
+                    "--impls names it (repeatable)")
     ap.add_argument("--ours-at", action="append", default=[], metavar="NAME=PATH", help="ours from the checkout at "
                     "PATH (its qwen4exp first on PYTHONPATH), run as NAME when --impls names it (repeatable): an A/B "
                     "of two commits' packages in one call")

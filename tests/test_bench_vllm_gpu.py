@@ -98,7 +98,7 @@ with open(out, "w") as f:
 
 def test_py_spy_window_records_the_process_tree_and_writes_tables(tmp_path, monkeypatch):
     """``--py-spy``: ``_drive``'s sample window starts py-spy on this process and its children (nonblocking, raw
-    stacks with threads) and stops it with SIGINT at the window's end; its raw output becomes the host-sampler
+    stacks with threads) and stops it with SIGINT at the window's end; its raw output becomes ``host_sampler``'s
     stack tables: per process and thread, functions named file:function (lines dropped) with inclusive / self
     shares."""
     import os
@@ -191,6 +191,9 @@ def test_ours_at_runs_ours_from_another_checkout_first_on_the_path(tmp_path, mon
     assert "plugin not loaded" in bench.package_error("prev", {"qwen4exp_from": ""}, ours_at)
     assert bench.package_error("ours", {"qwen4exp_from": bench.HERE}, ours_at) is None
     assert bench.package_error("prev", {}, ours_at) is None  # no result at all: the run's own error says why
+    # the results table names a checkout by its commit only when it is a git work tree of its own (not a folder
+    # inside another one, as this test's may be)
+    assert bench.package_label(str(prev)) == "prev" and bench.package_label("") == ""
 
     for bad in ("prev", "ours=" + str(prev), "x=" + str(tmp_path / "missing"), "x="):
         with pytest.raises(SystemExit, match="--ours-at"):

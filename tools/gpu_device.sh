@@ -34,7 +34,7 @@
 #   bash tools/gpu_device.sh bgresult             # what `bg` has written so far, copied to OUT/bg and summarised
 #   bash tools/gpu_device.sh tp2 [models]         # tools/vllm_tp_check.py: tensor_parallel_size 2 vs 1, greedy
 #                                                   # tokens + teacher-forced top-1 + what is sharded (default coder,fn4;
-#                                                   # 2 GPUs: kind nvidia-h200-x2); NVLink multicast kept off
+#                                                   # 2 GPUs); NVLink multicast kept off
 #
 # Each job is bounded (timeout) and writes to files, never through a pipe that an engine process could hold open.
 # PACK=1: afterwards everything under OUT but checkpoints goes into ONE archive, OUT/results.tgz (for runners that
@@ -112,6 +112,7 @@ for p in parts:
 ok = all(r.endswith("rc=0") for r in rcs) and not total.get("failed") and not total.get("errors")
 print(f"suite {'PASS' if ok else 'FAIL'}: " + (", ".join(f"{n} {w}" for w, n in total.items()) or "no results")
       + f" ({'; '.join(rcs)})")
+sys.exit(0 if ok else 1)
 EOF
 }
 
@@ -168,9 +169,11 @@ case "${1:-}" in
     echo "rc=$?"; tail -30 "$OUT/tp2.log" ;;
   *) sed -n '2,/^set /{/^#/p}' "$0"; exit 2 ;;
 esac
+status=$?  # (the job's: suite's PASS / FAIL; the other jobs print their rc)
 
 if [ "${PACK:-0}" = 1 ]; then
   tmp=$(mktemp /tmp/pack.XXXX.tgz)
   tar czf "$tmp" -C "$OUT" --exclude='*.safetensors' --exclude='*.bin' --exclude='*/cache/*' . 2>/dev/null
   find "$OUT" -mindepth 1 -delete && mv "$tmp" "$OUT/results.tgz" && echo "packed: $OUT/results.tgz ($(du -h "$OUT/results.tgz" | cut -f1))"
 fi
+exit $status
