@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -65,9 +65,13 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
 _values: dict[str, Any] = {}
 
 
-def get(name: str) -> Any:
+def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """The parsed value of switch ``name``: from the process environment (parsed once, then kept), or from
+    ``environ`` when given (a mapping such as a child process's environment; parsed every call, nothing kept)."""
     if name not in SWITCHES:
         raise AttributeError(f"qwen4exp.envs has no switch {name!r}")
+    if environ is not None:
+        return SWITCHES[name].parse(environ.get(name))
     if name not in _values:
         _values[name] = SWITCHES[name].parse(os.environ.get(name))
     return _values[name]

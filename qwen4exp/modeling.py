@@ -35,11 +35,13 @@ class DecoderLayer(nn.Module):
         linear: LinearFactory = default_linear,
         prefix: str = "",
         mixer: nn.Module | None = None,
-        experts: nn.Module | None = None,
         layer_type: str | None = None,
         with_ple: bool = True,
-        ple_table_on_host: bool = False,
+        moe: Callable[..., nn.Module] = MoE,
+        ple_table: Callable[[int, int], nn.Module] | None = None,
     ):
+        """``moe(config, linear, prefix)``: the MoE block (a runtime's subclass of ``MoE``); ``ple_table(rows, dim)``:
+        the PLE layer's n-gram table module (default ``layers.ple.NGramTable``, on the default device)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.layer_type = layer_type or config.layer_types[layer_idx]
@@ -49,9 +51,9 @@ class DecoderLayer(nn.Module):
             self.self_attn = mixer if mixer is not None else QSAAttention(config, linear, f"{prefix}.self_attn")
         else:
             raise ValueError(f"layer {layer_idx}: unknown layer type {self.layer_type!r}")
-        self.mlp = MoE(config, linear, f"{prefix}.mlp", experts=experts)
+        self.mlp = moe(config, linear, f"{prefix}.mlp")
         q = ple_index_of(config, layer_idx) if with_ple else None
-        self.ple = PLE(config, q, linear, f"{prefix}.ple", ple_table_on_host) if q is not None else None
+        self.ple = PLE(config, q, linear, f"{prefix}.ple", ple_table) if q is not None else None
         self.attn_hyper_connection = HyperConnection(config, True, linear, f"{prefix}.attn_hyper_connection")
         self.mlp_hyper_connection = HyperConnection(config, True, linear, f"{prefix}.mlp_hyper_connection")
 

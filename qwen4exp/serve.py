@@ -18,6 +18,9 @@ from __future__ import annotations
 import importlib.metadata as _md
 import os
 import sys
+from collections.abc import Mapping
+
+from . import envs
 
 _orig_version = _md.version
 
@@ -37,8 +40,10 @@ def patch_vllm_version() -> None:
     _md.version = _version
 
 
-def cache_dir() -> str:
-    d = os.environ.get("QWEN4EXP_CACHE_DIR")
+def cache_dir(env: Mapping[str, str] | None = None) -> str:
+    """``$QWEN4EXP_CACHE_DIR`` of ``env`` (default ``os.environ``), else ``$XDG_CACHE_HOME/qwen4exp`` or
+    ``~/.cache/qwen4exp``."""
+    d = envs.get("QWEN4EXP_CACHE_DIR", os.environ if env is None else env)
     if not d:
         d = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qwen4exp")
     return d
@@ -48,7 +53,7 @@ def cpu_env(args: list[str] | None = None, env: dict | None = None) -> dict:
     """Fill CPU defaults into ``env`` (default ``os.environ``) without overriding what the user set."""
     env = os.environ if env is None else env
     args = args or []
-    base = env.get("QWEN4EXP_CACHE_DIR") or cache_dir()
+    base = cache_dir(env)
     if "VLLM_CPU_KVCACHE_SPACE" not in env and not any(a.startswith("--kv-cache-memory-bytes") for a in args):
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("VLLM_RPC_BASE_PATH", "rpc"),

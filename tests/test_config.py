@@ -12,7 +12,7 @@ import pytest
 from qwen4exp import ConfigError, Qwen4ExpConfig, Qwen4ExpTextConfig, Qwen4ExpVisionConfig, load_config, presets
 from qwen4exp.configuration import INDEXED, LINEAR, first_eos, text_config_of
 
-UC = pytest.importorskip("transformers.models.qwen4_exp.configuration_qwen4_exp")
+from upstream import UC  # upstream's config classes: a missing module fails loudly (tests/upstream.py)
 
 QSA_LAYERS_48 = list(range(3, 48, 4))
 

@@ -63,6 +63,28 @@ def test_per_expert_layout_and_shard_order(ckpt, tmp_path):
         torch.testing.assert_close(m2(_ids(cfg)).logits, m(_ids(cfg)).logits)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_persistent_buffers_rebuilt(ckpt, dtype):
+    """Buffers no checkpoint holds (the RoPE frequencies and axis maps) are left uninitialised by the loader's
+    meta-device build: after loading, every one equals a freshly constructed model's (values, dtype, device), and
+    the 3-axis RoPE path that reads ``axis_cols`` gives the fresh model's cos / sin."""
+    cfg, _, d = ckpt
+    loaded = Qwen4ExpForCausalLM.from_pretrained(d, dtype=dtype)
+    fresh = Qwen4ExpForCausalLM(cfg)
+    persistent = set(fresh.state_dict())
+    want = {k: b for k, b in fresh.named_buffers() if k not in persistent}
+    got = {k: b for k, b in loaded.named_buffers() if k not in persistent}
+    assert {"model.rotary_emb.inv_freq", "model.rotary_emb.axis", "model.rotary_emb.axis_cols"} <= set(want)
+    assert set(got) == set(want)
+    for k, b in want.items():
+        assert got[k].dtype == b.dtype and got[k].device == b.device and torch.equal(got[k], b), k
+    pos = torch.stack([torch.arange(9), torch.arange(9) // 3, torch.arange(9) % 3])  # t, h, w differ
+    for rot in (loaded.model.rotary_emb, fresh.model.rotary_emb):
+        rot.use_table(16)
+    for a, b in zip(loaded.model.rotary_emb(pos, torch.float32), fresh.model.rotary_emb(pos, torch.float32)):
+        assert torch.equal(a, b)
+
+
 def test_missing_tensor_named(ckpt, tmp_path):
     cfg, _, d = ckpt
     name = "model.layers.1.self_attn.indexer.index_qk_proj.weight"

@@ -11,7 +11,8 @@ import torch
 from qwen4exp import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, presets
 
 from prompts import prompt
-from upstream import upstream_causal_lm, upstream_conditional
+import upstream
+from upstream import UM, upstream_causal_lm, upstream_conditional
 
 # 16 indexer heads: a block's score is 0 only if all 16 ReLU(q.k) are 0, so zero-score ties at the top-k boundary
 # (which two implementations may break differently) do not occur; the real model has 4 heads.
@@ -127,9 +128,7 @@ def test_sampled_generate_is_seeded(pair):
 def test_our_save_loads_in_upstream(pair, tmp_path):
     cfg, up, ours, _ = pair
     ours.save_pretrained(tmp_path)
-    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM as U
-
-    up2 = U.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    up2 = UM.Qwen4ExpForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = prompt(40, cfg.vocab_size, cfg.eos_token_id, seed=6)[None]
     with torch.no_grad():
         assert rel_err(up2(ids).logits, up(ids).logits) <= 1e-6
@@ -153,3 +152,33 @@ def test_conditional_generation_text_path(tmp_path):
     text_only = Qwen4ExpForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     with torch.no_grad():
         assert rel_err(text_only(ids).logits, a) <= 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------- the oracle's import
+def test_missing_upstream_module_fails_loudly():
+    """With transformers installed, a qwen4_exp module that does not import is a test failure naming the module,
+    the installed transformers and the pinned range, never a skip."""
+    import transformers
+
+    pin = upstream.pinned_transformers()
+    assert pin.startswith("transformers") and "<" in pin
+    with pytest.raises(pytest.fail.Exception) as e:
+        upstream.require("no_such_module_qwen4_exp")
+    msg = str(e.value)
+    assert "transformers.models.qwen4_exp.no_such_module_qwen4_exp" in msg and pin in msg
+    assert transformers.__version__ in msg and "inside the pinned range" in msg
+
+
+def test_upstream_skips_only_without_transformers(monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "transformers":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(pytest.skip.Exception, match="transformers is not installed"):
+        upstream.require("modeling_qwen4_exp")

@@ -62,6 +62,11 @@ class WordIndex:
 # The guard keeps a wide margin so a retrained checkpoint, or another machine's numerics, still passes.
 MARGIN = 2.0
 
+# MTP mean acceptance length (1 + accepted drafts per verification, 3 drafted tokens) on tiny-coder, the range the
+# README states: these PROMPTS give 2.29 in the HF reference (fp32); tests/test_vllm_mtp.py's prompts 2.45 (HF) and
+# 2.35 (vLLM), and must stay in the same range.
+MTP_ACCEPTANCE = (2.2, 2.7)
+
 PROMPTS = [
     "def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n",
     "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n",
@@ -143,7 +148,7 @@ def test_mtp_on_equals_off_and_accepts_drafts(model, tokenizer):
         accepted += model.last_mtp_stats["accepted_drafts"]
     mean_accept = 1 + accepted / steps
     print(f"MTP mean acceptance length {mean_accept:.2f}")
-    assert mean_accept > 1.0
+    assert MTP_ACCEPTANCE[0] <= mean_accept <= MTP_ACCEPTANCE[1]
 
 
 def test_tokenizer_chat_template_round_trip(tokenizer):

@@ -225,7 +225,8 @@ def test_qsa_projections_colocated_for_one_gemm():
     (8-row padded) buffer, ``project`` then runs ONE GEMM and splits it (column slices, normed as strided heads):
     the same projections as the four separate GEMMs; a weight whose rows are elsewhere falls back to four."""
     from qwen4exp import presets
-    from qwen4exp.layers.linear import linear_weight, stacked_weight
+    from qwen4exp.layers.linear import linear_weight
+    from qwen4exp.ops.layout import stacked_weight
     from qwen4exp.layers.qsa import QSAAttention
     from qwen4exp.layers.rope import RotaryEmbedding
     from qwen4exp.vllm.layers import colocate_projections
@@ -253,11 +254,10 @@ def test_qsa_projections_colocated_for_one_gemm():
     torch.testing.assert_close(attn.project(x, cos, sin).v, before.v, rtol=1e-5, atol=1e-5)
 
 
-def test_qsa_cache_backend_switch(monkeypatch):
-    """``QWEN4EXP_QSA_METADATA``: where vLLM picks FlashAttention for the QSA cache layer, the default (``lean``)
-    swaps in a subclass whose builder asks for no FA3 scheduler metadata (no FlashAttention kernel reads that
-    cache); any other choice (this CPU machine's backend) stays; ``vllm`` keeps vLLM's choice; anything else is
-    refused by name."""
+def test_qsa_cache_backend_lean_where_flash_attention(monkeypatch):
+    """Where vLLM picks FlashAttention for the QSA cache layer, it gets a subclass whose builder asks for no FA3
+    scheduler metadata (no FlashAttention kernel reads that cache); any other choice (this CPU machine's backend)
+    stays. (The former ``QWEN4EXP_QSA_METADATA=vllm`` switch is gone: setting it changes nothing.)"""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionMetadataBuilder
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -266,7 +266,6 @@ def test_qsa_cache_backend_switch(monkeypatch):
     class OtherBackend:  # (any backend vLLM may pick that is not FlashAttention's)
         pass
 
-    monkeypatch.delenv("QWEN4EXP_QSA_METADATA", raising=False)
     lean = qsa.qsa_cache_backend(FlashAttentionBackend)
     assert lean is not FlashAttentionBackend and issubclass(lean, FlashAttentionBackend)
     assert AttentionBackendEnum[lean.get_name()] == AttentionBackendEnum.FLASH_ATTN  # the same registered name
@@ -275,7 +274,4 @@ def test_qsa_cache_backend_switch(monkeypatch):
     assert lean.get_impl_cls() is FlashAttentionBackend.get_impl_cls()
     assert qsa.qsa_cache_backend(OtherBackend) is OtherBackend
     monkeypatch.setenv("QWEN4EXP_QSA_METADATA", "vllm")
-    assert qsa.qsa_cache_backend(FlashAttentionBackend) is FlashAttentionBackend
-    monkeypatch.setenv("QWEN4EXP_QSA_METADATA", "fast")
-    with pytest.raises(ValueError, match="QWEN4EXP_QSA_METADATA"):
-        qsa.qsa_cache_backend(FlashAttentionBackend)
+    assert qsa.qsa_cache_backend(FlashAttentionBackend) is lean

@@ -1,11 +1,56 @@
-"""Helpers to build random upstream-transformers Qwen4Exp models (the parity oracle) from our presets."""
+"""Upstream transformers' own ``qwen4_exp`` (the parity oracle): its modules, and helpers that build random upstream
+models from our presets.
+
+Tests take the oracle from here (``from upstream import UC, UM``), never through ``pytest.importorskip``: with
+transformers installed, a missing ``transformers.models.qwen4_exp`` module is an error naming the module and the
+pinned transformers range (the oracle's ~190 tests must not quietly turn into skips when upstream moves it); only
+when transformers itself is absent do they skip, saying so.
+"""
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import os
+import tomllib
+
+import pytest
 import torch
 
-from transformers.models.qwen4_exp import configuration_qwen4_exp as UC
-from transformers.models.qwen4_exp import modeling_qwen4_exp as UM
+UPSTREAM_PACKAGE = "transformers.models.qwen4_exp"
+
+
+def pinned_transformers() -> str:
+    """The project's transformers requirement (pyproject.toml), e.g. ``transformers>=5.16.1,<5.20``."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    return next(d for d in deps if d.replace(" ", "").startswith("transformers") and not d.startswith("transformers-"))
+
+
+def require(module: str):
+    """``transformers.models.qwen4_exp.<module>``. Skips (module level) only when transformers is not installed;
+    otherwise a failed import fails loudly, naming the module, the installed transformers and the pinned range."""
+    pin = pinned_transformers()
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"upstream oracle: transformers is not installed (the project pins {pin})",
+                    allow_module_level=True)
+    name = f"{UPSTREAM_PACKAGE}.{module}"
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        error = e
+    from packaging.requirements import Requirement
+
+    where = "inside" if Requirement(pin).specifier.contains(version, prereleases=True) else "OUTSIDE"
+    pytest.fail(f"upstream oracle missing: cannot import {name} from transformers {version} ({where} the pinned "
+                f"range {pin}): {error}. The parity tests need upstream's qwen4_exp; if transformers moved or renamed "
+                f"it, update tests/upstream.py and the pin.", pytrace=False)
+
+
+UC = require("configuration_qwen4_exp")
+UM = require("modeling_qwen4_exp")
 
 _OURS_ONLY = ("model_type", "transformers_version", "architectures", "mtp_num_hidden_layers",
               "mtp_use_dedicated_embeddings", "mamba_ssm_dtype")

@@ -1,8 +1,8 @@
 """Official-checkpoint loading and saving for the HF runtime.
 
-Accepted layouts: composite (``model.language_model.*``, ``model.visual.*``) or text-only (``model.*``); experts
-fused (``mlp.experts.gate_up_proj`` [E, 2I, D], ``down_proj`` [E, D, I]) or per expert
-(``mlp.experts.{e}.{gate,up,down}_proj.weight``); PLE tables as row shards ``ngram_embedding.shard_{s}.weight``
+Accepted layouts (names: ``qwen4exp.checkpoint``): composite (``model.language_model.*``, ``model.visual.*``) or
+text-only (``model.*``); experts fused (``mlp.experts.gate_up_proj`` [E, 2I, D], ``down_proj`` [E, D, I]) or per
+expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``); PLE tables as row shards ``ngram_embedding.shard_{s}.weight``
 (concatenated in numeric order) with an optional per-tensor ``weight_scale`` (FP8 tables); ``mtp.*`` kept when the
 model has an MTP head. A missing or mis-shaped tensor fails the load with its name.
 """
@@ -18,16 +18,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..checkpoint import EXPERT, PLE_SHARD, CheckpointError, canonical_name
 from ..configuration import Qwen4ExpConfig, Qwen4ExpTextConfig, load_config
+from ..layers.rope import RotaryEmbedding
 
-IGNORED = (re.compile(r"(^|\.)hyper_connection_mixer\.block_inject_weight\.weight$"),
-           re.compile(r"\.hashstats_"), re.compile(r"\.token_lookup"))
-_SHARD = re.compile(r"^(.*\.ngram_embedding)\.shards?[._](\d+)\.weight$")
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-class CheckpointError(ValueError):
-    pass
+__all__ = ["CheckpointError", "canonical_name", "convert", "iter_checkpoint", "load_pretrained", "save_pretrained"]
 
 
 def _weight_files(path: str) -> list[str]:
@@ -49,21 +44,6 @@ def iter_checkpoint(path: str):
                 yield k, f.get_tensor(k)
 
 
-def canonical_name(name: str, composite: bool) -> str | None:
-    """Checkpoint name -> our parameter name (None: ignore)."""
-    if any(p.search(name) for p in IGNORED):
-        return None
-    if composite:
-        if name.startswith("model.") and not name.startswith(("model.language_model.", "model.visual.")):
-            name = "model.language_model." + name[len("model."):]
-    else:
-        if name.startswith("model.visual."):
-            return None
-        if name.startswith("model.language_model."):
-            name = "model." + name[len("model.language_model."):]
-    return name
-
-
 def convert(weights, composite: bool) -> dict[str, torch.Tensor]:
     """Map official names to ours, fuse per-expert weights and concatenate PLE shards."""
     out: dict[str, torch.Tensor] = {}
@@ -73,11 +53,11 @@ def convert(weights, composite: bool) -> dict[str, torch.Tensor]:
         name = canonical_name(name, composite)
         if name is None:
             continue
-        m = _SHARD.match(name)
+        m = PLE_SHARD.match(name)
         if m:
             shards[m.group(1)][int(m.group(2))] = t
             continue
-        m = _EXPERT.match(name)
+        m = EXPERT.match(name)
         if m:
             experts[m.group(1)][int(m.group(2))][m.group(3)] = t
             continue
@@ -156,11 +136,13 @@ def load_pretrained(cls, path, dtype=None, device="cpu", config=None):
                 setattr(target, leaf, torch.nn.Parameter(new, requires_grad=False))
             else:
                 target.register_buffer(leaf, new, persistent=True)
-    # non-persistent buffers (rope tables) were lost with meta init: rebuild them
+    # non-persistent buffers (the RoPE frequencies and axis maps) are in no checkpoint and were left uninitialised
+    # by the meta-device build: take every one from a freshly built module
     for mod in model.modules():
-        if mod.__class__.__name__ == "RotaryEmbedding":
-            fresh = type(mod)(mod_config(model))
-            mod.inv_freq, mod.axis = fresh.inv_freq.to(device), fresh.axis.to(device)
+        if isinstance(mod, RotaryEmbedding):
+            fresh = RotaryEmbedding(mod_config(model))
+            for name in fresh._non_persistent_buffers_set:
+                setattr(mod, name, getattr(fresh, name).to(device))
     model.eval()
     return model
 

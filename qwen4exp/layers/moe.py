@@ -86,25 +86,27 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
-    """``experts`` may be replaced by a runtime's fused implementation taking (x, router_logits) or (x, w, ids)."""
+    """``experts``: a runtime's routed experts taking (x, top-k weights, ids) in place of ``Experts``;
+    ``shared_expert``: its shared expert in place of ``SwiGLU`` (same checkpoint names). A runtime whose fused experts
+    take the router logits instead overrides ``forward`` (the vLLM plugin's ``FusedMoEBlock``)."""
 
-    def __init__(self, config, linear: LinearFactory = default_linear, prefix: str = "", experts: nn.Module = None):
+    def __init__(self, config, linear: LinearFactory = default_linear, prefix: str = "", experts: nn.Module = None,
+                 shared_expert: nn.Module = None):
         super().__init__()
         D = config.hidden_size
         self.gate = Router(config)
         self.experts = experts if experts is not None else Experts(config)
-        self.shared_expert = SwiGLU(D, config.shared_expert_intermediate_size, linear, f"{prefix}.shared_expert")
+        self.shared_expert = (shared_expert if shared_expert is not None
+                              else SwiGLU(D, config.shared_expert_intermediate_size, linear, f"{prefix}.shared_expert"))
         self.shared_expert_gate = linear(D, 1, prefix=f"{prefix}.shared_expert_gate")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self.experts, "includes_shared", False):  # a runtime's fused experts run the gated shared expert
-            return self.experts(x, self.gate.logits(x))  # too (``gated_shared``) and return the sum
         shared = self.shared_expert(x)
-        if getattr(self.experts, "takes_router_logits", False):  # the fused experts select the top-k themselves
-            routed = self.experts(x, self.gate.logits(x))
-        else:
-            _, w, ids = self.gate(x)
-            routed = self.experts(x, w, ids)
+        _, w, ids = self.gate(x)
+        return self.combine(x, shared, self.experts(x, w, ids))
+
+    def combine(self, x: torch.Tensor, shared: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """routed + sigmoid(x . w_gate) * shared."""
         w = linear_weight(self.shared_expert_gate)
         if w is not None and w.dtype == x.dtype:  # a plain linear: gate, sigmoid, product, sum in one kernel on GPUs
             return shared_gate_combine(x, w, shared, routed)

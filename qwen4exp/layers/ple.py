@@ -10,6 +10,8 @@ State per sequence: the last n-1 token ids (``ctx``, EOS-filled at start) and th
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -21,15 +23,15 @@ from .norms import RMSNorm
 
 
 class NGramTable(nn.Module):
-    """The shared hashed table [R, d_g]: bf16/fp32, or fp8 with a per-tensor ``weight_scale``."""
+    """The shared hashed table [R, d_g]: bf16/fp32, or fp8 with a per-tensor ``weight_scale``. ``weight``: the
+    [R, d_g] parameter where a runtime placed it (the vLLM plugin on GPUs: page-locked host memory,
+    ``qwen4exp.vllm.layers.host_ngram_table``); default a new one on the default device."""
 
-    def __init__(self, rows: int, dim: int, host: bool = False):
+    def __init__(self, rows: int, dim: int, weight: nn.Parameter | None = None):
         super().__init__()
-        # host=True: the table lives in page-locked host memory (the real one does not fit on a GPU); the GPU gathers
-        # its rows through unified addressing (qwen4exp.ops.ple), only T * G rows cross the bus.
-        w = (torch.empty(rows, dim, device="cpu", pin_memory=torch.cuda.is_available()) if host
-             else torch.empty(rows, dim))
-        self.weight = nn.Parameter(w, requires_grad=False) if host else nn.Parameter(w)
+        if weight is not None and tuple(weight.shape) != (rows, dim):
+            raise ValueError(f"NGramTable: weight of shape {tuple(weight.shape)}, expected {(rows, dim)}")
+        self.weight = nn.Parameter(torch.empty(rows, dim)) if weight is None else weight
         self.register_buffer("weight_scale", None)
 
     def set_scale(self, scale: torch.Tensor | None) -> None:
@@ -37,7 +39,8 @@ class NGramTable(nn.Module):
 
 
 class NGramEmbedding(nn.Module):
-    def __init__(self, config, ple_index: int, table_on_host: bool = False):
+    def __init__(self, config, ple_index: int, table: Callable[[int, int], nn.Module] | None = None):
+        """``table(rows, dim)``: a runtime's n-gram table module (default ``NGramTable``)."""
         super().__init__()
         self.n = config.ngram_size
         self.heads_per_ngram = config.heads_per_ngram
@@ -53,7 +56,7 @@ class NGramEmbedding(nn.Module):
             hash_multipliers(config.vocab_size, self.n, ple_index, config.seed), dtype=torch.long))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long))
         self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long))
-        self.ngram_embedding = NGramTable(self.rows, self.dim, host=table_on_host)
+        self.ngram_embedding = (table or NGramTable)(self.rows, self.dim)
 
     def forward(self, ids, cu_seqlens, ctx_state, out_dtype):
         """``cu_seqlens`` None: one token per sequence (decode; fixed shapes, no host sync)."""
@@ -85,13 +88,13 @@ def _next_context(ids, cu_seqlens, prev):
 
 class PLE(nn.Module):
     def __init__(self, config, ple_index: int, linear: LinearFactory = default_linear, prefix: str = "",
-                 table_on_host: bool = False):
+                 table: Callable[[int, int], nn.Module] | None = None):
         super().__init__()
         n, D, Ep = config.hc_count, config.hidden_size, config.ple_embed_dim
         self.n, self.D = n, D
         self.dilation = config.ngram_size
         self.kernel = config.ple_conv_kernel_size
-        self.ple_embedding = NGramEmbedding(config, ple_index, table_on_host)
+        self.ple_embedding = NGramEmbedding(config, ple_index, table)
         self.key_proj = linear(Ep, n * D, prefix=f"{prefix}.key_proj")
         self.value_proj = linear(Ep, D, prefix=f"{prefix}.value_proj")
         eps = config.rms_norm_eps

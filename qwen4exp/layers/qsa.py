@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import LinearFactory, default_linear, linear_weight, stacked_weight
+from ..ops.layout import stacked_weight
+from .linear import LinearFactory, default_linear, linear_weight
 from .norms import RMSNorm
 from .rope import apply_rope, norm_rope
 
@@ -66,7 +67,8 @@ class QSAAttention(nn.Module):
 
     def _linears(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x W^T for [Q | gate], K, V and the indexer's [q | kappa]: ONE GEMM where a runtime laid the four weights
-        out as row ranges of one buffer (``linear.stacked_weight``; the outputs are then column slices), else four."""
+        out as row ranges of one buffer (``ops.layout.stacked_weight``; the outputs are then column slices), else
+        four."""
         mods = (self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj)
         ws = [linear_weight(m) for m in mods]
         w = stacked_weight(ws, pad=8)

@@ -8,7 +8,8 @@ workers, the registry-inspection subprocess), so it is idempotent and cheap: it 
 from __future__ import annotations
 
 import logging
-import os
+
+from .. import envs
 
 ARCHITECTURES = ("Qwen4ExpForConditionalGeneration", "Qwen4ExpForCausalLM")
 DRAFT_ARCHITECTURES = {"Qwen4ExpMTP": "qwen4exp.vllm.mtp:Qwen4ExpMTP"}  # speculative_config method "mtp"
@@ -31,7 +32,7 @@ def register() -> bool:
     global _registered
     if _registered is not None:
         return _registered
-    if os.environ.get("QWEN4EXP_VLLM", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not envs.QWEN4EXP_VLLM:
         _registered = False
         _logger().info("Qwen4Exp is served by vLLM's in-tree implementation (QWEN4EXP_VLLM=0)")
         return False

@@ -1,5 +1,6 @@
-"""vLLM building blocks bound to ``qwen4exp.layers``' math: the linear factory, the fused-MoE experts and the PLE
-per-request state (a MambaBase SHORT_CONV layer).
+"""vLLM building blocks bound to ``qwen4exp.layers``' math: the linear factory, the one-GEMM weight layout, the MoE
+block with vLLM's fused experts, the PLE table's placement and the per-request state (a MambaBase SHORT_CONV
+layer).
 
 Tensor parallelism: vLLM's GDN mixer, FusedMoE, the vocab-parallel embedding and the LM head shard themselves; the
 QSA, PLE, HC and shared-expert linears are replicated (``ReplicatedLinear``), so every rank computes them in full.
@@ -16,6 +17,9 @@ from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from ..layers.moe import MoE
+from ..layers.ple import NGramTable
 
 
 # ---------------------------------------------------------------------------------------------- eager graph segments
@@ -72,7 +76,7 @@ def vllm_linear(in_features: int, out_features: int, *, prefix: str = "") -> nn.
 
 def colocate_rows(weights, pad: int = 8) -> bool:
     """Lay out 2-D weight parameters of one input width as consecutive row ranges of ONE buffer (zero rows padding
-    it to a multiple of ``pad`` rows: 16-byte aligned GEMM output rows), so that ``layers.linear.stacked_weight``
+    it to a multiple of ``pad`` rows: 16-byte aligned GEMM output rows), so that ``ops.layout.stacked_weight``
     finds them and their projections run as one GEMM. The parameters stay separate (checkpoint names; weight
     loaders and the dummy initialisation write into their views). False (nothing changed) unless all are plain
     parameters of one dtype, device and width."""
@@ -162,6 +166,38 @@ class GatedSharedExpert(nn.Module):
         return self.moe[0].gated_shared(x)
 
 
+class _LazyExperts(nn.Module):
+    """Placeholder so ``MoE`` does not allocate reference experts; replaced by FusedMoE right after."""
+
+
+def _tp_world_size() -> int:
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_world_size()
+
+
+class FusedMoEBlock(MoE):
+    """``qwen4exp.layers.moe.MoE`` with vLLM's FusedMoE as the routed experts (``fused_experts``: they take the
+    router logits and select the top-k themselves) and the shared expert's gate and up projections as one GEMM
+    (``MergedSwiGLU``). On one GPU's worth of experts FusedMoE also runs the gated shared expert, on a side stream
+    beside the routed ones, and returns the sum; with TP the replicated shared expert must join after the routed
+    experts' all-reduce, so this block adds it (``MoE.combine``)."""
+
+    def __init__(self, config, linear, prefix: str = ""):
+        super().__init__(config, linear, prefix, experts=_LazyExperts(),
+                         shared_expert=MergedSwiGLU(config.hidden_size, config.shared_expert_intermediate_size,
+                                                    f"{prefix}.shared_expert"))
+        shared = GatedSharedExpert(self) if _tp_world_size() == 1 else None
+        self.experts = fused_experts(config, f"{prefix}.experts", self.gate, shared)
+        self.experts_include_shared = shared is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts_include_shared:
+            return self.experts(x, self.gate.logits(x))
+        shared = self.shared_expert(x)
+        return self.combine(x, shared, self.experts(x, self.gate.logits(x)))
+
+
 def fused_experts(config, prefix: str, router, shared: nn.Module | None = None) -> nn.Module:
     """vLLM FusedMoE (CPU: ``cpu_fused_moe``, bf16 weights, fp32 accumulation and top-k combine: the numerics of
     ``qwen4exp.layers.moe.Experts``) fed with our router's logits. Top-k selection: on CPU our ``Router.select``
@@ -169,7 +205,7 @@ def fused_experts(config, prefix: str, router, shared: nn.Module | None = None) 
     reference); on GPUs vLLM's fused ``topk_softmax`` kernel, the same math in one kernel (fp32 softmax over all
     experts, renormalised in fp32; weights kept fp32), instead of five torch kernels per layer. ``shared``: the gated
     shared expert (``GatedSharedExpert``), run by FusedMoE beside the routed experts; the output is then their
-    sum (``includes_shared``)."""
+    sum."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
     from vllm.platforms import current_platform
 
@@ -189,8 +225,6 @@ def fused_experts(config, prefix: str, router, shared: nn.Module | None = None) 
         prefix=prefix,
         shared_experts=shared,
     )
-    experts.takes_router_logits = True  # qwen4exp.layers.moe.MoE calls experts(x, router_logits)
-    experts.includes_shared = shared is not None
     return experts
 
 
@@ -362,6 +396,14 @@ def our_gdn(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
             return out
 
     return OurGDN()
+
+
+def host_ngram_table(rows: int, dim: int) -> NGramTable:
+    """The PLE n-gram table in page-locked host memory (GPUs, ``QWEN4EXP_PLE_TABLE=host``: the real table does not
+    fit on a GPU): the GPU gathers its rows through unified addressing (``qwen4exp.ops.ple``), so only the T * G rows
+    a step reads cross the bus. Allocated on the host directly, never on the GPU that vLLM builds the model on."""
+    w = torch.empty(rows, dim, device="cpu", pin_memory=torch.cuda.is_available())
+    return NGramTable(rows, dim, weight=nn.Parameter(w, requires_grad=False))
 
 
 def gdn_state_dtypes(vllm_config: VllmConfig):

@@ -12,7 +12,6 @@ the math). Runtime pieces bound here:
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterable
 
 import torch
@@ -33,11 +32,12 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
+from .. import envs
 from ..configuration import _INDEXED_ALIASES, INDEXED, LINEAR
 from ..layers.hyper_connection import HyperConnection
 from ..modeling import DecoderLayer, embed_streams, next_mixer
-from .layers import (GatedSharedExpert, MergedSwiGLU, StateSlots, check_cudagraph_mode, colocate_projections,
-                     eager_segment, fused_experts, gdn_mixer, our_gdn, ple_state_shapes, rotary_embedding, vllm_linear)
+from .layers import (FusedMoEBlock, StateSlots, check_cudagraph_mode, colocate_projections, eager_segment,
+                     gdn_mixer, host_ngram_table, our_gdn, ple_state_shapes, rotary_embedding, vllm_linear)
 from .qsa import QSAMixer
 from .weights import load_qwen4exp_weights
 
@@ -63,7 +63,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
         self.rotary_emb = rotary_embedding(config, vllm_config)
         dtype = vllm_config.model_config.dtype
         layers = []
-        on_host = ple_table_on_host()
+        ple_table = host_ngram_table if ple_table_on_host() else None  # (None: the layer's own, on the device)
         self.ple_states = nn.ModuleDict()
         self._ple_embed_steps: dict[str, _PleEmbedStep] = {}
         for i in range(config.num_hidden_layers):
@@ -74,7 +74,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
                          else our_gdn(config, vllm_config, f"{lp}.linear_attn"))
             else:
                 mixer = QSAMixer(config, vllm_config, f"{lp}.self_attn", self.rotary_emb)
-            layer = decoder_layer(config, i, lp, mixer, lt, ple_table_on_host=on_host)
+            layer = decoder_layer(config, i, lp, mixer, lt, ple_table=ple_table)
             if layer.ple is not None:
                 st = StateSlots(ple_state_shapes(config), (dtype, torch.int32), f"{lp}.ple_state")
                 embed_step = _PleEmbedStep(layer.ple, st)
@@ -130,29 +130,12 @@ class Qwen4ExpVllmTextModel(nn.Module):
         return out
 
 
-class _LazyExperts(nn.Module):
-    """Placeholder so ``MoE`` does not allocate reference experts; replaced by FusedMoE right after."""
-
-
 def decoder_layer(config, i: int, prefix: str, mixer: nn.Module, layer_type: str, **kw) -> DecoderLayer:
-    """The shared ``DecoderLayer`` with vLLM linears, vLLM's FusedMoE routed experts (fed by our router) and the
-    shared expert's gate and up projections as one GEMM (``MergedSwiGLU``); used by the target model and the MTP
-    draft head."""
-    layer = DecoderLayer(config, i, linear=vllm_linear, prefix=prefix, mixer=mixer, layer_type=layer_type,
-                         experts=_LazyExperts(), **kw)
-    layer.mlp.shared_expert = MergedSwiGLU(config.hidden_size, config.shared_expert_intermediate_size,
-                                           f"{prefix}.mlp.shared_expert")
-    # one GPU's worth of experts: vLLM runs the gated shared expert itself, on a side stream beside the routed ones
-    # (with TP the replicated shared expert must join after the routed experts' all-reduce: our MoE adds it)
-    shared = GatedSharedExpert(layer.mlp) if _tp_world_size() == 1 else None
-    layer.mlp.experts = fused_experts(config, f"{prefix}.mlp.experts", layer.mlp.gate, shared)
-    return layer
-
-
-def _tp_world_size() -> int:
-    from vllm.distributed import get_tensor_model_parallel_world_size
-
-    return get_tensor_model_parallel_world_size()
+    """The shared ``DecoderLayer`` with vLLM linears and vLLM's MoE block (``FusedMoEBlock``: FusedMoE routed
+    experts fed by our router, the shared expert's gate and up projections as one GEMM); used by the target model
+    and the MTP draft head."""
+    return DecoderLayer(config, i, linear=vllm_linear, prefix=prefix, mixer=mixer, layer_type=layer_type,
+                        moe=FusedMoEBlock, **kw)
 
 
 def _ple_step_unused(*_):
@@ -168,8 +151,8 @@ def _ple_state_pads(config, vllm_config, ple_states, prefix: str, dtype) -> list
     model), and every step builds attention metadata, a block table and slot mappings for each. Padding the PLE
     spec up to the QSA layer count (with the MTP head's, when it drafts) restores groups of that size (5 on FN-12L:
     3 GDN, 1 PLE, 1 QSA). The pads share the PLE group's blocks, which vLLM would pad to the group size anyway,
-    so they cost no cache memory; nothing ever reads them. ``QWEN4EXP_PLE_PADS=0`` leaves them out (A/B runs)."""
-    if not ple_states or os.environ.get("QWEN4EXP_PLE_PADS", "1") == "0":
+    so they cost no cache memory; nothing ever reads them."""
+    if not ple_states:
         return []
     n_attn = sum(_layer_type(config, i) != LINEAR for i in range(config.num_hidden_layers))
     sc = vllm_config.speculative_config
@@ -187,12 +170,9 @@ def _ple_state_pads(config, vllm_config, ple_states, prefix: str, dtype) -> list
 
 def ple_prefetch() -> bool:
     """``QWEN4EXP_PLE_PREFETCH=1``: the PLE embedding step (host-table gather + key/value projections) starts at the
-    top of the forward on a side CUDA stream, overlapping the layers before the PLE layer; default off until timed
-    on the H200 (with it off the same step runs on the main stream right before the layer)."""
-    v = os.environ.get("QWEN4EXP_PLE_PREFETCH", "0").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"QWEN4EXP_PLE_PREFETCH must be 0 or 1, got {v!r}")
-    return v == "1" and _on_gpu()
+    top of the forward on a side CUDA stream, overlapping the layers before the PLE layer (GPUs only). Off by
+    default: the same step then runs on the main stream right before the layer."""
+    return envs.QWEN4EXP_PLE_PREFETCH and _on_gpu()
 
 
 class _PleEmbedStep:
@@ -270,24 +250,19 @@ def gdn_impl(config) -> str:
     """``QWEN4EXP_VLLM_GDN``: "ours" (CPU default; qwen4exp.layers.gdn math, bf16 inputs + fp32 state, matches the
     HF reference's numerics) or "vllm" (GPU default where its kernels apply, i.e. 128-wide GDN heads as in the real
     model: vLLM's GDN layer with its FLA/FlashInfer/CuTe kernels; on CPU its C++ kernels: faster on long prompts,
-    ~1.5x the bf16 error). Small test models (64-wide heads) run ours on the GPU too."""
-    default = "ours"
-    if _on_gpu() and config.linear_key_head_dim == config.linear_value_head_dim == 128:
-        default = "vllm"
-    v = os.environ.get("QWEN4EXP_VLLM_GDN", default).strip().lower()
-    if v not in ("ours", "vllm"):
-        raise ValueError(f"QWEN4EXP_VLLM_GDN must be 'ours' or 'vllm', got {v!r}")
-    return v
+    ~1.5x the bf16 error). Small test models (64-wide heads) run ours on the GPU too. "auto" (the default) picks
+    by that rule."""
+    v = envs.QWEN4EXP_VLLM_GDN
+    if v != "auto":
+        return v
+    return "vllm" if _on_gpu() and config.linear_key_head_dim == config.linear_value_head_dim == 128 else "ours"
 
 
 def ple_table_on_host() -> bool:
     """``QWEN4EXP_PLE_TABLE``: "host" (GPU default: the n-gram table in pinned host memory, rows gathered over UVA;
     the real 51B-parameter table does not fit on a GPU) or "gpu" (table in GPU memory: fastest when it fits).
     On CPU the table is simply in memory."""
-    v = os.environ.get("QWEN4EXP_PLE_TABLE", "host").strip().lower()
-    if v not in ("host", "gpu"):
-        raise ValueError(f"QWEN4EXP_PLE_TABLE must be 'host' or 'gpu', got {v!r}")
-    return v == "host" and _on_gpu()
+    return envs.QWEN4EXP_PLE_TABLE == "host" and _on_gpu()
 
 
 def _text_config(vllm_config):

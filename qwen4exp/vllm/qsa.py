@@ -18,7 +18,6 @@ attention ISA (vec / AMX / NEON packs K differently) and of the dtype (fp32, bf1
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -59,15 +58,7 @@ def qsa_cache_backend(chosen: type) -> type:
     No vLLM attention kernel ever reads this cache (our kernels take the block table, lengths and slots only), so
     where vLLM picked FlashAttention the layer gets a subclass whose metadata builder skips FlashAttention 3's
     ahead-of-time scheduler metadata (same cache layout, block sizes, CUDA-graph support): a GPU launch and two
-    buffer writes a step fewer. Its host time is small: run 13's in-process sampler put ~12% of a batch-1 step in
-    ``FlashAttentionMetadataBuilder.build``, but that sampler over-counts calls that release the GIL; timed in the
-    engine (run 14) the two builders give the same step (2.934 vs 2.933 ms), and py-spy (run 15) never samples ours.
-    ``QWEN4EXP_QSA_METADATA=vllm`` keeps vLLM's builder (A/B runs); any other backend (CPU, FlashInfer, ...) stays."""
-    mode = os.environ.get("QWEN4EXP_QSA_METADATA", "lean").strip().lower()
-    if mode not in ("vllm", "lean"):
-        raise ValueError(f"QWEN4EXP_QSA_METADATA must be 'lean' (default) or 'vllm', got {mode!r}")
-    if mode == "vllm":
-        return chosen
+    buffer writes a step fewer, metadata nothing reads. Any other backend (CPU, FlashInfer, ...) stays."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
     return _lean_flash_backend() if chosen is FlashAttentionBackend else chosen

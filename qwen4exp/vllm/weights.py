@@ -18,7 +18,7 @@ import torch
 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from ..hf.loading import _EXPERT, _SHARD, CheckpointError, canonical_name
+from ..checkpoint import EXPERT, PLE_SHARD, CheckpointError, canonical_name
 
 _GDN_FUSED = {"in_proj_qkv": ("in_proj_qkvz", None), "in_proj_z": ("in_proj_qkvz", 3),
               "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
@@ -29,7 +29,7 @@ _BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets
 @dataclass(frozen=True)
 class NameMap:
     """The checkpoint tensors a vLLM module takes and its parameter names for them: ``rules`` are (checkpoint
-    prefix, parameter prefix) pairs over canonical checkpoint names (``hf.loading.canonical_name``), first match
+    prefix, parameter prefix) pairs over canonical checkpoint names (``checkpoint.canonical_name``), first match
     wins; a tensor whose first match has no parameter prefix (None), or that matches no rule, is not this module's
     (skipped, and not required)."""
 
@@ -100,7 +100,7 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
         pname = names.param(name)
         if pname is None:
             continue
-        m = _SHARD.match(name)
+        m = PLE_SHARD.match(name)
         if m:
             base = f"{m.group(1)}.weight"
             rows, dim = expected.get(base, (None, None))
@@ -114,7 +114,7 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
             shard_rows.setdefault(base, {})[s] = t.shape[0]
             loaded.add(pbase)
             continue
-        m = _EXPERT.match(name)
+        m = EXPERT.match(name)
         if m:
             base, e, proj = m.group(1), int(m.group(2)), m.group(3)
             E, twoI, D = expected.get(f"{base}.gate_up_proj", (0, 0, 0))
