@@ -1,4 +1,5 @@
-"""Time the Triton kernels (``qwen4exp.ops.cuda``) against the torch references and torch.compile of them.
+"""Time the Triton kernels (each op folder's registration: ``qwen4exp.ops.<op>.cuda``) against the torch references
+and torch.compile of them.
 
     python benchmarks/bench_ops.py --csv bench_out/bench_ops.csv [--no-compile] [--only hc_mix,qsa_decode_paged]
 
@@ -117,15 +118,15 @@ def hc_step_case(T, n=4, D=2560, R=320):
 
 
 def hc_step_before(H, c, y, nw, Wd, Wu, Wi, n, eps, many=False):
-    from qwen4exp.ops import cuda
-    H = cuda.hc_inject(H, c, y)
-    return (cuda._hc_mix_many_tokens if many else cuda.hc_mix)(H, nw, Wd, Wu, Wi, n, eps)
+    from qwen4exp.ops.hyper_connection import cuda as hc_cuda
+    H = hc_cuda.hc_inject(H, c, y)
+    return (hc_cuda.mix_many_tokens if many else hc_cuda.hc_mix)(H, nw, Wd, Wu, Wi, n, eps)
 
 
 def hc_step_fused_norm(H, c, y, nw, Wd, Wu, Wi, n, eps, many=False):
-    from qwen4exp.ops import cuda
-    H, Hn = cuda.hc_inject_norm(H, c, y, nw, n, eps)
-    return (cuda._hc_mix_many_tokens if many else cuda.hc_mix)(H, nw, Wd, Wu, Wi, n, eps, Hn)
+    from qwen4exp.ops.hyper_connection import cuda as hc_cuda
+    H, Hn = hc_cuda.hc_inject_norm(H, c, y, nw, n, eps)
+    return (hc_cuda.mix_many_tokens if many else hc_cuda.hc_mix)(H, nw, Wd, Wu, Wi, n, eps, Hn)
 
 
 def hc_step_ref(H, c, y, nw, Wd, Wu, Wi, n, eps):
@@ -241,8 +242,9 @@ def norm_rope_case(T, H=24, d=256, R=64):
 
 
 def norm_then_rope(x, w, eps, cos, sin):
-    from qwen4exp.ops import cuda
-    return cuda.apply_rope(cuda.rms_norm(x, w, x.shape[-1], eps), cos, sin)
+    from qwen4exp.ops.norm import cuda as norm_cuda
+    from qwen4exp.ops.rope import cuda as rope_cuda
+    return rope_cuda.apply_rope(norm_cuda.rms_norm(x, w, x.shape[-1], eps), cos, sin)
 
 
 _TABLES = {}
@@ -357,7 +359,7 @@ def tune_and_breakdown():
         return bool((x.float() - xr.float()).abs().max() <= 0.07 and (c.float() - cr.float()).abs().max() <= 0.02)
 
     sweep("hc_mix", hc_tk, sets, [("A_BLOCK_R", (64, 32, 16)), ("A_WARPS", (8, 4)), ("B_BLOCK_D", (16, 8, 32)),
-                                 ("B_WARPS", (8, 4)), ("USE_PDL", (True, False)), ("FUSED", (False, True))],
+                                 ("B_WARPS", (8, 4)), ("USE_PDL", (True, False))],
           hc_tk.hc_mix_triton, hc_ok)
     a_only = lambda *a: hc_tk.hc_mix_triton(*a, _stop_after_down=True)  # noqa: E731
     timed("hc_mix", "T=1", "stage A alone (norm + down/inj)", a_only, sets)
@@ -555,12 +557,12 @@ def decode_breakdown(bw):
 
 def profile_once():
     """A few eager calls of each kernel at decode size, for a profiler (ncu) to catch."""
+    from qwen4exp.ops.hyper_connection import cuda as hc_cuda
     from qwen4exp.ops.qsa import cuda as qsa_cuda
-    from qwen4exp.ops import cuda
 
     for _ in range(2):
         s = hc_mix_case(1)[0][0]
-        cuda.hc_mix(*s)
+        hc_cuda.hc_mix(*s)
         s = qsa_case(1)[0][0]
         qsa_cuda.qsa_attention(*s)
     torch.cuda.synchronize()
@@ -584,7 +586,10 @@ def main():
     args = ap.parse_args()
     if args.profile_once:
         return profile_once()
-    from qwen4exp.ops import cuda  # registers and imports the Triton kernels
+    from qwen4exp.ops.hyper_connection import cuda as hc_cuda  # (each imports its Triton kernels)
+    from qwen4exp.ops.moe_combine import cuda as moe_cuda
+    from qwen4exp.ops.norm import cuda as norm_cuda
+    from qwen4exp.ops.rope import cuda as rope_cuda
 
     dev = torch.cuda.get_device_name()
     bw = measure_bandwidth()
@@ -597,18 +602,18 @@ def main():
     only = set(filter(None, args.only.split(",")))
     cases = []
     for T in (1, 8, 16, 32, 16384):  # as dispatched (16384: a prefill chunk: cuBLAS projections + norm / gate-mean)
-        cases.append(("hc_mix", f"T={T}", lambda T=T: hc_mix_case(T), cuda.hc_mix, hc_ref.hc_mix))
+        cases.append(("hc_mix", f"T={T}", lambda T=T: hc_mix_case(T), hc_cuda.hc_mix, hc_ref.hc_mix))
     for T in (8, 16, 32):  # decode / verify sizes both ways: the two fused launches and the many-token path
-        cases.append(("hc_mix", f"T={T},fused", lambda T=T: hc_mix_case(T), cuda.hc_mix_op, hc_ref.hc_mix))
-        cases.append(("hc_mix", f"T={T},gemm-path", lambda T=T: hc_mix_case(T), cuda._hc_mix_many_tokens,
+        cases.append(("hc_mix", f"T={T},fused", lambda T=T: hc_mix_case(T), hc_cuda.hc_mix_op, hc_ref.hc_mix))
+        cases.append(("hc_mix", f"T={T},gemm-path", lambda T=T: hc_mix_case(T), hc_cuda.mix_many_tokens,
                       hc_ref.hc_mix))
     for T in (1, 32):
-        cases.append(("hc_inject", f"T={T}", lambda T=T: hc_inject_case(T), cuda.hc_inject, hc_ref.hc_inject))
-    from qwen4exp.ops.hyper_connection import triton_kernel as hc_tk
+        cases.append(("hc_inject", f"T={T}", lambda T=T: hc_inject_case(T), hc_cuda.hc_inject, hc_ref.hc_inject))
+    from qwen4exp.ops.hyper_connection import host as hc_host, triton_kernel as hc_tk
     for T in (1, 8, 32):  # one HC transition (write-back + mixer) both ways, side by side
         mk = lambda T=T: hc_step_case(T)  # noqa: E731
         cases.append(("hc_step", f"T={T},inject+mix(own norm)", mk,
-                      with_knobs(hc_step_before, hc_tk, IN_KERNEL_NORM_MAX_T=1 << 30), hc_step_ref))
+                      with_knobs(hc_step_before, hc_host, IN_KERNEL_NORM_MAX_T=1 << 30), hc_step_ref))
         cases.append(("hc_step", f"T={T},inject+mix", mk, hc_step_before, None))  # (norm kernel first past 4)
         cases.append(("hc_step", f"T={T},inject_norm+mix", mk, hc_step_fused_norm, hc_step_ref))
         if T == 32:
@@ -647,17 +652,17 @@ def main():
                       qsa_cuda.qsa_prefill_paged, qsa_ref.qsa_prefill_paged))
     for shape, group in (((1, 24, 256), 256), ((32, 24, 256), 256), ((32, 10240), 2560)):
         cases.append(("rms_norm", "x".join(map(str, shape)) + f"/{group}", lambda a=shape, g=group: rms_norm_case(a, g),
-                      cuda.rms_norm, norm_ref.grouped_rms_norm))
+                      norm_cuda.rms_norm, norm_ref.grouped_rms_norm))
     for T in (1, 32):  # the fused norm + RoPE and the two kernels it replaces
-        cases.append(("norm_rope", f"T={T},24x256,R=64", lambda T=T: norm_rope_case(T), cuda.norm_rope,
+        cases.append(("norm_rope", f"T={T},24x256,R=64", lambda T=T: norm_rope_case(T), rope_cuda.norm_rope,
                       rope_ref.norm_rope))
         cases.append(("norm_rope", f"T={T},24x256,R=64,two-kernels", lambda T=T: norm_rope_case(T), norm_then_rope,
                       None))
     for T in (1, 32):
         cases.append(("shared_gate_combine", f"T={T},D=2560", lambda T=T: moe_combine_case(T),
-                      cuda.shared_gate_combine, moe_ref.shared_gate_combine))
+                      moe_cuda.shared_gate_combine, moe_ref.shared_gate_combine))
     for T in (1, 32):
-        cases.append(("apply_rope", f"T={T},24x256,R=64", lambda T=T: rope_case(T), cuda.apply_rope,
+        cases.append(("apply_rope", f"T={T},24x256,R=64", lambda T=T: rope_case(T), rope_cuda.apply_rope,
                       rope_ref.apply_rope))
     for T in (1, 32):
         cases.append(("ple_lookup", f"T={T},fp8,pinned-host", lambda T=T: ple_case(T, "pinned"),
@@ -678,14 +683,14 @@ def main():
             cases.append(("ple_mix", f"T={T},4x2560,K=4,dil=3,programs={progs},block_c={bc},warps={w}",
                           lambda T=T: ple_mix_case(T),
                           with_knobs(ple_cuda.ple_mix, ple_tk, MIX_PROGRAMS=progs, MIX_BLOCK_C=bc, MIX_WARPS=w), None))
-    if cuda._FLA is not None:  # GDN through flash-linear-attention (the HF path's kernels; vLLM has its own copy)
-        from qwen4exp.ops.gated_delta_rule import reference as gdn_ref
-
+    from qwen4exp.ops import gated_delta_rule as gdn
+    gdn_kernels = gdn.KERNELS.table("cuda")  # fla's (the HF path's kernels; vLLM has its own copy), where importable
+    if gdn_kernels:
         for B in (1, 32):
             cases.append(("gdn_recurrent", f"B={B},16/48x128", lambda B=B: gdn_case([1] * B),
-                          cuda.recurrent_gated_delta_rule, gdn_ref.recurrent_gated_delta_rule))
-        cases.append(("gdn_chunk", "T=16384,16/48x128", lambda: gdn_case([16384]), cuda.chunk_gated_delta_rule,
-                      gdn_ref.chunk_gated_delta_rule))
+                          gdn_kernels["recurrent_gated_delta_rule"], gdn.reference.recurrent_gated_delta_rule))
+        cases.append(("gdn_chunk", "T=16384,16/48x128", lambda: gdn_case([16384]),
+                      gdn_kernels["chunk_gated_delta_rule"], gdn.reference.chunk_gated_delta_rule))
     rows = []
     for op, case, make, kern, ref in cases:
         if only and op not in only:

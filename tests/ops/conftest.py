@@ -60,7 +60,8 @@ def device(request):
 class TritonChecks:
     """The session's Triton checks: ``passed(name)`` asserts one interpreter check passed (showing its error),
     ``compiled(kernel)`` that every recorded launch of a kernel compiled for sm_90 (within shared memory, without
-    register spills where required), ``compile_check(name)`` one check of the compile step."""
+    register spills where required), ``compile_check(name)`` one check of the compile step. ``out``: the folder of
+    the steps' JSON files (``launches.json``: the recorded launches); ``python(args)``: run a script the same way."""
 
     def __init__(self, tmp, names):
         self.tmp, self.names = tmp, names
@@ -69,18 +70,22 @@ class TritonChecks:
         self.results, self.run_log = self._step("run", True, names)
         self._compiled = None
 
-    def _step(self, step, interpret, args):
+    def python(self, args, interpret=False):
+        """Python with the Triton beside the venv (under its CPU interpreter or not) -> (exit code, output tail)."""
         env = dict(os.environ, TRITON_CACHE_DIR=str(self.tmp / "cache"),
                    PYTHONPATH=os.pathsep.join([TRITON_DIR, ROOT, HERE, os.path.dirname(HERE)]))
         env.pop("TRITON_INTERPRET", None)
         if interpret:
             env["TRITON_INTERPRET"] = "1"
         try:
-            p = subprocess.run([sys.executable, SCRIPT, step, self.out, *args], env=env, capture_output=True,
-                               text=True, timeout=TIMEOUT_S)
-            log = f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+            p = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+            return p.returncode, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
         except subprocess.TimeoutExpired as e:
-            log = f"timed out after {TIMEOUT_S:.0f} s\n{(e.stdout or b'')[-3000:]!r}\n{(e.stderr or b'')[-6000:]!r}"
+            tail = f"{(e.stdout or b'')[-3000:]!r}\n{(e.stderr or b'')[-6000:]!r}"
+            return None, f"timed out after {TIMEOUT_S:.0f} s\n{tail}"
+
+    def _step(self, step, interpret, args):
+        _, log = self.python([SCRIPT, step, self.out, *args], interpret)
         path = os.path.join(self.out, "checks.json" if step == "run" else "compiled.json")
         results = {}
         if os.path.exists(path):
@@ -89,9 +94,9 @@ class TritonChecks:
         return results, log
 
     @staticmethod
-    def _assert(res, what, log):
+    def _assert(res, what, log, missing="no result (the subprocess stopped before it?)"):
         if res is None:
-            pytest.fail(f"{what}: no result (the subprocess stopped before it?)\n{log}", pytrace=False)
+            pytest.fail(f"{what}: {missing}\n{log}", pytrace=False)
         if res["status"] == "skipped":
             pytest.skip(f"{what}: {res['message']}")
         if res["status"] != "passed":
@@ -107,7 +112,8 @@ class TritonChecks:
 
     def compiled(self, kernel):
         results, log = self._compile()
-        self._assert(results.get("kernels", {}).get(kernel), f"sm_90 compile of {kernel}", log)
+        self._assert(results.get("kernels", {}).get(kernel), f"sm_90 compile of {kernel}", log,
+                     "no launch of it recorded (the checks named by this item's triton_check marker launch it?)")
 
     def compile_check(self, name):
         results, log = self._compile()

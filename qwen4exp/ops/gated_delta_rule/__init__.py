@@ -1,6 +1,14 @@
-from .._dispatch import pick
+"""Gated delta rule (Gated DeltaNet's recurrence): ``reference`` (readable torch, the contract: the recurrent and the
+chunked form), ``fla_kernel`` (the call of flash-linear-attention's CUDA kernels on our layout, and what they take;
+Triton-free), ``cuda`` (their registration as custom operators and the host wrappers; imports fla). Tests:
+``tests/ops/test_gated_delta_rule.py``."""
+
+from .. import _registry
 from . import reference
 from .reference import l2norm
+
+KERNELS = _registry.Kernels(__name__, cuda=".cuda")  # fla's kernels (cuda.py), loaded on the first CUDA call
+pick = KERNELS.pick
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, use_qk_l2norm=True):

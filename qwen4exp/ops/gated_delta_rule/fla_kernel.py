@@ -1,25 +1,19 @@
 """The gated delta rule on CUDA through flash-linear-attention (``fla-core``, the ``gpu`` extra): its chunked kernels
 for prefill chunks and its fused recurrent kernel for decode, called on our packed [T, H, d] layout as one batch row
 with ``cu_seqlens``. Same conventions as ``reference``: q / k L2-normalised in the kernel, value head h reads key head
-h // (H_v / H_k), fp32 states [N, H_v, d_k, d_v]; nothing new is written here, only the call is adapted."""
+h // (H_v / H_k), fp32 states [N, H_v, d_k, d_v]; nothing new is written here, only the call is adapted. Plain torch
+(fla itself is imported by ``cuda.py``), so CPU tests check ``covers``."""
 
 from __future__ import annotations
 
 import torch
 
 
-def load():
-    """fla's two entry points, or None when fla-core is not installed (the reference serves then)."""
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-    except ImportError:
-        return None
-    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-
-
-def supported(q, k, v, g, beta) -> bool:
+def covers(q, k, v, g, beta) -> bool:
+    """What fla's kernels take, from shapes and dtypes alone (no device checks): [T, H, d] q / k / v of one 16/32-bit
+    float dtype, value heads a multiple of the key heads, head sizes up to 256."""
     hk, hv = k.shape[-2], v.shape[-2]
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and q.dtype == k.dtype == v.dtype
+    return (q.dtype in (torch.bfloat16, torch.float16, torch.float32) and q.dtype == k.dtype == v.dtype
             and q.dim() == 3 and hk > 0 and hv % hk == 0 and q.shape[-1] <= 256 and v.shape[-1] <= 256)
 
 

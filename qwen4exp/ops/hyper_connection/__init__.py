@@ -1,9 +1,17 @@
+"""Gated hyper-connection (HC) mixer and write-back over n residual streams: ``reference`` (readable torch, the
+contract), ``triton_kernel`` (the CUDA kernels), ``cuda`` (their registration as custom operators and the host
+wrappers), ``host`` (what the kernels cover, which path a call takes, the many-token path from its pieces;
+Triton-free). Tests: ``tests/ops/test_hyper_connection.py``."""
+
 import torch
 
-from ...layers.linear import stacked_weight
-from .._dispatch import pick
+from .. import _registry
 from . import reference
+from .host import adjacent_rows
 from .reference import grouped_rms_norm
+
+KERNELS = _registry.Kernels(__name__, cuda=".cuda")  # the CUDA kernels (cuda.py), loaded on the first CUDA call
+pick = KERNELS.pick
 
 
 def hc_mix(H, norm_weight, down, up, inj, n, eps, Hn=None):
@@ -15,15 +23,6 @@ def hc_mix(H, norm_weight, down, up, inj, n, eps, Hn=None):
                                               for w in (down, up, inj)):
         fn = reference.hc_mix
     return fn(H, norm_weight, down, up, inj, n, eps, Hn)
-
-
-def adjacent_rows(down, inj, pad: int = 1):
-    """[W_down; W_inj] as ONE [R + n, nD] view when W_inj's rows follow W_down's in memory (the vLLM model lays
-    them out so: ``qwen4exp.vllm.layers.colocate_projections``), else None: the many-token GPU path then runs
-    both projections as one GEMM. ``pad``: the view's rows rounded up to a multiple of it where the storage holds
-    them (the vLLM layout zero-pads to 8 rows, so the GEMM's output rows are 16-byte aligned); rows past R + n are
-    not W_inj's."""
-    return stacked_weight([down, inj], pad)
 
 
 def hc_inject(H, c, y):

@@ -53,3 +53,17 @@ def hc_inject_norm(H: torch.Tensor, c: torch.Tensor, y: torch.Tensor, norm_weigh
     """The write-back, then the grouped norm of the new streams (the next ``hc_mix``'s ``Hn``): (H', Hn')."""
     H = hc_inject(H, c, y)
     return H, grouped_rms_norm(H, norm_weight, H.shape[-1] // n, eps)
+
+
+def hc_finish(d: torch.Tensor, R: int, n: int, ni: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations of ``hc_mix`` from its two projections side by side, d = [W_down Hn | W_inj Hn | ...]
+    [..., >= R + ni] (the GPU's many-token path runs both as one GEMM): (a = silu(d[:R] / n) [..., R],
+    c = 2 sigmoid(d[R:R + ni] / n) [..., ni]); columns past R + ni are not read."""
+    return F.silu(d[..., :R] / n), 2 * torch.sigmoid(d[..., R:R + ni] / n)
+
+
+def hc_gate_mean(g: torch.Tensor, Hn: torch.Tensor, n: int) -> torch.Tensor:
+    """The block input of ``hc_mix`` from the up projection's output g = W_up a [..., nD] and the normalised streams:
+    x = mean_s sigmoid(g_s) * Hn_s [..., D]."""
+    D = g.shape[-1] // n
+    return (torch.sigmoid(g).unflatten(-1, (n, D)) * Hn.unflatten(-1, (n, D))).mean(-2)

@@ -1,6 +1,7 @@
-"""Triton kernels for the HC mixer (decode sizes: T <= MAX_T = 16 tokens, or MAX_T_HN = 32 when the caller hands in
-the streams' norm) and the HC write-back (alone, or with the next mixer's norm: ``hc_inject_norm``). Imported only
-on the CUDA path (``qwen4exp.ops.cuda``).
+"""Triton kernels for the HC mixer (decode sizes: T <= ``host.MAX_T`` = 16 tokens, or ``host.MAX_T_HN`` = 32 when the
+caller hands in the streams' norm), the HC write-back (alone, or with the next mixer's norm: ``hc_inject_norm``),
+and the two kernels of the many-token path (``host.mix_many_tokens``). Imported only on the CUDA path
+(``cuda.py``); what the kernels cover, and which path a call takes: ``host``.
 
 ``hc_mix`` runs as two launches (a single kernel would need a grid-wide barrier between the down- and the
 up-projection, since every output needs all r down-projected values):
@@ -16,12 +17,6 @@ up-projection, since every output needs all r down-projected values):
      Then bf16(W_up a), sigmoid (bf16), the gated re-normalised Hn columns (bf16 product) and the mean over the n
      streams (fp32 sum, * 1/n, bf16).  Program 0 also finishes c = 2*sigmoid(bf16(bf16(W_inj Hn) / n)).
 
-``FUSED`` (off: 16.5 against 13.3 us on the H200, run 7; ``bench_ops.py --tune`` sweeps it): ``_hc_fused_kernel``
-does both stages in ONE launch for up to IN_KERNEL_SILU_MAX_T tokens: program p runs stage A's tile p, issues its
-stage-B loads of W_up, waits at a grid barrier (atomics on a per-device pair of words; the grid, one program per
-(row block, K chunk), must fit on the SMs at once) and finishes stage B's column block p. The bodies of both stages
-are shared helpers (``_hc_down_part``, ``_hc_up_load``, ``_hc_up_finish``) of the two-launch kernels and this one.
-
 Rounding points are the reference's (``_rbf`` makes each one explicit: the compiler folded plain
 ``x.to(bf16).to(fp32)`` round trips away); exp / rsqrt are CUDA's expf / rsqrtf as in PyTorch's kernels.  The dot
 products accumulate in fp32 in another order than cuBLAS, so a bf16 result can differ by one unit now and then.
@@ -29,15 +24,12 @@ products accumulate in fp32 in another order than cuBLAS, so a bf16 result can d
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .._dispatch import apply_knobs
 from ..triton_utils import dot as _dot
 from ..triton_utils import round_bf16 as _rbf
 from ..triton_utils import rsqrt as _rsqrt
@@ -100,22 +92,17 @@ def _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid_r, pid
 
 @triton.jit
 def _hc_down_kernel(
-    H, NW, WD, WI, RSTD, PART, WU,
-    T, eps, inv_d, pf_lines, pf_per,
+    H, NW, WD, WI, RSTD, PART,
+    T, eps, inv_d,
     stride_h,
     R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
     KC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr, PF_BLOCK: tl.constexpr, PDL: tl.constexpr, HN_READY: tl.constexpr,
+    PDL: tl.constexpr, HN_READY: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
     if PDL:  # let kernel B start now: it loads W_up while this kernel runs, then waits for the partials
         gdc_launch_dependents()
-    if PREFETCH:  # pull this program's share of W_up into L2 now, so kernel B reads it from L2, not HBM
-        lin = (pid_k * tl.num_programs(0) + pid_r) * pf_per + tl.arange(0, PF_BLOCK)
-        lin = tl.minimum(lin, pf_lines - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [WU + lin.to(tl.int64) * 64],
-                                  dtype=tl.int32, is_pure=False, pack=1)
     _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid_r, pid_k, tl.num_programs(1),
                   R, NI, D, NS, KC, BLOCK_R, BLOCK_T, NORM_BLOCK, HN_READY)
 
@@ -256,56 +243,6 @@ def _hc_finish_kernel(PART, A, C, n_split, stride_t, stride_s, inv_n, R: tl.cons
 
 
 @triton.jit
-def _grid_barrier(SYNC, n_prog):
-    """Every program of the grid waits here until all have arrived (they must all be resident: grid <= SMs). SYNC
-    [2] int32: arrivals, generation; the last to arrive resets the count and bumps the generation, so the buffer is
-    ready for the next launch. Block-wide barriers around it make the whole program's stores visible (release by
-    the arriving thread after the CTA barrier, acquire by the spinning one), as CUDA's grid sync does."""
-    tl.debug_barrier()
-    gen0 = tl.atomic_add(SYNC + 1, 0, sem="acquire", scope="gpu")
-    arrived = tl.atomic_add(SYNC, 1, sem="acq_rel", scope="gpu")
-    if arrived == n_prog - 1:
-        tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
-        tl.atomic_add(SYNC + 1, 1, sem="release", scope="gpu")
-    else:
-        g = tl.atomic_add(SYNC + 1, 0, sem="acquire", scope="gpu")
-        while g == gen0:
-            g = tl.atomic_add(SYNC + 1, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _hc_fused_kernel(
-    H, NW, WD, WI, WU, RSTD, PART, X, C, SYNC,
-    T, eps, inv_d, inv_n, stride_h, stride_x,
-    R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, KC: tl.constexpr, BLOCK_R: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, R_P: tl.constexpr, NI_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    NSPLIT_P: tl.constexpr, PHASE: tl.constexpr, HN_READY: tl.constexpr,
-):
-    """Stages A and B in ONE launch (few tokens): program p does stage A's (row block, K chunk) p, loads stage B's
-    W_up slice for column block p (if p < D / BLOCK_D), waits at a grid barrier for every partial, then finishes
-    column block p. PHASE 3 on the GPU; the CPU interpreter runs programs one after another, so it launches
-    PHASE 1 (stage A) and then PHASE 2 (stage B) instead of spinning."""
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    n_rb1: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R + (1 if NI > 0 else 0)
-    NK: tl.constexpr = NS * D
-    n_split: tl.constexpr = NK // KC
-    if PHASE != 2:
-        _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid % n_rb1, pid // n_rb1, n_split,
-                      R, NI, D, NS, KC, BLOCK_R, BLOCK_T, NORM_BLOCK, HN_READY)
-    if PHASE != 1:
-        n_cb: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
-        cb = tl.minimum(pid, n_cb - 1)  # programs past the column blocks load a valid slice and store nothing
-        w, hk, nw = _hc_up_load(H, NW, WU, T, stride_h, cb, R, D, NS, R_P, BLOCK_D, BLOCK_T, HN_READY)
-        if PHASE == 3:
-            _grid_barrier(SYNC, n_prog)
-        if pid < n_cb:
-            _hc_up_finish(w, hk, nw, RSTD, PART, X, C, T, n_split, inv_n, stride_x, pid, R, NI, D, NS, R_P, NI_P,
-                          BLOCK_D, BLOCK_T, NSPLIT_P, False, NI > 0, HN_READY)
-
-
-@triton.jit
 def _hc_inject_kernel(H, Cc, Y, O, NS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -354,32 +291,18 @@ def _hc_gate_mean_kernel(G, HN, X, D, stride_g, stride_hn, stride_x, inv_n, NS: 
 
 
 _ON_GPU = os.environ.get("TRITON_INTERPRET", "0") != "1"
-USE_PDL = _ON_GPU  # programmatic dependent launch of kernel B (Hopper+): B fetches W_up while A runs
-PREFETCH_UP = False  # alternative: kernel A pulls W_up into L2 (inline PTX prefetch)
-# launch shapes (tuned on an H200 at T = 1; see notes/gpu-kernels.md)
+USE_PDL = _ON_GPU  # programmatic dependent launch (Hopper+; the CPU interpreter has none): kernel B (and the finish
+# kernel) start while the kernel before runs, B loading its W_up tile, then wait for its results
+# launch shapes (chosen at the real widths, T = 1, by ``benchmarks/bench_ops.py --tune``; see docs/performance.md)
 A_BLOCK_R = 64  # W_down rows per program of kernel A
-A_KC = 0  # K chunk per program of kernel A (0: automatic, 512 for D = 2560)
 A_WARPS = 8
-B_BLOCK_D = 16  # output columns per program of kernel B ([n * B_BLOCK_D, r] W_up tile) up to IN_KERNEL_SILU_MAX_T
-B_BLOCK_D_MANY = 32  # tokens, and past them (H200 bench_ops, write-back + mixer: T=8 13.0 vs 14.6 us with 16,
-# T=32 15.6 vs 18.6 us; T=1 14.8 vs 14.7 us)
-B_WARPS = 8
-IN_KERNEL_SILU_MAX_T = 4  # up to this many tokens kernel B finishes the down projection itself (per program)
-FINISH_KERNEL = True  # past that: one small kernel between A and B finishes it (False: the reference's torch ops,
-# ~8 launches: a sum over the splits, casts, division, SiLU, sigmoid -- 12 us a mix at 8-16 tokens, H200 run 9)
-FUSED = False  # up to IN_KERNEL_SILU_MAX_T tokens: both stages in one launch with a grid barrier (H200 run 7:
-# 16.5 against 13.3 us for the two launches)
-MAX_T = 16  # up to here the two fused launches; more tokens: cuBLAS projections + the norm and gate-mean kernels
-# (H200, run 7, same bench_ops run: T=8 fused 29.0 vs 33.1 us, T=32 fused 41.6 vs 34.6 us; T=16 not timed)
-MAX_T_HN = 32  # the same when the caller hands in Hn (``hc_inject_norm``): kernel A is then a plain split-K GEMM
-# (no per-program norm of the streams, what made it slow past 16 tokens), so batch-32 decode takes this path
 A_KC_HN = 512  # kernel A's K chunk with Hn handed in (no norm loop: registers for the wider chunk)
-IN_KERNEL_NORM_MAX_T = 4  # without Hn, up to here kernel A normalises; past it ``ops.cuda.hc_mix`` runs the norm
-# kernel first and takes the Hn path (H200 bench_ops, mixer alone, from the write-back + mixer figures: T=8 ~15.7
-# us with the in-kernel norm vs ~10.7 + 1.6 for the norm; T=32 ~21.8 on the cuBLAS path vs ~13.2 + 1.7; T=1
-# ~14.3 vs ~12.4 + 1.5: about even, and one launch fewer)
-GATE_MEAN_BLOCK = 1024
-apply_knobs(globals(), "hc")  # QWEN4EXP_KNOBS=hc.<SETTING>=<value>,...
+B_BLOCK_D = 16  # output columns per program of kernel B ([n * B_BLOCK_D, r] W_up tile), up to IN_KERNEL_SILU_MAX_T
+B_BLOCK_D_MANY = 32  # tokens; past them wider tiles (half the programs, each reading the finished activations)
+B_WARPS = 8
+IN_KERNEL_SILU_MAX_T = 4  # up to this many tokens every program of kernel B finishes the down projection itself
+# (sums the split-K partials, SiLU); past it the finish kernel does it once per token, between kernels A and B
+GATE_MEAN_BLOCK = 1024  # columns per program of the many-token path's gate-mean kernel
 
 
 def _split_for(D: int, NK: int, T: int = 1, hn_ready: bool = False) -> int:
@@ -394,48 +317,7 @@ def _split_for(D: int, NK: int, T: int = 1, hn_ready: bool = False) -> int:
     return 0
 
 
-def _norm_fits(H, Hn) -> bool:
-    """A handed-in norm (or none) that the kernels can read in place of H."""
-    return Hn is None or (Hn.dtype == torch.bfloat16 and Hn.shape == H.shape)
-
-
-def supported(H, norm_weight, down, up, inj, n, Hn=None) -> bool:
-    if not (H.is_cuda and H.dtype == torch.bfloat16 and down.dtype == torch.bfloat16 and up.dtype == torch.bfloat16):
-        return False
-    if not _norm_fits(H, Hn):
-        return False
-    if inj is not None and inj.dtype != torch.bfloat16:
-        return False
-    NK = H.shape[-1]
-    D = NK // n
-    R = down.shape[0]
-    T = H.numel() // NK if NK else 0
-    max_t = MAX_T if Hn is None else max(MAX_T, MAX_T_HN)
-    return (0 < T <= max_t and n in (1, 2, 4, 8) and D * n == NK and _split_for(D, NK) > 0 and R <= 1024
-            and down.shape == (R, NK) and up.shape == (NK, R) and (inj is None or inj.shape == (n, NK))
-            and norm_weight.numel() == NK and (inj is None or n <= 16))
-
-
 LAUNCHED = {}  # the last compiled kernels (registers / spills for the notes)
-_SYNC = {}  # per device: the fused kernel's grid-barrier words
-
-
-def _sync_buffer(dev):
-    """The fused kernel's grid-barrier words (arrivals, generation), one pair per device, zero between launches."""
-    key = str(dev)
-    if key not in _SYNC:
-        _SYNC[key] = torch.zeros(2, dtype=torch.int32, device=dev)
-    return _SYNC[key]
-
-
-@functools.cache
-def _sm_count(dev: str) -> int:
-    return torch.cuda.get_device_properties(dev).multi_processor_count
-
-
-def _resident_programs(dev) -> int:
-    """Programs the fused kernel may launch: all must be resident at once for its grid barrier (one per SM)."""
-    return _sm_count(str(dev)) if _ON_GPU else 1 << 30
 
 
 def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, Hn=None, _stop_after_down: bool = False):
@@ -453,7 +335,7 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, Hn=None, _s
     down, up, nw = down.contiguous(), up.contiguous(), norm_weight.contiguous()
     NI = 0 if inj is None else n
     wi = down if inj is None else inj.contiguous()
-    KC = A_KC if (A_KC and D % A_KC == 0 and T <= 16) else _split_for(D, NK, T, hn_ready)
+    KC = _split_for(D, NK, T, hn_ready)
     n_split = NK // KC
     BLOCK_T = max(16, triton.next_power_of_2(T))
     BLOCK_R = A_BLOCK_R
@@ -466,54 +348,23 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, Hn=None, _s
     a_meta = dict(KC=KC, BLOCK_R=BLOCK_R, NORM_BLOCK=512 if T <= 16 else 256)
     b_meta = dict(R_P=triton.next_power_of_2(R), NI_P=max(2, triton.next_power_of_2(max(NI, 1))),
                   NSPLIT_P=triton.next_power_of_2(n_split))
-    a_ready = T > IN_KERNEL_SILU_MAX_T  # many tokens: the down projection is finished in torch between the stages
+    a_ready = T > IN_KERNEL_SILU_MAX_T  # the finish kernel completes the down projection between the stages
     x = torch.empty(T, D, dtype=H.dtype, device=dev)
     c_buf = x if a_ready else torch.empty(max(T * NI, 1), dtype=H.dtype, device=dev)  # never a null pointer
-    c = None if a_ready else c_buf[: T * NI].view(T, NI)  # (a_ready: computed in torch below)
-    P = grid[0] * grid[1]
-    if FUSED and not a_ready and not _stop_after_down and P <= _resident_programs(dev):
-        # one launch: stage A, a grid barrier, stage B (one column block per program)
-        BLOCK_D = max(16, triton.next_power_of_2(triton.cdiv(D, P)))
-        for phase in ((3,) if _ON_GPU else (1, 2)):
-            LAUNCHED["hc_fused"] = _hc_fused_kernel[(P,)](
-                H2, nw, down, wi, up, rstd, part, x, c_buf, _sync_buffer(dev), T, float(eps), 1.0 / D, 1.0 / n,
-                H2.stride(0), x.stride(0), **shapes, **a_meta, **b_meta, BLOCK_D=BLOCK_D, PHASE=phase,
-                HN_READY=hn_ready, num_warps=A_WARPS)
-        return x.view(*lead, D), c.reshape(*lead, NI)
-    pf_lines = triton.cdiv(up.numel() * up.element_size(), 128)  # 128-byte lines of W_up
-    pf_per = triton.cdiv(pf_lines, P)
-    finish = a_ready and FINISH_KERNEL and not _stop_after_down
+    c = None if a_ready else c_buf[: T * NI].view(T, NI)  # (a_ready: the finish kernel's)
     LAUNCHED["hc_down"] = _hc_down_kernel[grid](
-        H2, nw, down, wi, rstd, part, up, T, float(eps), 1.0 / D, pf_lines, pf_per, H2.stride(0), **shapes, **a_meta,
-        PREFETCH=PREFETCH_UP and up.element_size() == 2, PF_BLOCK=triton.next_power_of_2(pf_per),
-        PDL=USE_PDL and (finish or not a_ready), HN_READY=hn_ready, num_warps=A_WARPS)
+        H2, nw, down, wi, rstd, part, T, float(eps), 1.0 / D, H2.stride(0), **shapes, **a_meta,
+        PDL=USE_PDL and not _stop_after_down, HN_READY=hn_ready, num_warps=A_WARPS)
     if _stop_after_down:  # (benchmark breakdown)
         return rstd, part
-    if finish:  # finish the down projection once per token, in one launch
+    if a_ready:  # finish the down projection once per token, in one launch
         part, c = hc_finish_triton(part, R, n, pdl=USE_PDL)
-    elif a_ready:  # or in torch (the reference's ops and rounding)
-        dsum = part.sum(1).to(H.dtype)  # [T, R + NI]
-        part = F.silu(dsum[:, :R] / n).contiguous()
-        c = 2 * torch.sigmoid(dsum[:, R:] / n) if NI else dsum[:, R:]
     BLOCK_D = B_BLOCK_D_MANY if a_ready else B_BLOCK_D
     LAUNCHED["hc_up"] = _hc_up_kernel[(triton.cdiv(D, BLOCK_D),)](
         H2, nw, up, rstd, part, x, c_buf, T, n_split, 1.0 / n, H2.stride(0), x.stride(0), **shapes, **b_meta,
         BLOCK_D=BLOCK_D, PDL=USE_PDL, A_READY=a_ready, C_IN_KERNEL=(NI > 0) and not a_ready, HN_READY=hn_ready,
         num_warps=B_WARPS, launch_pdl=USE_PDL)
     return x.view(*lead, D), c.reshape(*lead, NI)
-
-
-def gemm_path_supported(H, norm_weight, down, up, inj, n, Hn=None) -> bool:
-    """Many tokens (past MAX_T): plain bf16 weights of the usual shapes, n a power of two (the mean is a product by
-    1/n, exact only then)."""
-    if not (H.is_cuda and H.dtype == down.dtype == up.dtype == torch.bfloat16 and n in (1, 2, 4, 8)):
-        return False
-    if not _norm_fits(H, Hn):
-        return False
-    NK = H.shape[-1]
-    R = down.shape[0]
-    return (NK % n == 0 and down.shape == (R, NK) and up.shape == (NK, R) and norm_weight.numel() == NK
-            and (inj is None or (inj.dtype == torch.bfloat16 and inj.shape == (n, NK))))
 
 
 def hc_gate_mean_triton(g, Hn, n: int):
@@ -550,15 +401,6 @@ def hc_finish_triton(part, R: int, n: int, pdl: bool = False, ni: int | None = N
     return a, c
 
 
-def hc_inject_supported(H, c, y) -> bool:
-    if not (H.is_cuda and H.dtype == torch.bfloat16 and y.dtype == torch.bfloat16 and c.dtype == torch.bfloat16):
-        return False
-    n = c.shape[-1]
-    D = y.shape[-1]
-    return (H.shape[-1] == n * D and H.shape[:-1] == y.shape[:-1] == c.shape[:-1]
-            and H.numel() // max(H.shape[-1], 1) < 65536)
-
-
 def hc_inject_norm_triton(H, c, y, norm_weight, n: int, eps: float):
     """``_hc_inject_norm_kernel``: (H + c (x) y, its grouped norm), one program per (token, stream)."""
     D = y.shape[-1]
@@ -578,6 +420,6 @@ def hc_inject_triton(H, c, y):
     T = H2.shape[0]
     out = torch.empty_like(H2)
     if T:
-        BLOCK = 2048
+        BLOCK = 2048  # elements of one token's streams per program
         _hc_inject_kernel[(triton.cdiv(n * D, BLOCK), T)](H2, c2, y2, out, NS=n, D=D, BLOCK=BLOCK, num_warps=4)
     return out.view(H.shape)

@@ -1,8 +1,8 @@
 """Triton kernel for the MoE output ``routed + sigmoid(x . w_gate) * shared``: one program per token does the gate's
 dot product (fp32, rounded to the model dtype as the linear's output is), its sigmoid, the product and the sum, each
 rounded where the reference rounds. Replaces a cuBLAS GEMV (two kernels), a sigmoid, a product and a sum per layer
-at decode sizes. Imported only on the CUDA path. The dot product sums in another order than cuBLAS, so a bf16 gate
-can differ by one unit now and then."""
+at decode sizes. Imported only on the CUDA path (``cuda.py``; what it covers: ``host``). The dot product sums in
+another order than cuBLAS, so a bf16 gate can differ by one unit now and then."""
 
 from __future__ import annotations
 
@@ -36,16 +36,6 @@ def _shared_gate_combine_kernel(X, W, S, R, Y, D, stride_x, stride_s, stride_r, 
     tl.store(Y + t * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-MAX_D = 16384
-
-
-def supported(x, gate_weight, shared, routed) -> bool:
-    D = x.shape[-1]
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and gate_weight.dtype == x.dtype
-            and shared.dtype == routed.dtype == x.dtype and 0 < D <= MAX_D and gate_weight.numel() == D
-            and shared.shape == routed.shape == x.shape and gate_weight.is_contiguous())
-
-
 def shared_gate_combine_triton(x, gate_weight, shared, routed):
     D = x.shape[-1]
     x2, s2, r2 = (t.reshape(-1, D) for t in (x, shared, routed))
@@ -56,5 +46,5 @@ def shared_gate_combine_triton(x, gate_weight, shared, routed):
         BLOCK = triton.next_power_of_2(D)
         _shared_gate_combine_kernel[(T,)](x2, gate_weight, s2, r2, y, D, x2.stride(0), s2.stride(0), r2.stride(0),
                                           y.stride(0), BLOCK=BLOCK, BF16=x.dtype == torch.bfloat16,
-                                          num_warps=min(8, max(1, BLOCK // 512)))
+                                          num_warps=min(8, max(1, BLOCK // 512)))  # ~512 elements a warp
     return y.view(routed.shape)

@@ -1,5 +1,6 @@
 """Triton kernel for the zero-centred (grouped) RMSNorm: one program per group row, the reference's math (fp32,
-rsqrt of the mean square + eps, times (1 + w), one rounding). Imported only on the CUDA path.
+rsqrt of the mean square + eps, times (1 + w), one rounding). Imported only on the CUDA path (``cuda.py``); what
+it covers: ``host.covers``.
 
 The torch reference is ~7 kernels per norm (upcast, square, mean, add, rsqrt, two products, cast); at decode sizes
 each is a launch-bound ~1-2 us, and the QSA layers run four norms per token. Sums are taken in another order than
@@ -34,14 +35,6 @@ def _rms_norm_kernel(X, W, Y, G, groups_per_w, eps, inv_g, n_inner, stride_outer
     tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-MAX_GROUP = 16384
-
-
-def supported(x, weight, group: int) -> bool:
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and 0 < group <= MAX_GROUP
-            and x.shape[-1] % group == 0 and weight.numel() == x.shape[-1] and weight.is_contiguous())
-
-
 def _rows3(x, group: int):
     """x [..., k * group] as a [outer, inner, group] view (last dim dense): the groups of the last dim and the
     dimension before it as the inner rows, everything further out merged (a copy only if those do not merge)."""
@@ -64,5 +57,5 @@ def rms_norm_triton(x, weight, group: int, eps: float):
         BLOCK = triton.next_power_of_2(group)
         _rms_norm_kernel[(rows,)](x3, weight, y, group, dim // group, float(eps), 1.0 / group, x3.shape[1],
                                   x3.stride(0), x3.stride(1), group, BLOCK=BLOCK, BF16=x.dtype == torch.bfloat16,
-                                  num_warps=min(16, max(1, BLOCK // 256)))
+                                  num_warps=min(16, max(1, BLOCK // 256)))  # ~256 elements a warp
     return y

@@ -1,5 +1,13 @@
-from .._dispatch import pick
+"""Partial rotate-half RoPE, and the per-head norm + RoPE of the QSA queries and keys: ``reference`` (readable
+torch, the contract), ``triton_kernel`` (the CUDA kernels), ``cuda`` (their registration as custom operators and
+the host wrappers), ``host`` (what the kernels cover, the norm + RoPE fallback; Triton-free). Tests:
+``tests/ops/test_rope.py``."""
+
+from .. import _registry
 from . import reference
+
+KERNELS = _registry.Kernels(__name__, cuda=".cuda")  # the CUDA kernels (cuda.py), loaded on the first CUDA call
+pick = KERNELS.pick
 
 
 def apply_rope(x, cos, sin):

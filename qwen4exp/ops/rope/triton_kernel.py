@@ -1,6 +1,7 @@
 """Triton kernel for partial rotate-half RoPE: one program per (token, head) row. Rounding as the reference in a
 16-bit dtype: bf16(bf16(x * cos) + bf16(rot * sin)) on the first R dims, the rest copied. Imported only on the CUDA
-path. (The reference is ~6 kernels: slices, negate, two cats, products and the sum.)
+path (``cuda.py``); what the kernels cover: ``host``. (The reference is ~6 kernels: slices, negate, two cats,
+products and the sum.)
 """
 
 from __future__ import annotations
@@ -79,16 +80,6 @@ def _norm_rope_kernel(X, W, COS, SIN, Y, H, R, D, eps, inv_d, stride_xt, stride_
     tl.store(yp + p, _round(npass, ROUND).to(Y.dtype.element_ty), mask=pm)
 
 
-def supported(x, cos, sin) -> bool:
-    if not (x.is_cuda and x.dim() == 3 and x.dtype == cos.dtype == sin.dtype):
-        return False
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        return False
-    R = cos.shape[-1]
-    return (cos.dim() == sin.dim() == 2 and cos.shape == sin.shape and cos.shape[0] == x.shape[0] and R % 2 == 0
-            and 0 < R <= x.shape[-1] and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride())
-
-
 def apply_rope_triton(x, cos, sin):
     T, H, D = x.shape
     R = cos.shape[-1]
@@ -97,13 +88,8 @@ def apply_rope_triton(x, cos, sin):
         _rope_kernel[(T * H,)](x, cos, sin, y, H, R, D, x.stride(0), x.stride(1), cos.stride(0), y.stride(0),
                                y.stride(1), HALF_P=triton.next_power_of_2(max(R // 2, 1)),
                                D_P=triton.next_power_of_2(max(D - R, 1)), ROUND=x.dtype == torch.bfloat16,
-                               num_warps=1 if D <= 256 else 4)
+                               num_warps=1 if D <= 256 else 4)  # one warp for a head of up to 256 elements
     return y
-
-
-def norm_rope_supported(x, weight, cos, sin) -> bool:
-    return (supported(x, cos, sin) and weight.dim() == 1 and weight.numel() == x.shape[-1] and weight.is_contiguous()
-            and weight.device == x.device)
 
 
 def norm_rope_triton(x, weight, eps: float, cos, sin):
@@ -115,5 +101,6 @@ def norm_rope_triton(x, weight, eps: float, cos, sin):
                                     cos.stride(0), y.stride(0), y.stride(1),
                                     HALF_P=triton.next_power_of_2(max(R // 2, 1)),
                                     D_P=triton.next_power_of_2(max(D - R, 1)), FULL_P=triton.next_power_of_2(D),
-                                    ROUND=x.dtype == torch.bfloat16, num_warps=1 if D <= 256 else 4)
+                                    ROUND=x.dtype == torch.bfloat16,
+                                    num_warps=1 if D <= 256 else 4)  # as _rope_kernel's
     return y
