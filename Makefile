@@ -29,8 +29,8 @@ $(VENV)/.stamp: pyproject.toml requirements-cpu.lock
 
 venv: $(VENV)/.stamp
 
-# Triton (the GPU image's 3.6.0) BESIDE the venv, for tests/test_triton_offline.py: the GPU kernels run under Triton's
-# CPU interpreter against their references and are compiled for sm_90, with no GPU. Not in the venv: vLLM's CPU build
+# Triton (the GPU image's 3.6.0) BESIDE the venv, for the interpreter items of tests/ops/test_<op>.py: the GPU kernels
+# run under Triton's CPU interpreter against their references and are compiled for sm_90, with no GPU. Not in the venv: vLLM's CPU build
 # must not see Triton. fla-core (the GPU GDN kernels of the HF path) beside it, for the same kind of check.
 TRITON_DIR := .cache/triton
 $(TRITON_DIR)/.stamp: | $(VENV)/.stamp
