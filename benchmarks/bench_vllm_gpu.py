@@ -339,17 +339,54 @@ def worker(args) -> None:
 
 # ------------------------------------------------------------------------------------------------- driver
 def _finish(proc_lf, timeout: float) -> str | None:
-    """Wait for a worker (kill it past ``timeout``); None when it exited cleanly, else what went wrong."""
+    """Wait for a worker (kill it past ``timeout``); None when it exited cleanly, else what went wrong. A worker runs
+    in its own process group (``start_new_session``): past the timeout the whole group dies, its engine core
+    included, so the next implementation does not start beside an orphaned engine still holding the GPU."""
     p, lf = proc_lf
     try:
         rc = p.wait(timeout=timeout)
         err = f"rc={rc}" if rc else None
     except subprocess.TimeoutExpired:
-        p.kill()
+        import signal
+
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         p.wait()
         err = f"timeout {timeout:.0f}s"
+    _wait_group_gone(p.pid)
     lf.close()
     return err
+
+
+def _group_alive(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes of process group ``pgid`` (Linux /proc)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(d))
+    return pids
+
+
+def _wait_group_gone(pgid: int, seconds: float = 60.0) -> None:
+    """Kill what is left of a worker's process group (an engine core outliving its worker) and wait until none of
+    it runs, at most ``seconds``."""
+    import signal
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and _group_alive(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.2)
 
 
 FIELDS = ["impl", "eager", "mp", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "consistency", "bs1_ctx",
@@ -548,7 +585,8 @@ def main() -> None:
     t_start = time.monotonic()
     for impl, _res, log, cmd, env in runs:
         lf = open(log, "w")
-        procs[impl] = (subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT), lf)
+        procs[impl] = (subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True),
+                       lf)
         if not parallel:
             errs[impl] = _finish(procs[impl], args.timeout)
     for impl, res_path, log, _cmd, _env in runs:

@@ -246,3 +246,43 @@ def test_host_sampler_script_prints_the_tables_of_a_raw_file(tmp_path):
                         str(tmp_path / "stacks.raw"), "--label", "bs1"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout == collapsed_table(raw, "bs1") and "sampling (sample_tokens)" in p.stdout
+
+
+def test_timed_out_worker_takes_its_engine_core_along(tmp_path):
+    """A worker past its timeout dies with its whole process group: an engine-core-like grandchild must not live on
+    (holding the GPU) when the next implementation starts."""
+    import subprocess
+    import sys
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time\n"
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+              f"open({str(pidfile)!r}, 'w').write(str(c.pid))\n"
+              "time.sleep(300)\n")
+    lf = open(tmp_path / "w.log", "w")
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
+    for _ in range(100):
+        if pidfile.exists() and pidfile.read_text():
+            break
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    err = bench._finish((p, lf), timeout=0.5)
+    assert err is not None and err.startswith("timeout")
+    assert bench._group_alive(p.pid) == []
+    try:
+        state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "gone"
+    assert state in ("gone", "Z"), f"the grandchild {child} still runs (state {state})"
+
+
+def test_cleanly_exited_worker_leaves_no_group(tmp_path):
+    import subprocess
+    import sys
+
+    lf = open(tmp_path / "w.log", "w")
+    p = subprocess.Popen([sys.executable, "-c", "print('ok')"], stdout=lf, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    assert bench._finish((p, lf), timeout=30) is None
+    assert bench._group_alive(p.pid) == []
