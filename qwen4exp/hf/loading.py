@@ -5,6 +5,10 @@ text-only (``model.*``); experts fused (``mlp.experts.gate_up_proj`` [E, 2I, D],
 expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``); PLE tables as row shards ``ngram_embedding.shard_{s}.weight``
 (concatenated in numeric order) with an optional per-tensor ``weight_scale`` (FP8 tables); ``mtp.*`` kept when the
 model has an MTP head. A missing or mis-shaped tensor fails the load with its name.
+
+Quantized checkpoints (ModelOpt ``quantization_config`` in config.json, or ``hf_quant_config.json``): routed experts
+NVFP4 or block FP8, the PLE table FP8; ``qwen4exp.hf.quant`` says what is read and the two ``quant_mode`` values.
+``save_pretrained`` writes such a model back in the format it was loaded from.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from safetensors.torch import save_file
 from ..checkpoint import EXPERT, PLE_SHARD, CheckpointError, canonical_name
 from ..configuration import Qwen4ExpConfig, Qwen4ExpTextConfig, load_config
 from ..layers.rope import RotaryEmbedding
+from ..quant import QuantConfigError, QuantTensorError, load_quant_config
+from ..quant.fp8 import validate_fp8_per_tensor
+from .quant import QUANT_MODES, QuantizedExperts, build_quantized_experts, log, split_quantized_experts
 
 __all__ = ["CheckpointError", "canonical_name", "convert", "iter_checkpoint", "load_pretrained", "save_pretrained"]
 
@@ -85,16 +92,26 @@ def _mtp_layout(names) -> tuple[int, bool]:
     return (max(ids) + 1 if ids else 0), any(n.startswith("mtp.shared_head.") for n in names)
 
 
-def load_pretrained(cls, path, dtype=None, device="cpu", config=None):
+def load_pretrained(cls, path, dtype=None, device="cpu", config=None, quant_mode: str = "dequantize",
+                    emulate_w4a4: bool = False):
     path = str(path)
+    if quant_mode not in QUANT_MODES:
+        raise ValueError(f"qwen4exp: quant_mode must be one of {', '.join(QUANT_MODES)}, got {quant_mode!r}")
     cfg = config if config is not None else load_config(path)
     composite = cls.config_class is Qwen4ExpConfig
     if composite and isinstance(cfg, Qwen4ExpTextConfig):
         cfg = Qwen4ExpConfig(text_config=cfg.to_dict())
     if not composite and isinstance(cfg, Qwen4ExpConfig):
         cfg = cfg.text_config
-    sd = convert(iter_checkpoint(path), composite)
-    n_mtp, shared_head = _mtp_layout(sd)
+    qcfg, qraw = _quant_config(path)
+    if emulate_w4a4 and qcfg is None:
+        raise QuantConfigError(f"qwen4exp: emulate_w4a4=True needs a quantized (NVFP4) checkpoint; {path} has no "
+                               f"quantization config")
+    layout = "hf" if composite else "hf_text"
+    weights = ((n, t) for k, t in iter_checkpoint(path) if (n := canonical_name(k, composite)) is not None)
+    weights, qexperts = split_quantized_experts(weights, qcfg, layout)
+    sd = convert(weights, composite)
+    n_mtp, shared_head = _mtp_layout(list(sd) + [f"{b}.x" for b in qexperts])
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if dtype is None:
@@ -102,6 +119,17 @@ def load_pretrained(cls, path, dtype=None, device="cpu", config=None):
         dtype = getattr(torch, dt) if isinstance(dt, str) else (dt or torch.float32)
     with torch.device("meta"):
         model = cls(cfg, mtp_layers=n_mtp or None, mtp_shared_head=shared_head)
+    tc = model.config.get_text_config()
+    for base in qexperts:
+        try:
+            old_mod = model.get_submodule(base)
+        except AttributeError:
+            old_mod = None
+        if not isinstance(old_mod, torch.nn.Module) or type(old_mod).__name__ != "Experts":
+            raise CheckpointError(f"qwen4exp: checkpoint {path} has quantized tensors for {base}, which is no "
+                                  f"routed-experts module of the model")
+    if emulate_w4a4 and not any(a == "NVFP4" for a, _ in qexperts.values()):
+        raise QuantConfigError(f"qwen4exp: emulate_w4a4=True needs NVFP4 (W4A4) routed experts; {path} has none")
     expected = dict(model.named_parameters())
     expected.update({k: v for k, v in model.named_buffers() if k in dict(model.state_dict())})
     # table scales (FP8 PLE) are optional buffers
@@ -109,6 +137,10 @@ def load_pretrained(cls, path, dtype=None, device="cpu", config=None):
         mod = model.get_submodule(name[: -len(".weight_scale")])
         mod.set_scale(torch.empty((), device="meta"))
         expected[name] = mod.weight_scale
+    for base in qexperts:  # their tensors were validated apart; the module is replaced below
+        for k in [k for k in expected if k.startswith(base + ".")]:
+            del expected[k]
+    _check_ple_tables(sd, qcfg, layout)
     missing = [k for k in expected if k not in sd]
     if missing:
         raise CheckpointError(f"qwen4exp: checkpoint {path} is missing tensor(s): {', '.join(missing[:10])}"
@@ -136,6 +168,22 @@ def load_pretrained(cls, path, dtype=None, device="cpu", config=None):
                 setattr(target, leaf, torch.nn.Parameter(new, requires_grad=False))
             else:
                 target.register_buffer(leaf, new, persistent=True)
+    n_nvfp4 = n_fp8 = 0
+    for base, (algo, experts) in qexperts.items():
+        parent, leaf = base.rsplit(".", 1)
+        mod = build_quantized_experts(base, algo, experts, tc, packed=quant_mode == "packed", dtype=dtype,
+                                      emulate_w4a4=emulate_w4a4, source=qcfg.source if qcfg else "config.json")
+        setattr(model.get_submodule(parent), leaf, mod.to(device))
+        n_nvfp4 += mod.fmt == "nvfp4"
+        n_fp8 += mod.fmt == "fp8_block"
+    if qexperts:
+        what = " and ".join(x for x in (f"{n_nvfp4} NVFP4" if n_nvfp4 else "", f"{n_fp8} block-FP8" if n_fp8 else "")
+                            if x)
+        log.info("qwen4exp: %s routed-expert module(s) %s%s", what,
+                 f"dequantized to {str(dtype).removeprefix('torch.')} at load" if quant_mode == "dequantize"
+                 else "kept packed, dequantized per forward", " (W4A4 activations emulated)" if emulate_w4a4 else "")
+    if qraw is not None:  # written back by save_pretrained
+        model._qwen4exp_quant = qraw
     # non-persistent buffers (the RoPE frequencies and axis maps) are in no checkpoint and were left uninitialised
     # by the meta-device build: take every one from a freshly built module
     for mod in model.modules():
@@ -147,6 +195,38 @@ def load_pretrained(cls, path, dtype=None, device="cpu", config=None):
     return model
 
 
+def _quant_config(path: str):
+    """-> (QuantConfig or None, (file name, raw dict) or None) as vLLM looks them up."""
+    qcfg = load_quant_config(path)
+    if qcfg is None:
+        return None, None
+    if qcfg.source == "hf_quant_config.json":
+        with open(os.path.join(path, "hf_quant_config.json")) as f:
+            return qcfg, ("hf_quant_config.json", json.load(f))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    q = cfg.get("quantization_config")
+    if q is None:
+        q = cfg.get("text_config", {}).get("quantization_config")
+    return qcfg, ("config.json", q)
+
+
+def _check_ple_tables(sd, qcfg, layout) -> None:
+    """The PLE tables against the config: FP8 per tensor (weight e4m3 + scalar weight_scale) or BF16."""
+    for name in [k for k in sd if k.endswith("ngram_embedding.weight")]:
+        base = name[: -len(".weight")]
+        t, scale = sd[name], sd.get(base + ".weight_scale")
+        algo = None if qcfg is None else qcfg.layer_algo(base, layout)
+        if algo not in (None, "FP8"):
+            raise QuantConfigError(f"{qcfg.source}: quant_algo {algo!r} for the PLE table {base}: vLLM 0.32 reads a "
+                                   f"PLE table as BF16 or FP8 per tensor only (list it in the ignore list, or FP8)")
+        if algo == "FP8" or t.dtype == torch.float8_e4m3fn or scale is not None:
+            validate_fp8_per_tensor(base, t, scale, t.shape[0], t.shape[1] if t.ndim == 2 else -1)
+        if algo is None and qcfg is not None and qcfg.is_mixed and t.dtype == torch.float8_e4m3fn:
+            raise QuantTensorError(f"{base}.weight: the table is stored FP8, but the quantization config does not "
+                                   f"list it (vLLM would read it as BF16)")
+
+
 def _fp32_param(name: str) -> bool:
     return name.endswith(".A_log")  # kept fp32 as vLLM does; upcast before exp either way
 
@@ -156,12 +236,32 @@ def mod_config(model):
 
 
 def save_pretrained(model, save_directory, max_shard_bytes: int | None = None, **_):
-    """Write config.json + model.safetensors in the official layout (PLE tables as shards)."""
+    """Write config.json + model.safetensors in the official layout (PLE tables as shards); a model loaded from a
+    quantized checkpoint writes its quantized experts (``QuantizedExperts.checkpoint_tensors``) and its quantization
+    config back."""
     os.makedirs(save_directory, exist_ok=True)
+    quant = getattr(model, "_qwen4exp_quant", None)
     model.config.save_pretrained(save_directory)
+    if quant is not None:
+        fname, raw = quant
+        if fname == "config.json":  # the config the model was loaded with, as it was
+            p = os.path.join(save_directory, "config.json")
+            with open(p) as f:
+                cfg = json.load(f)
+            cfg["quantization_config"] = raw
+            with open(p, "w") as f:
+                json.dump(cfg, f, indent=2, sort_keys=True)
+        else:
+            with open(os.path.join(save_directory, fname), "w") as f:
+                json.dump(raw, f, indent=2)
     tc = model.config.get_text_config()
     out = {}
+    qmods = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedExperts)}
+    for n, m in qmods.items():
+        out.update(m.checkpoint_tensors(n))
     for k, t in model.state_dict().items():
+        if k.rsplit(".", 1)[0] in qmods:
+            continue
         m = re.match(r"^(.*\.ngram_embedding)\.weight$", k)
         if m:
             for s, part in enumerate(torch.chunk(t, tc.split_ngram_parts, 0)):

@@ -200,14 +200,21 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
     # loading / saving in the official checkpoint format
     @classmethod
     def from_pretrained(cls, path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-                        config=None, **kwargs):
+                        config=None, quant_mode: str = "dequantize", emulate_w4a4: bool = False, **kwargs):
+        """Load an official checkpoint (BF16, or ModelOpt-quantized: ``qwen4exp.hf.quant``).
+
+        ``quant_mode`` (quantized checkpoints): "dequantize" (default) turns the quantized routed experts into
+        ``dtype`` weights at load; "packed" keeps them packed and dequantizes per forward (same results, a quarter
+        of the memory for NVFP4 experts). ``emulate_w4a4=True`` fake-quantizes the NVFP4 experts' inputs with the
+        checkpoint's ``input_scale``, as Blackwell's W4A4 kernels compute."""
         from .loading import load_pretrained
 
         if kwargs.pop("torch_dtype", None) is not None and dtype is None:
             raise TypeError("qwen4exp: use dtype=..., not torch_dtype=...")
         if kwargs:
             raise TypeError(f"qwen4exp from_pretrained: unsupported arguments {sorted(kwargs)}")
-        return load_pretrained(cls, path, dtype=dtype, device=device, config=config)
+        return load_pretrained(cls, path, dtype=dtype, device=device, config=config, quant_mode=quant_mode,
+                               emulate_w4a4=emulate_w4a4)
 
     def save_pretrained(self, save_directory, **kwargs):
         from .loading import save_pretrained

@@ -66,12 +66,22 @@ class Experts(nn.Module):
             if c == 0:
                 continue
             t = tok[start: start + c]
-            h = F.linear(x[t].to(acc), self.gate_up_proj[e].to(acc))
+            gate_up, down = self.expert_weights(e)
+            h = F.linear(self.quant_input(x[t], "gate_up").to(acc), gate_up.to(acc))
             gate, up = h.chunk(2, -1)
-            a = (F.silu(gate) * up).to(x.dtype).to(acc)
-            out.index_add_(0, t, F.linear(a, self.down_proj[e].to(acc)) * wsel[start: start + c, None])
+            a = self.quant_input((F.silu(gate) * up).to(x.dtype), "down").to(acc)
+            out.index_add_(0, t, F.linear(a, down.to(acc)) * wsel[start: start + c, None])
             start += c
         return out.to(x.dtype)
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``e``'s (gate_up [2I, D], down [D, I]); a quantized subclass dequantizes here."""
+        return self.gate_up_proj[e], self.down_proj[e]
+
+    def quant_input(self, x: torch.Tensor, proj: str) -> torch.Tensor:
+        """The input of projection ``proj`` ("gate_up" / "down") as the GEMM sees it: unchanged here; a subclass
+        fake-quantizes it (W4A4 emulation), and calibration observes it."""
+        return x
 
 
 class SwiGLU(nn.Module):
