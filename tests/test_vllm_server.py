@@ -2,79 +2,21 @@
 tokens; bad requests get a 4xx with a message and the server keeps serving. One server per module, stopped by PID
 (its own process group) in the fixture's teardown."""
 
-import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-
 import pytest
-
-from qwen4exp.demo import stop_server
+from served import post as _post
+from served import serve
 
 pytestmark = pytest.mark.vllm
 
 MAX_LEN = 256
 N_TOK = 8
-START_TIMEOUT = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url, timeout=5):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.status, r.read().decode()
-
-
-def _post(url, body, timeout=120):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read().decode())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read().decode() or "{}")
 
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt, tmp_path_factory):
-    work = tmp_path_factory.mktemp("server")
-    port = _free_port()
-    exe = shutil.which("qwen4exp-serve", path=os.path.dirname(sys.executable))
-    cmd = [exe] if exe else [sys.executable, "-m", "qwen4exp.serve"]
-    cmd += [tiny_ckpt, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-            "--max-model-len", str(MAX_LEN), "--enforce-eager", "--max-num-seqs", "8"]
-    env = dict(os.environ, QWEN4EXP_CACHE_DIR=str(work / "cache"), TMPDIR=str(work))
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    log = open(work / "server.log", "w")
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited rc={proc.returncode}:\n{(work / 'server.log').read_text()[-4000:]}")
-            if time.time() - t0 > START_TIMEOUT:
-                raise RuntimeError(f"server not up in {START_TIMEOUT}s:\n{(work / 'server.log').read_text()[-4000:]}")
-            try:
-                if _get(base + "/health")[0] == 200:
-                    break
-            except Exception:
-                pass
-            time.sleep(1)
-        startup = time.time() - t0
-        print(f"server start-up: {startup:.1f}s")
-        yield dict(base=base, proc=proc, log=work / "server.log", startup=startup, ckpt=tiny_ckpt, work=work)
-    finally:
-        stop_server(proc)  # the server's own session (API server + engine core), by PID
-        log.close()
+    with serve(tiny_ckpt, tmp_path_factory.mktemp("server"), "--max-model-len", str(MAX_LEN), "--enforce-eager",
+               "--max-num-seqs", "8") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

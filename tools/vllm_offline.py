@@ -8,10 +8,12 @@ spec: {"model": dir, "engine": {LLM kwargs}, "env": {extra environment} (run_off
        "batches": [[prompt indices], ...] (default: all at once), "full_prompt_logprobs": bool,
        "prompt_top1": bool (with sampling prompt_logprobs >= 1: the rank-1 token id at every prompt position),
        "tp_layout": bool (every worker's TP rank, layer partition sizes and parameter sums: ``tp_layout``),
+       "params": [regex, ...] (copies of the parameters whose names match, per worker: ``param_dump``),
        "warmup": bool (untimed short generate first)}
 out (torch.save): {"tokens": [[ids]...], "logprobs": [[{id: logprob} per generated token]] or None (sampling
        "logprobs": k), "prompt_logprobs": [tensor [L-1, V] or None],
-       "prompt_top1": [[ids of positions 1..L-1]] or None, "tp_layout": [per rank] or None, "startup_s", "run_s",
+       "prompt_top1": [[ids of positions 1..L-1]] or None, "tp_layout": [per rank] or None, "params": [per rank
+       {name: tensor}] or None, "startup_s", "run_s",
        "metrics" (counters/gauges when disable_log_stats=False), "num_preemptions", "kv_cache_groups",
        "kv_cache_block_sizes"; run_offline adds "log": the subprocess's stdout + stderr}
 
@@ -101,6 +103,15 @@ def tp_layout(model) -> dict:
             "partitions": parts, "sums": sums}
 
 
+def param_dump(patterns, model) -> dict:
+    """``LLM.apply_model`` target (with ``functools.partial``): CPU copies of the parameters whose names match one of
+    the regexes ``patterns`` (as the worker holds them after loading and vLLM's weight processing)."""
+    import re
+
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()
+            if any(re.search(pat, n) for pat in patterns)}
+
+
 def _kv_cache_config(llm):
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
     return getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
@@ -179,9 +190,16 @@ def _main(spec_path: str, out_path: str, tensor_parallel_size: int | None = None
         from vllm_offline import tp_layout as fn
 
         layout = llm.apply_model(fn)
+    params = None
+    if spec.get("params"):
+        import functools
+
+        from vllm_offline import param_dump
+
+        params = llm.apply_model(functools.partial(param_dump, list(spec["params"])))
     torch.save({"tokens": tokens, "logprobs": lps, "prompt_logprobs": plps, "prompt_top1": top1, "startup_s": startup,
                 "run_s": run, "metrics": metrics, "num_preemptions": metrics.get("vllm:num_preemptions"),
-                "tp_layout": layout, "kv_cache_groups": kv_cache_groups(llm),
+                "tp_layout": layout, "params": params, "kv_cache_groups": kv_cache_groups(llm),
                 "kv_cache_block_sizes": kv_cache_block_sizes(llm)}, out_path)
 
 

@@ -35,26 +35,16 @@ from torch import nn
 
 from ..layers.moe import Experts
 from ..quant import QuantConfigError, QuantTensorError
-from ..quant.config import NVFP4_ALGOS
-from ..quant.fp8 import dequantize_fp8_block, quantize_fp8_block, validate_fp8_block
-from ..quant.nvfp4 import (dequantize_nvfp4, fake_quant_activation_nvfp4, pack_codes, quantize_nvfp4, round_to_e2m1,
-                           validate_nvfp4_tensors)
+from ..quant.experts import (EXPERT_TENSOR, NVFP4_FIELDS, PROJS, block_scale_2d, check_projection,
+                             expert_format, fp8_scale_name, is_quantized, projection_dims)
+from ..quant.fp8 import dequantize_fp8_block, quantize_fp8_block
+from ..quant.nvfp4 import dequantize_nvfp4, fake_quant_activation_nvfp4, pack_codes, quantize_nvfp4, round_to_e2m1
 
 log = logging.getLogger("qwen4exp")
 
 QUANT_MODES = ("dequantize", "packed")
-PROJS = ("gate_proj", "up_proj", "down_proj")
-# one expert's tensor: groups (experts module, expert index, projection, tensor)
-EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
-                           r"(weight|weight_scale|weight_scale_2|input_scale|weight_scale_inv)$")
 # a fused experts tensor and whatever suffix a producer may hang on it
 FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(?:[._].*)?$")
-NVFP4_FIELDS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
-FP8_BLOCK_SCALES = ("weight_scale_inv", "weight_scale")
-
-
-def _quantized(t: torch.Tensor, field: str) -> bool:
-    return field != "weight" or t.dtype in (torch.uint8, torch.float8_e4m3fn)
 
 
 class QuantizedExperts(Experts):
@@ -206,14 +196,14 @@ def split_quantized_experts(weights, qcfg, layout: str):
 
     for name, t in weights:
         m = FUSED_EXPERTS.match(name)
-        if m and (algo_of(m.group(1)) is not None or _quantized(t, "weight") or name != f"{m.group(1)}.{m.group(2)}"):
+        if m and (algo_of(m.group(1)) is not None or is_quantized(t, "weight") or name != f"{m.group(1)}.{m.group(2)}"):
             raise QuantTensorError(
                 f"{name}: quantized routed experts must be stored per expert "
                 f"({m.group(1)}.{{e}}.{{gate,up,down}}_proj.weight and scales), as ModelOpt exports them and vLLM "
                 f"0.32 reads them" + (f"; the config asks {algo_of(m.group(1))} for {m.group(1)}"
                                       if algo_of(m.group(1)) else ""))
         m = EXPERT_TENSOR.match(name)
-        if m and (algo_of(m.group(1)) is not None or _quantized(t, m.group(4))):
+        if m and (algo_of(m.group(1)) is not None or is_quantized(t, m.group(4))):
             per[m.group(1)][int(m.group(2))][m.group(3)][m.group(4)] = t
             continue
         rest.append((name, t))
@@ -223,7 +213,7 @@ def split_quantized_experts(weights, qcfg, layout: str):
         if algo is None:
             e = min(experts)
             p = next(iter(experts[e]))
-            field = next(f for f, t in experts[e][p].items() if _quantized(t, f))
+            field = next(f for f, t in experts[e][p].items() if is_quantized(t, f))
             why = "has no quantization config" if qcfg is None else "keeps it unquantized (excluded or not listed)"
             raise QuantTensorError(f"{base}.{e}.{p}.{field}: the checkpoint stores {base} quantized, but it {why}")
         out[base] = (algo, experts)
@@ -233,21 +223,14 @@ def split_quantized_experts(weights, qcfg, layout: str):
 def build_quantized_experts(base: str, algo: str, experts: dict, config, *, packed: bool, dtype: torch.dtype,
                             emulate_w4a4: bool, source: str) -> QuantizedExperts:
     """Validate one experts module's checkpoint tensors and build its QuantizedExperts."""
-    E, D, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
-    dims = {"gate_proj": (D, I), "up_proj": (D, I), "down_proj": (I, D)}  # (in, out)
+    E = config.num_experts
+    dims = projection_dims(config)
     extra = sorted(set(experts) - set(range(E)))
     if extra:
         raise QuantTensorError(f"{base}.{extra[0]}: expert index out of range (the model has {E} experts)")
-    if algo in NVFP4_ALGOS:
-        fmt, weight_only, scale_name = "nvfp4", algo == "W4A16_NVFP4", None
-    elif algo == "FP8_PB_WO":
-        fmt, weight_only = "fp8_block", True
-        any_fields = {f for e in experts.values() for p in e.values() for f in p}
-        scale_name = "weight_scale" if "weight_scale" in any_fields and "weight_scale_inv" not in any_fields \
-            else "weight_scale_inv"
-    else:
-        raise QuantConfigError(f"{source}: quant_algo {algo!r} for routed experts {base}: the HF reference reads "
-                               f"routed experts as NVFP4, W4A16_NVFP4 or FP8_PB_WO (128x128 blocks)")
+    fmt, weight_only = expert_format(algo, base=base, source=source)
+    scale_name = fp8_scale_name({f for e in experts.values() for p in e.values() for f in p}) \
+        if fmt == "fp8_block" else None
     if emulate_w4a4 and fmt == "nvfp4" and weight_only:
         raise QuantConfigError(f"{source}: emulate_w4a4=True needs a W4A4 checkpoint; {base} is W4A16_NVFP4 "
                                f"(weight-only, no input_scale)")
@@ -257,30 +240,15 @@ def build_quantized_experts(base: str, algo: str, experts: dict, config, *, pack
     for e in range(E):
         for p in PROJS:
             f = experts.get(e, {}).get(p, {})
-            name = f"{base}.{e}.{p}"
-            in_f, out_f = dims[p]
+            check_projection(fmt, f"{base}.{e}.{p}", f, *dims[p], weight_only=weight_only,
+                             scale_name=scale_name or "weight_scale_inv")
             if fmt == "nvfp4":
-                unknown = sorted(set(f) - set(NVFP4_FIELDS))
-                if unknown:
-                    raise QuantTensorError(f"{name}.{unknown[0]}: not an NVFP4 tensor (NVFP4 experts carry "
-                                           f"{', '.join(NVFP4_FIELDS)})")
-                validate_nvfp4_tensors(name, f.get("weight"), f.get("weight_scale"), f.get("weight_scale_2"),
-                                       f.get("input_scale"), in_f, out_f, weight_only=weight_only)
                 # a W4A16 checkpoint's input_scale is not read (vLLM drops it) but kept for saving
-                fields = NVFP4_FIELDS if keep_input else NVFP4_FIELDS[:3]
-                for k in fields:
+                for k in (NVFP4_FIELDS if keep_input else NVFP4_FIELDS[:3]):
                     stacked[p][k].append(f[k].reshape(()) if k in ("weight_scale_2", "input_scale") else f[k])
             else:
-                unknown = sorted(set(f) - {"weight", scale_name})
-                if unknown:
-                    raise QuantTensorError(f"{name}.{unknown[0]}: not a tensor of a block-FP8 expert (it carries "
-                                           f"weight and {scale_name})")
-                validate_fp8_block(name, f.get("weight"), f.get(scale_name), in_f, out_f, scale_name=scale_name)
-                s = f[scale_name]
-                if s.ndim == 4:  # ModelOpt's [out/128, 1, in/128, 1]
-                    s = s.squeeze(-1).squeeze(-2)
                 stacked[p]["weight"].append(f["weight"])
-                stacked[p]["weight_scale"].append(s)
+                stacked[p]["weight_scale"].append(block_scale_2d(f[scale_name]))
     stacked = {p: {k: torch.stack(v) for k, v in fs.items()} for p, fs in stacked.items()}
     if fmt == "nvfp4":
         differ = (stacked["gate_proj"]["weight_scale_2"] != stacked["up_proj"]["weight_scale_2"]).nonzero()

@@ -205,9 +205,15 @@ def fused_experts(config, prefix: str, router, shared: nn.Module | None = None) 
     reference); on GPUs vLLM's fused ``topk_softmax`` kernel, the same math in one kernel (fp32 softmax over all
     experts, renormalised in fp32; weights kept fp32), instead of five torch kernels per layer. ``shared``: the gated
     shared expert (``GatedSharedExpert``), run by FusedMoE beside the routed experts; the output is then their
-    sum."""
+    sum. A quantized checkpoint's experts: ``qwen4exp.vllm.quant`` (vLLM's quantized MoE method on GPUs, dequantized
+    at load on CPU)."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
     from vllm.platforms import current_platform
+
+    from .quant import check_moe_method, experts_quant
+
+    vllm_config = get_current_vllm_config()
+    eq = experts_quant(vllm_config, prefix)
 
     def route(hidden_states, gating_output, topk, renormalize):
         w, ids = router.select(gating_output)
@@ -224,7 +230,11 @@ def fused_experts(config, prefix: str, router, shared: nn.Module | None = None) 
         reduce_results=True,
         prefix=prefix,
         shared_experts=shared,
+        quant_config=vllm_config.quant_config if eq.native else None,
     )
+    if eq.native:
+        check_moe_method(experts, eq, prefix)
+    experts.qwen4exp_quant = eq  # (the loader's: native tensors pass through, else dequantized at load)
     return experts
 
 
@@ -398,12 +408,34 @@ def our_gdn(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
     return OurGDN()
 
 
-def host_ngram_table(rows: int, dim: int) -> NGramTable:
+def host_ngram_table(rows: int, dim: int, dtype: torch.dtype | None = None) -> NGramTable:
     """The PLE n-gram table in page-locked host memory (GPUs, ``QWEN4EXP_PLE_TABLE=host``: the real table does not
     fit on a GPU): the GPU gathers its rows through unified addressing (``qwen4exp.ops.ple``), so only the T * G rows
-    a step reads cross the bus. Allocated on the host directly, never on the GPU that vLLM builds the model on."""
-    w = torch.empty(rows, dim, device="cpu", pin_memory=torch.cuda.is_available())
+    a step reads cross the bus. Allocated on the host directly, never on the GPU that vLLM builds the model on.
+    ``dtype``: the table's (default: the model's); FP8 tables get their scale at load."""
+    w = torch.empty(rows, dim, dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
     return NGramTable(rows, dim, weight=nn.Parameter(w, requires_grad=False))
+
+
+def ngram_table_factory(vllm_config: VllmConfig, on_host: bool):
+    """The PLE layer's table constructor: in pinned host memory (``on_host``) or on the device, FP8 when the
+    checkpoint's quantization config lists the table FP8 (``quant.ple_table_fp8``), else the model dtype. None:
+    the layer's default (a model-dtype table on the device)."""
+    import functools
+
+    from .quant import ple_table_fp8
+
+    fp8 = ple_table_fp8(vllm_config)
+    if on_host:
+        return functools.partial(host_ngram_table, dtype=torch.float8_e4m3fn if fp8 else None)
+    if not fp8:
+        return None
+
+    def device_fp8(rows: int, dim: int) -> NGramTable:
+        w = torch.empty(rows, dim, dtype=torch.float8_e4m3fn)
+        return NGramTable(rows, dim, weight=nn.Parameter(w, requires_grad=False))
+
+    return device_fp8
 
 
 def gdn_state_dtypes(vllm_config: VllmConfig):

@@ -28,6 +28,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE
+from vllm.model_executor.models.utils import WeightsMapper
 from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
@@ -37,7 +38,7 @@ from ..configuration import _INDEXED_ALIASES, INDEXED, LINEAR
 from ..layers.hyper_connection import HyperConnection
 from ..modeling import DecoderLayer, embed_streams, next_mixer
 from .layers import (FusedMoEBlock, StateSlots, check_cudagraph_mode, colocate_projections, eager_segment,
-                     gdn_mixer, host_ngram_table, our_gdn, ple_state_shapes, rotary_embedding, vllm_linear)
+                     gdn_mixer, ngram_table_factory, our_gdn, ple_state_shapes, rotary_embedding, vllm_linear)
 from .qsa import QSAMixer
 from .weights import load_qwen4exp_weights
 
@@ -63,7 +64,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
         self.rotary_emb = rotary_embedding(config, vllm_config)
         dtype = vllm_config.model_config.dtype
         layers = []
-        ple_table = host_ngram_table if ple_table_on_host() else None  # (None: the layer's own, on the device)
+        ple_table = ngram_table_factory(vllm_config, ple_table_on_host())  # (None: the layer's own, on the device)
         self.ple_states = nn.ModuleDict()
         self._ple_embed_steps: dict[str, _PleEmbedStep] = {}
         for i in range(config.num_hidden_layers):
@@ -272,6 +273,12 @@ def _text_config(vllm_config):
 class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
     requires_raw_input_tokens = True
     model_prefix = "model"
+    # For vLLM's quant config matching (``configure_quant_config``): checkpoint names -> our module names (composite
+    # checkpoints' language model lives at model.*), and our fused modules' checkpoint shards (the shared expert's
+    # gate_up_proj; vLLM's GDN projections). Our loader renames tensors itself (``weights.load_qwen4exp_weights``).
+    hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "model.", "model.visual.": "visual."})
+    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"], "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
+                              "in_proj_ba": ["in_proj_b", "in_proj_a"]}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()

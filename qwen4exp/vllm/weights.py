@@ -1,7 +1,10 @@
 """Official checkpoint -> vLLM parameters, for the target model and for the MTP draft head.
 
 Accepts what the HF reference loads (``qwen4exp.hf.loading``): text-only (``model.*``) or composite
-(``model.language_model.*``; ``model.visual.*`` is skipped), experts fused or per expert, PLE tables as row shards.
+(``model.language_model.*``; ``model.visual.*`` is skipped), experts fused or per expert, PLE tables as row shards;
+ModelOpt checkpoints (``qwen4exp.vllm.quant``): quantized experts per expert, each projection's tensors checked
+together (``qwen4exp.quant.experts``) and then handed to vLLM's quantized MoE method or dequantized, an FP8 PLE
+table with its per-tensor scale.
 Which tensors a vLLM module takes, and under which parameter names, is one declarative ``NameMap`` per module
 (``TARGET``, ``MTP_DRAFT``). Every tensor a module takes is checked against the shape our reference model expects
 (built on the meta device from the same config, with the MTP head for the draft) before it is handed to a vLLM
@@ -16,9 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.logger import init_logger
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from ..checkpoint import EXPERT, PLE_SHARD, CheckpointError, canonical_name
+from ..quant import QuantTensorError, validate_fp8_per_tensor
+from ..quant.experts import (EXPERT_TENSOR, check_projection, dequantize_projection, fp8_scale_name, is_quantized,
+                             projection_dims, required_fields)
+from .quant import ExpertsQuant
+
+log = init_logger("vllm.plugins.qwen4exp")  # (under vLLM's logger: shown like its own lines)
 
 _GDN_FUSED = {"in_proj_qkv": ("in_proj_qkvz", None), "in_proj_z": ("in_proj_qkvz", 3),
               "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
@@ -62,6 +72,11 @@ def _reference_shapes(config, mtp_layers: int = 0) -> dict[str, tuple[int, ...]]
     return {k: tuple(v.shape) for k, v in ref.named_parameters()}
 
 
+def _experts_dtype(experts) -> torch.dtype:
+    """The dtype of a FusedMoE module's (unquantized) expert weights."""
+    return next(p.dtype for n, p in experts.named_parameters() if n.endswith("w13_weight"))
+
+
 def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], names: NameMap = TARGET,
                           mtp_layers: int = 0) -> set[str]:
     """Load the tensors ``names`` selects into ``model``; returns the names of the parameters written.
@@ -93,12 +108,49 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
     def load_experts(pmod: str, items):
         loaded.update(f"{pmod}.{n}" for n in modules[pmod].load_weights(items))
 
+    # quantized experts: one projection's tensors gather here until complete, then go to vLLM (native) or are
+    # dequantized into the module's model-dtype weights
+    pending: dict[tuple[str, int, str], dict[str, torch.Tensor]] = {}
+    done: set[tuple[str, int, str]] = set()
+    dequantized: dict[str, set[str]] = {}
+    dims = projection_dims(cfg)
+
+    def experts_quant_of(base: str) -> ExpertsQuant:
+        return getattr(modules.get(names.param(base) or ""), "qwen4exp_quant", None) or ExpertsQuant()
+
+    def flush(base: str, e: int, proj: str, f: dict[str, torch.Tensor], final: bool = False) -> bool:
+        eq = experts_quant_of(base)
+        scale = fp8_scale_name(f) if eq.fmt == "fp8_block" else "weight_scale_inv"
+        if not final and not all(k in f for k in required_fields(eq.fmt, eq.weight_only, scale)):
+            return False
+        name = f"{base}.{e}.{proj}"
+        check_projection(eq.fmt, name, f, *dims[proj], weight_only=eq.weight_only, scale_name=scale)
+        pmod = names.param(base)
+        if eq.native:  # vLLM's method loads them (its block-FP8 scale parameter is named weight_scale_inv)
+            load_experts(pmod, [(f"{e}.{proj}.{'weight_scale_inv' if k == scale and eq.fmt == 'fp8_block' else k}",
+                                 f[k]) for k in required_fields(eq.fmt, eq.weight_only, scale)])
+        else:
+            w = dequantize_projection(eq.fmt, f, _experts_dtype(modules[pmod]), scale)
+            load_experts(pmod, [(f"{e}.{proj}.weight", w)])
+            dequantized.setdefault(eq.fmt, set()).add(base)
+        per_expert.setdefault(base, set()).add((e, proj))
+        done.add((base, e, proj))
+        return True
+
+    tables_fp8: dict[str, torch.Tensor | None] = {}  # FP8 PLE table -> its scale (None until it arrives)
+
     for ck_name, t in weights:
         name = canonical_name(ck_name, composite=False)
         if name is None:
             continue
         pname = names.param(name)
         if pname is None:
+            continue
+        if name.endswith(".ngram_embedding.weight_scale"):  # an FP8 PLE table's per-tensor scale
+            table = name[: -len(".weight_scale")]
+            if f"{table}.weight" not in expected:
+                check(ck_name, t, None)
+            tables_fp8[table] = t
             continue
         m = PLE_SHARD.match(name)
         if m:
@@ -110,9 +162,34 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
             step = math.ceil(rows / cfg.split_ngram_parts)
             check(ck_name, t, (max(0, min(step, rows - s * step)), dim))
             pbase = names.param(base)
-            params[pbase].data[s * step: s * step + t.shape[0]].copy_(t.to(params[pbase].dtype))
+            p = params[pbase]
+            if t.dtype == torch.float8_e4m3fn:
+                tables_fp8.setdefault(m.group(1), None)
+                if p.dtype != t.dtype:  # a table the config does not list as FP8 (small models): re-typed here
+                    p.data = torch.empty(p.shape, dtype=t.dtype, device=p.device, pin_memory=p.is_pinned())
+            elif p.dtype == torch.float8_e4m3fn:
+                raise QuantTensorError(f"{ck_name}: the quantization config lists the PLE table as FP8, but the "
+                                       f"checkpoint stores it as {t.dtype}")
+            p.data[s * step: s * step + t.shape[0]].copy_(t.to(p.dtype))
             shard_rows.setdefault(base, {})[s] = t.shape[0]
             loaded.add(pbase)
+            continue
+        m = EXPERT_TENSOR.match(name)
+        if m and (experts_quant_of(m.group(1)).fmt is not None or is_quantized(t, m.group(4))):
+            base, e, proj, field = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+            eq = experts_quant_of(base)
+            if eq.fmt is None:
+                raise QuantTensorError(f"{ck_name}: the checkpoint stores {base} quantized, but its quantization "
+                                       f"config keeps it unquantized (excluded, not listed, or no config)")
+            if e >= cfg.num_experts:
+                raise QuantTensorError(f"{ck_name}: expert index out of range (the model has {cfg.num_experts} "
+                                       f"experts)")
+            if (base, e, proj) in done:
+                continue  # a field the format does not read (a weight-only checkpoint's input_scale)
+            f = pending.setdefault((base, e, proj), {})
+            f[field] = t
+            if flush(base, e, proj, f):
+                del pending[(base, e, proj)]
             continue
         m = EXPERT.match(name)
         if m:
@@ -154,6 +231,19 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
             load_param(pname, t)
 
     # completeness
+    for (base, e, proj), f in pending.items():
+        flush(base, e, proj, f, final=True)  # raises, naming the missing tensor
+    for table, scale in tables_fp8.items():
+        tmod, emb = names.param(table), names.param(table).rsplit(".", 1)[0]
+        w = params[f"{tmod}.weight"]
+        validate_fp8_per_tensor(table, w, scale, w.shape[0], w.shape[1])
+        modules[tmod].set_scale(scale.to(modules[emb].layer_multipliers.device))  # (beside the hashing buffers)
+    if dequantized:
+        dtype = _experts_dtype(modules[names.param(next(iter(next(iter(dequantized.values())))))])
+        what = " and ".join(f"{len(dequantized[k])} {n}" for k, n in (("nvfp4", "NVFP4"), ("fp8_block", "block-FP8"))
+                            if k in dequantized)
+        log.info("qwen4exp: %s routed-experts module(s) dequantized to %s at load (vLLM has no NVFP4 or block-FP8 MoE "
+                 "on this platform; the weights are the HF reference's dequantization)", what, dtype)
     for base, per in shard_rows.items():
         rows = expected[base][0]
         if sum(per.values()) != rows:

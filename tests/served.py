@@ -1,0 +1,70 @@
+"""``qwen4exp-serve`` in a subprocess for tests: started in its own session, up when ``/health`` answers, stopped by
+PID (API server + engine core) on exit."""
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from qwen4exp.demo import stop_server
+
+START_TIMEOUT = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url, timeout=5):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+def post(url, body, timeout=120):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read().decode())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode() or "{}")
+
+
+@contextlib.contextmanager
+def serve(ckpt: str, work, *args: str, name: str = "tiny", timeout: float = START_TIMEOUT):
+    """Yield {base, proc, log, startup, ckpt, work} for ``qwen4exp-serve ckpt --served-model-name name *args``."""
+    port = free_port()
+    exe = shutil.which("qwen4exp-serve", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "qwen4exp.serve"]
+    cmd += [ckpt, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name, *args]
+    env = dict(os.environ, QWEN4EXP_CACHE_DIR=str(work / "cache"), TMPDIR=str(work))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    log = open(work / "server.log", "w")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited rc={proc.returncode}:\n{(work / 'server.log').read_text()[-4000:]}")
+            if time.time() - t0 > timeout:
+                raise RuntimeError(f"server not up in {timeout}s:\n{(work / 'server.log').read_text()[-4000:]}")
+            try:
+                if get(base + "/health")[0] == 200:
+                    break
+            except Exception:
+                pass
+            time.sleep(1)
+        startup = time.time() - t0
+        print(f"server start-up: {startup:.1f}s")
+        yield dict(base=base, proc=proc, log=work / "server.log", startup=startup, ckpt=ckpt, work=work)
+    finally:
+        stop_server(proc)
+        log.close()
