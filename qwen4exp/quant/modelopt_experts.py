@@ -15,8 +15,10 @@ so experts no token reached still get an amax) and ModelOpt's export helpers rec
 Its own auto-registration (``register_fused_experts_on_the_fly``) would claim our class too, but its hook does not fit
 our forward: it intercepts ``F.linear`` and recovers the expert from the weight's storage offset into the 3-D
 parameter, while ``Experts.forward`` hands ``F.linear`` the weight cast to fp32 (fp32 accumulation, see
-``Experts``): in a BF16 model that cast is a copy, every expert's offset reads 0 and all experts would calibrate
-expert 0's quantizer, silently. So we register our class with a subclass that keeps the wrapper (quantizers,
+``Experts``): in a BF16 model that cast is a copy, every expert's offset reads 0, and every routed expert's weight
+goes through expert 0's quantizer, silently (on the tiny-coder, expert 0's calibrated gate_up amax came out as the
+maximum over all its layer's experts, 0.2832 for 0.2656; a fake-quant forward would quantize every expert with
+expert 0's scale). So we register our class with a subclass that keeps the wrapper (quantizers,
 naming, calibration, export) and only moves the hook to the two points ``Experts`` already has for quantization:
 ``expert_weights(e)`` (each expert's weights, through its weight quantizers) and ``quant_input(x, proj)`` (each
 GEMM's input over the tokens routed to the expert, through the shared input quantizer). Nothing else of the model is

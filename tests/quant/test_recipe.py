@@ -250,3 +250,46 @@ def test_writer_takes_precomputed_scales(tmp_path):
         with pytest.raises(ValueError, match=msg):
             quantize_checkpoint(TINY_CODER, tmp_path / "bad", **kwargs)
     assert not (tmp_path / "bad").exists()
+
+
+def test_registration_replaces_modelopts_generic_fused_experts():
+    """``register()`` wins over ModelOpt's auto-detected ``_QuantFusedExperts`` (whose F.linear hook would send every
+    expert of a BF16 model through expert 0's quantizer, see qwen4exp/quant/modelopt_experts.py)."""
+    _need_modelopt()
+    from modelopt.torch.quantization.nn import QuantModuleRegistry
+    from modelopt.torch.quantization.plugins.huggingface import _QuantFusedExperts
+
+    from qwen4exp.layers.moe import Experts
+    from qwen4exp.quant import modelopt_experts as mx
+
+    mx.register()
+    QuantModuleRegistry.unregister(Experts)
+    QuantModuleRegistry.register({Experts: "hf.Experts"})(_QuantFusedExperts)  # what auto-detection does
+    assert not issubclass(QuantModuleRegistry.get(Experts), mx.QuantExperts)
+    mx.register()
+    mx.register()
+    assert issubclass(QuantModuleRegistry.get(Experts), mx.QuantExperts)
+
+
+def test_composite_checkpoint(R, tmp_path):
+    """A composite (vision + language) checkpoint: Qwen4ExpForConditionalGeneration, model.language_model.* names."""
+    from qwen4exp import presets
+    from qwen4exp.hf.modeling import Qwen4ExpForConditionalGeneration
+    from tests.tiny_checkpoint import build_tokenizer
+
+    src, out = str(tmp_path / "bf16"), str(tmp_path / "nvfp4")
+    cfg = presets.tiny()
+    torch.manual_seed(0)
+    Qwen4ExpForConditionalGeneration(cfg).to(BF16).save_pretrained(src)
+    build_tokenizer(src, cfg.text_config.vocab_size, int(cfg.text_config.eos_token_id), 0)
+    summary, text = _run(R, ["--model", src, "--out", out, "--calib-tokens", "128", "--eval-tokens", "0"])
+    assert f"loading {src} (Qwen4ExpForConditionalGeneration" in text
+    lm = [f"model.language_model.layers.{i}.mlp.experts" for i in range(4)]
+    assert sorted(summary["scales"]["input_scales"]) == lm
+    with open(os.path.join(out, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    assert {k for k, v in qc["quantized_layers"].items() if v["quant_algo"] == "NVFP4"} == set(lm)
+    m = Qwen4ExpForConditionalGeneration.from_pretrained(out, dtype=BF16, emulate_w4a4=True)
+    sd = load_file(os.path.join(out, "model.safetensors"))
+    assert torch.equal(m.model.language_model.layers[1].mlp.experts.down_proj_input_scale,
+                       torch.stack([sd[f"{lm[1]}.{e}.down_proj.input_scale"] for e in range(8)]))
