@@ -5,9 +5,13 @@ our HF reference's fp32 logits, beside the HF reference's own bf16 run (the bar)
 
 Models: ``tiny`` (random tiny checkpoint of the tests, QSA budget 16), ``coder`` (the trained tiny-coder asset),
 ``fn4`` (random, Qwen3.8-Flash-Next widths, 4 layers: 3 GDN + 1 QSA, 64 experts, real vocab and QSA budget 2048;
-prompts up to 3,000 tokens so the indexer selects). Prompts: seeded random ids, EOS inside some. vLLM runs bf16 with
-vLLM's default CUDA graphs (``QWEN4EXP_CHECK_EAGER=1``: eager; always eager on CPU), chunked prefill (mixed
-prefill + decode batches) and returns the rank-1 token of every prompt position
+prompts up to 3,000 tokens so the indexer selects); ``NAME-nvfp4``: model NAME as ``qwen4exp.quant.export`` (the
+recipe's writer) quantizes it (NVFP4 W4A4 experts, block-FP8 MTP experts where the widths allow, FP8 PLE table), the
+HF reference dequantizing it; ``fn4-anchor``: fn4's shape with the upstream anchor's NVFP4 quantization_config and
+dummy weights (loads? which MoE backend? generates?). Rows also name the MoE backend vLLM logged, and the first
+implementation's greedy tokens are compared with the others' (``greedy_match_len_vs_upstream``).
+Prompts: seeded random ids, EOS inside some. vLLM runs bf16 with vLLM's default CUDA graphs
+(``QWEN4EXP_CHECK_EAGER=1``: eager; always eager on CPU), chunked prefill (mixed prefill + decode batches) and returns the rank-1 token of every prompt position
 (``prompt_logprobs=1``); top-1 agreement with the fp32 argmax is counted over all positions. Also reported: greedy
 tokens of vLLM vs the HF bf16 reference's greedy continuation (first mismatch). Table on stdout, ``results.csv``.
 
@@ -80,7 +84,52 @@ def build(name: str, out: str):
             torch.cuda.empty_cache()
         spec = [(3000, 21, (1000, 1001)), (2600, 22, ()), (700, 23, (10,)), (100, 24, ())]
         return d, spec, dict(max_model_len=3200, max_num_batched_tokens=1024)
+    if name.endswith("-nvfp4"):  # the base model as our writer (the recipe's) quantizes it: NVFP4 W4A4 experts etc.
+        from qwen4exp.quant.export import quantize_checkpoint
+
+        d0, spec, eng = build(name[: -len("-nvfp4")], out)
+        d = os.path.join(out, name)
+        if not os.path.exists(os.path.join(d, "model.safetensors")):
+            quantize_checkpoint(d0, d)
+        return d, spec, eng
+    if name == "fn4-anchor":  # fn4's shape with the upstream anchor's NVFP4 quantization_config, dummy weights
+        from qwen4exp import presets
+
+        d = os.path.join(out, name)
+        os.makedirs(d, exist_ok=True)
+        cfg = presets.fn12l().to_dict()
+        cfg.update(num_hidden_layers=4, num_experts=64, ngram_vocab_size_base=20_000,
+                   layer_types=["linear_attention"] * 3 + ["full_attention"], quantization_config=ANCHOR_QUANT,
+                   architectures=["Qwen4ExpForCausalLM"], dtype="bfloat16")
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        return d, [(700, 23, (10,)), (100, 24, ())], dict(max_model_len=3200, max_num_batched_tokens=1024,
+                                                          load_format="dummy")
     raise SystemExit(f"unknown model {name!r}")
+
+
+# upstream's full-depth NVFP4 anchor run read this (vLLM 0.32 in-tree qwen4_exp, dummy weights)
+ANCHOR_QUANT = {
+    "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+    "producer": {"name": "modelopt", "version": "0.39.0"},
+    "config_groups": {"group_0": {
+        "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+        "input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+        "targets": ["Linear"]}},
+    "ignore": ["lm_head", "model.embed_tokens", "*self_attn*", "*indexer*", "*linear_attn*", "*shared_expert*",
+               "*shared_expert_gate*", "*mlp.gate", "*hyper_connection*", "*hyper_connection_mixer*", "*.ple",
+               "*.ple.*", "*mtp*"]}
+
+
+def moe_backend(log: str) -> str:
+    """The MoE backend vLLM logged (NVFP4: "Using 'HUMMING' NvFp4 MoE backend ..."), or our CPU dequantization."""
+    m = re.findall(r"Using '(\w+)' NvFp4 MoE backend", log)
+    if m:
+        return "NVFP4:" + m[-1]
+    if "routed-experts module(s) dequantized to" in log:
+        return "dequantized"
+    m = re.findall(r"Using (\S+) (?:\w+ )?MoE backend", log)
+    return m[-1] if m else ""
 
 
 def hf_reference(d: str, prompts):
@@ -134,6 +183,13 @@ def run_vllm(impl: str, d: str, prompts, eng: dict, work: str):
     return run_offline(spec, work, timeout=float(os.environ.get("QWEN4EXP_CHECK_TIMEOUT", 300)))
 
 
+def _error(e: Exception) -> str:
+    """What an implementation that refused the checkpoint said (its last error lines)."""
+    msg = [ln.split("] ", 1)[-1].strip() for ln in str(e).strip().splitlines()]
+    err = [ln for ln in msg if re.search(r"\w(Error|Exception)\b", ln) and "pydantic.dev" not in ln]
+    return " / ".join(dict.fromkeys(err[-3:]))[:400] if err else (msg[-1] if msg else repr(e))
+
+
 def decisive_mask(gap: list, gap_err: list) -> tuple[list, float]:
     """Per prompt, the positions whose fp32 top-2 gap exceeds twice the bf16 reference's 99th-percentile gap error
     (see the module doc), and that threshold."""
@@ -160,6 +216,18 @@ def main() -> None:
         tc = cfg.get("text_config", cfg)
         eos = tc["eos_token_id"][0] if isinstance(tc["eos_token_id"], list) else tc["eos_token_id"]
         prompts = _prompts(tc["vocab_size"], eos, spec)
+        if eng.get("load_format") == "dummy":  # no weights, no reference: does it load, which backend, generate
+            for impl in args.impls.split(","):
+                row = dict(model=name, impl=impl)
+                try:
+                    out = run_vllm(impl, d, prompts, eng, os.path.join(args.out, f"{name}-{impl}"))
+                    row.update(startup_s=round(out["startup_s"], 1), moe_backend=moe_backend(out["log"]),
+                               generated=sum(len(t) for t in out["tokens"]))
+                except Exception as e:
+                    row["error"] = _error(e)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            continue
         ref_path = os.path.join(args.out, f"{name}-hf-reference.pt")
         ref = hf_reference(d, prompts)
         torch.save(dict(ref, prompts=prompts), ref_path)  # kept: a vLLM run killed later can still be scored
@@ -189,16 +257,22 @@ def main() -> None:
                 row.update(vllm_agree=agree_v, only_vllm_wrong=v_only, only_hf_bf16_wrong=b_only,
                            no_worse=agree_v >= agree_b, decisive_vllm_wrong=v_dec_wrong,
                            no_worse_decisive=v_dec_wrong <= b_dec_wrong, startup_s=round(out["startup_s"], 1),
-                           greedy_match_len_vs_hf_bf16=gm)
+                           greedy_match_len_vs_hf_bf16=gm, moe_backend=moe_backend(out["log"]), tokens=out["tokens"])
             except Exception as e:  # an implementation that refuses the checkpoint: say what it said
-                msg = [ln.split("] ", 1)[-1].strip() for ln in str(e).strip().splitlines()]
-                err = [ln for ln in msg if re.search(r"\w(Error|Exception)\b", ln) and "pydantic.dev" not in ln]
-                row["error"] = " / ".join(dict.fromkeys(err[-3:])) [:400] if err else (msg[-1] if msg else repr(e))
+                row["error"] = _error(e)
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+        # the implementations' greedy tokens against each other (per prompt: how many agree before the first
+        # difference), on the first implementation's row
+        done = [r for r in rows if r["model"] == name and "tokens" in r]
+        for r in done[1:]:
+            done[0]["greedy_match_len_vs_" + r["impl"]] = [
+                next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(done[0]["tokens"],
+                                                                                                  r["tokens"])]
     fields = ["model", "impl", "positions", "vllm_agree", "hf_bf16_agree", "only_vllm_wrong", "only_hf_bf16_wrong",
               "no_worse", "decisive", "decisive_gap", "decisive_vllm_wrong", "decisive_hf_bf16_wrong",
-              "no_worse_decisive", "startup_s", "greedy_match_len_vs_hf_bf16", "error"]
+              "no_worse_decisive", "startup_s", "greedy_match_len_vs_hf_bf16", "greedy_match_len_vs_upstream",
+              "moe_backend", "generated", "error"]
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fields, extrasaction="ignore")
         w.writeheader()
