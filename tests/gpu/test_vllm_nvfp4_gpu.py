@@ -25,7 +25,7 @@ def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("nvfp4_check")
     p = subprocess.run([sys.executable, CHECK, "--out", str(out), "--models", "coder-nvfp4,fn4-nvfp4,fn4-anchor",
                         "--impls", "ours,upstream"], env=dict(os.environ, QWEN4EXP_CHECK_EAGER="1"),
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=560)
     print(p.stdout[-6000:])
     assert p.returncode == 0, p.stderr[-4000:]
     return {(r["model"], r["impl"]): r for r in csv.DictReader(open(out / "results.csv"))}
