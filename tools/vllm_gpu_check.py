@@ -3,7 +3,8 @@ our HF reference's fp32 logits, beside the HF reference's own bf16 run (the bar)
 
     python tools/vllm_gpu_check.py --out bench_out/vllm_gpu_check [--models tiny,coder,fn4] [--impls ours,upstream]
 
-Models: ``tiny`` (random tiny checkpoint of the tests, QSA budget 16), ``coder`` (the trained tiny-coder asset),
+Models: ``tiny`` (random tiny checkpoint of the tests, QSA budget 16), ``coder`` (the trained tiny-coder asset;
+``coder-k512``: with a 512-block QSA budget, the smallest upstream's top-k kernel takes),
 ``fn4`` (random, Qwen3.8-Flash-Next widths, 4 layers: 3 GDN + 1 QSA, 64 experts, real vocab and QSA budget 2048;
 prompts up to 3,000 tokens so the indexer selects); ``NAME-nvfp4``: model NAME as ``qwen4exp.quant.export`` (the
 recipe's writer) quantizes it (NVFP4 W4A4 experts, block-FP8 MTP experts where the widths allow, FP8 PLE table), the
@@ -84,6 +85,21 @@ def build(name: str, out: str):
             torch.cuda.empty_cache()
         spec = [(3000, 21, (1000, 1001)), (2600, 22, ()), (700, 23, (10,)), (100, 24, ())]
         return d, spec, dict(max_model_len=3200, max_num_batched_tokens=1024)
+    if name == "coder-k512":  # tiny-coder with a QSA budget of 512 blocks (2,048 tokens: dense at these prompt
+        # lengths), the smallest top-k upstream's persistent_topk kernel takes (512, 1024 or 2048; tiny-coder's 16 it
+        # refuses), so that upstream can run the trained model
+        import shutil
+
+        src, spec, eng = build("coder", out)
+        d = os.path.join(out, name)
+        if not os.path.exists(os.path.join(d, "config.json")):
+            shutil.copytree(src, d)
+            with open(os.path.join(d, "config.json")) as f:
+                cfg = json.load(f)
+            cfg["indexer_budget"] = 512 * cfg.get("indexer_compress_ratio", 4)
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump(cfg, f, indent=2)
+        return d, spec, eng
     if name.endswith("-nvfp4"):  # the base model as our writer (the recipe's) quantizes it: NVFP4 W4A4 experts etc.
         from qwen4exp.quant.export import quantize_checkpoint
 
