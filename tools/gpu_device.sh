@@ -140,8 +140,12 @@ case "${1:-}" in
       > "$OUT/agentic.log" 2>&1
     echo "rc=$?"; tail -25 "$OUT/agentic.log" ;;
   bg)
-    mkdir -p /tmp/bg
-    PYTHONPATH=$ROOT:$ROOT/tests:$FLA CUDA_VISIBLE_DEVICES=${2:-1} setsid nohup bash -c '
+    # from a private copy of the tree: each later call re-syncs the working tree, and a file replaced while pytest
+    # imports it (collection, or an op's lazily loaded kernels) fails that import
+    mkdir -p /tmp/bg && rm -rf /tmp/bg/tree && mkdir -p /tmp/bg/tree
+    cp -r "$ROOT/qwen4exp" "$ROOT/tests" "$ROOT/benchmarks" "$ROOT/tools" "$ROOT/pyproject.toml" /tmp/bg/tree/
+    cd /tmp/bg/tree
+    PYTHONPATH=/tmp/bg/tree:/tmp/bg/tree/tests:$FLA CUDA_VISIBLE_DEVICES=${2:-1} setsid nohup bash -c '
       timeout 400 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/ops ${BG_K:+-k "$BG_K"} \
         > /tmp/bg/kernels.log 2>&1
       echo "rc=$?" >> /tmp/bg/kernels.log
