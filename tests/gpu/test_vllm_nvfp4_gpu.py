@@ -71,3 +71,30 @@ def test_anchor_config_loads_in_ours_and_upstream(tmp_path):
         assert not rows[impl]["error"], rows[impl]
         _native_backend(rows[impl])
         assert int(rows[impl]["generated"]) > 0, rows[impl]
+
+
+def test_fn_shaped_nvfp4_mtp_draft_runs_vllms_block_fp8_moe(tmp_path):
+    """The MTP head's experts, block FP8 in our writer's checkpoint, load into vLLM's FP8 MoE method (the draft) and
+    speculative decoding runs: the first token of each request (the target's prefill, unchanged by drafting) equals
+    the plain run's; how far the rest agrees is reported (random weights: bf16 near ties)."""
+    import vllm_gpu_check as C
+    from vllm_offline import run_offline
+
+    d, spec, eng = C.build("fn4-nvfp4", str(tmp_path))
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    layers = cfg["quantization_config"]["quantized_layers"]
+    assert any(k.startswith("mtp.") and v["quant_algo"] == "FP8_PB_WO" for k, v in layers.items()), layers
+    eos = cfg["eos_token_id"][0] if isinstance(cfg["eos_token_id"], list) else cfg["eos_token_id"]
+    prompts = C._prompts(cfg["vocab_size"], eos, spec[2:])
+    engine = dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_num_seqs=8, seed=0,
+                  enable_prefix_caching=False, gpu_memory_utilization=0.5, disable_log_stats=False, **eng)
+    sampling = dict(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+    plain = run_offline(dict(model=d, engine=engine, prompts=prompts, sampling=sampling), str(tmp_path / "plain"))
+    mtp = run_offline(dict(model=d, prompts=prompts, sampling=sampling, engine=dict(
+        engine, speculative_config={"method": "mtp", "num_speculative_tokens": 3})), str(tmp_path / "mtp"))
+    assert "Fp8 MoE backend" in mtp["log"], mtp["log"][-3000:]
+    assert [t[0] for t in mtp["tokens"]] == [t[0] for t in plain["tokens"]]
+    print("MTP vs plain, tokens equal before the first difference:",
+          [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+           for x, y in zip(mtp["tokens"], plain["tokens"])],
+          "accepted draft tokens:", mtp["metrics"].get("vllm:spec_decode_num_accepted_tokens"))
