@@ -92,19 +92,25 @@ def _check_scale_values(name: str, t: torch.Tensor) -> None:
         raise QuantTensorError(f"{name} must be finite and > 0 everywhere, got {first}")
 
 
+def _check_present_and_typed(name: str, weight: torch.Tensor | None, scale: torch.Tensor | None, scale_name: str,
+                             why: str) -> None:
+    """Both tensors there, the weight e4m3 and its scale fp32 (what every FP8 form shares)."""
+    if weight is None:
+        raise QuantTensorError(f"{name}.weight is missing")
+    if scale is None:
+        raise QuantTensorError(f"{name}.{scale_name} is missing ({why})")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise QuantTensorError(f"{name}.weight must be torch.float8_e4m3fn, got {weight.dtype}")
+    if scale.dtype != torch.float32:
+        raise QuantTensorError(f"{name}.{scale_name} must be torch.float32, got {scale.dtype}")
+
+
 def validate_fp8_per_tensor(name: str, weight: torch.Tensor | None, weight_scale: torch.Tensor | None,
                             rows: int, cols: int) -> None:
     """Check a per-tensor FP8 tensor (``name`` = the module, e.g. ``...ple.ple_embedding.ngram_embedding``)."""
-    if weight is None:
-        raise QuantTensorError(f"{name}.weight is missing")
-    if weight_scale is None:
-        raise QuantTensorError(f"{name}.weight_scale is missing (per-tensor FP8 needs its scale)")
-    if weight.dtype != torch.float8_e4m3fn:
-        raise QuantTensorError(f"{name}.weight must be torch.float8_e4m3fn, got {weight.dtype}")
+    _check_present_and_typed(name, weight, weight_scale, "weight_scale", "per-tensor FP8 needs its scale")
     if tuple(weight.shape) != (rows, cols):
         raise QuantTensorError(f"{name}.weight must have shape {(rows, cols)}, got {tuple(weight.shape)}")
-    if weight_scale.dtype != torch.float32:
-        raise QuantTensorError(f"{name}.weight_scale must be torch.float32, got {weight_scale.dtype}")
     if weight_scale.numel() != 1 or weight_scale.ndim > 1:
         raise QuantTensorError(f"{name}.weight_scale must be a per-tensor scalar, got shape "
                                f"{tuple(weight_scale.shape)}")
@@ -116,20 +122,13 @@ def validate_fp8_block(name: str, weight: torch.Tensor | None, weight_scale: tor
                        scale_name: str = "weight_scale") -> None:
     """Check a 128x128 block-FP8 linear (``scale_name``: ``weight_scale`` as ModelOpt writes it, or
     ``weight_scale_inv`` in the DeepSeek naming vLLM's block-FP8 MoE method uses)."""
-    if weight is None:
-        raise QuantTensorError(f"{name}.weight is missing")
-    if weight_scale is None:
-        raise QuantTensorError(f"{name}.{scale_name} is missing (block FP8 needs its scales)")
-    if weight.dtype != torch.float8_e4m3fn:
-        raise QuantTensorError(f"{name}.weight must be torch.float8_e4m3fn, got {weight.dtype}")
+    _check_present_and_typed(name, weight, weight_scale, scale_name, "block FP8 needs its scales")
     if tuple(weight.shape) != (out_features, in_features):
         raise QuantTensorError(f"{name}.weight must have shape {(out_features, in_features)}, got "
                                f"{tuple(weight.shape)}")
     if in_features % block_size:  # vLLM pads only the output side (modelopt.py:2227-2233)
         raise QuantTensorError(f"{name}.weight: block FP8 needs in_features to be a multiple of {block_size}, "
                                f"got {in_features}")
-    if weight_scale.dtype != torch.float32:
-        raise QuantTensorError(f"{name}.{scale_name} must be torch.float32, got {weight_scale.dtype}")
     want = (math.ceil(out_features / block_size), in_features // block_size)
     if tuple(_block_scale_2d(weight_scale).shape) != want or weight_scale.ndim not in (2, 4):
         raise QuantTensorError(f"{name}.{scale_name} must have shape {want} (or [{want[0]}, 1, {want[1]}, 1]), got "
