@@ -2,6 +2,8 @@
 tokens; bad requests get a 4xx with a message and the server keeps serving. One server per module, stopped by PID
 (its own process group) in the fixture's teardown."""
 
+import json
+
 import pytest
 from served import post as _post
 from served import serve
