@@ -162,3 +162,16 @@ def tiny(**text_overrides) -> Qwen4ExpConfig:
         vision_end_token_id=text.vocab_size - 5,
         architectures=["Qwen4ExpForConditionalGeneration"],
     )
+
+
+def anchor_nvfp4_quantization_config() -> dict:
+    """The ``quantization_config`` upstream vLLM's full-depth NVFP4 anchor run read (ModelOpt's config.json form:
+    routed experts NVFP4 W4A4, everything the ignore list names BF16); a fresh dict each call."""
+    group = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+    return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+            "producer": {"name": "modelopt", "version": "0.39.0"},
+            "config_groups": {"group_0": {"weights": dict(group), "input_activations": dict(group),
+                                          "targets": ["Linear"]}},
+            "ignore": ["lm_head", "model.embed_tokens", "*self_attn*", "*indexer*", "*linear_attn*",
+                       "*shared_expert*", "*shared_expert_gate*", "*mlp.gate", "*hyper_connection*",
+                       "*hyper_connection_mixer*", "*.ple", "*.ple.*", "*mtp*"]}

@@ -115,26 +115,14 @@ def build(name: str, out: str):
         os.makedirs(d, exist_ok=True)
         cfg = presets.fn12l().to_dict()
         cfg.update(num_hidden_layers=4, num_experts=64, ngram_vocab_size_base=20_000,
-                   layer_types=["linear_attention"] * 3 + ["full_attention"], quantization_config=ANCHOR_QUANT,
+                   layer_types=["linear_attention"] * 3 + ["full_attention"],
+                   quantization_config=presets.anchor_nvfp4_quantization_config(),
                    architectures=["Qwen4ExpForCausalLM"], dtype="bfloat16")
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(cfg, f)
         return d, [(700, 23, (10,)), (100, 24, ())], dict(max_model_len=3200, max_num_batched_tokens=1024,
                                                           load_format="dummy")
     raise SystemExit(f"unknown model {name!r}")
-
-
-# upstream's full-depth NVFP4 anchor run read this (vLLM 0.32 in-tree qwen4_exp, dummy weights)
-ANCHOR_QUANT = {
-    "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
-    "producer": {"name": "modelopt", "version": "0.39.0"},
-    "config_groups": {"group_0": {
-        "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
-        "input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
-        "targets": ["Linear"]}},
-    "ignore": ["lm_head", "model.embed_tokens", "*self_attn*", "*indexer*", "*linear_attn*", "*shared_expert*",
-               "*shared_expert_gate*", "*mlp.gate", "*hyper_connection*", "*hyper_connection_mixer*", "*.ple",
-               "*.ple.*", "*mtp*"]}
 
 
 def moe_backend(log: str) -> str:

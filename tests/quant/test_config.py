@@ -7,21 +7,12 @@ import re
 
 import pytest
 
+from qwen4exp.presets import anchor_nvfp4_quantization_config
 from qwen4exp.quant import QuantConfigError, load_quant_config, parse_quant_config
 from qwen4exp.quant.config import PACKED_MODULES, PREFIX_RENAMES, layout_patterns
 
-# ../shared/reference/upstream-anchor-nvfp4.md: what upstream's full-depth NVFP4 run read
-ANCHOR = {
-    "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
-    "producer": {"name": "modelopt", "version": "0.39.0"},
-    "config_groups": {"group_0": {
-        "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
-        "input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
-        "targets": ["Linear"]}},
-    "ignore": ["lm_head", "model.embed_tokens", "*self_attn*", "*indexer*", "*linear_attn*", "*shared_expert*",
-               "*shared_expert_gate*", "*mlp.gate", "*hyper_connection*", "*hyper_connection_mixer*", "*.ple",
-               "*.ple.*", "*mtp*"],
-}
+# what upstream's full-depth NVFP4 run read
+ANCHOR = anchor_nvfp4_quantization_config()
 LEGACY = {"producer": {"name": "modelopt", "version": "0.29.0"},
           "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
                            "exclude_modules": ["lm_head", "*self_attn*", "model.language_model.layers.0.mlp*"]}}
