@@ -32,6 +32,16 @@
 #                                                   # bench_ops arguments, e.g. --no-ref --decode-breakdown);
 #                                                   # results in /tmp/bg
 #   bash tools/gpu_device.sh bgresult             # what `bg` has written so far, copied to OUT/bg and summarised
+#   bash tools/gpu_device.sh modelopt             # ModelOpt's own fake-quant figure beside ours: recipes/quantize_nvfp4.py
+#                                                   # --modelopt-eval on the tiny-coder (CUDA), modelopt from the wheels
+#                                                   # in MO_WHEELS (default .whl/mo-img, carried), installed --no-deps
+#                                                   # into /tmp/mo; $OUT/modelopt.log + quality.json
+#   bash tools/gpu_device.sh queue 'CMD' ...      # the commands (e.g. 'SUITE_TIMEOUT=1100 bash tools/gpu_device.sh
+#                                                   # suite tests/gpu'), one after the other, detached (setsid: past the
+#                                                   # call and its time limit), from a private copy of the tree; the
+#                                                   # N-th command's OUT is /tmp/$QUEUE/out/N (QUEUE default queue),
+#                                                   # /tmp/$QUEUE/done when all ended
+#   bash tools/gpu_device.sh queueresult          # the queue's progress; its results copied to OUT (PACK=1: one .tgz)
 #   bash tools/gpu_device.sh tp2 [models]         # tools/vllm_tp_check.py: tensor_parallel_size 2 vs 1, greedy
 #                                                   # tokens + teacher-forced top-1 + what is sharded (default coder,fn4;
 #                                                   # 2 GPUs); NVLink multicast kept off
@@ -160,6 +170,40 @@ case "${1:-}" in
         > /tmp/bg/bench_ops.log 2>&1
       echo "rc=$?" >> /tmp/bg/bench_ops.log' > /tmp/bg/bg.log 2>&1 < /dev/null &
     echo "bg started (pid $!) as $(id -un) on GPU ${2:-1}" ;;
+  modelopt)
+    mkdir -p /tmp/mo
+    python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mo \
+      "${MO_WHEELS:-$ROOT/.whl/mo-img}"/*.whl > "$OUT/modelopt-install.log" 2>&1 \
+      || { echo "modelopt install failed:"; tail -5 "$OUT/modelopt-install.log"; exit 1; }
+    rm -rf /tmp/mo-tc
+    PYTHONPATH=$ROOT:/tmp/mo${PYTHONPATH:+:$PYTHONPATH} timeout "${MO_TIMEOUT:-500}" python recipes/quantize_nvfp4.py \
+      --model qwen4exp/assets/tiny-coder --out /tmp/mo-tc --modelopt-eval > "$OUT/modelopt.log" 2>&1
+    echo "rc=$?" | tee -a "$OUT/modelopt.log"; cp /tmp/mo-tc/quality.json "$OUT/" 2>/dev/null; tail -20 "$OUT/modelopt.log" ;;
+  queue)
+    q=/tmp/${QUEUE:-queue}
+    rm -rf "$q" && mkdir -p "$q/tree" "$q/out"
+    # (a private copy: later calls re-sync the working tree under a running job)
+    for f in qwen4exp tests benchmarks tools recipes pyproject.toml .whl .ab; do
+      [ -e "$ROOT/$f" ] && cp -r "$ROOT/$f" "$q/tree/"
+    done
+    cd "$q/tree"
+    setsid nohup bash -c '
+      q=$1; shift; i=0
+      for cmd in "$@"; do
+        i=$((i + 1)); mkdir -p "$q/out/$i"
+        echo "[$(date +%T)] $i start: $cmd" >> "$q/queue.log"
+        ( export OUT="$q/out/$i"; eval "$cmd" ) > "$q/out/$i/stdout.log" 2>&1
+        rc=$?
+        echo "[$(date +%T)] $i end rc=$rc: $(tail -1 "$q/out/$i/stdout.log")" >> "$q/queue.log"
+      done
+      touch "$q/done"' _ "$q" "${@:2}" > "$q/nohup.log" 2>&1 < /dev/null &
+    echo "queue $q started (pid $!): $(( $# - 1 )) command(s)" ;;
+  queueresult)
+    q=/tmp/${QUEUE:-queue}
+    cat "$q/queue.log" 2>/dev/null; [ -f "$q/done" ] && echo "(all ended)"
+    mkdir -p "$OUT/${QUEUE:-queue}"
+    (cd "$q/out" 2>/dev/null && find . -type f ! -name '*.safetensors' ! -name '*.pt' -size -20M \
+      -exec cp --parents {} "$OUT/${QUEUE:-queue}/" \;) ;;
   bgresult)
     mkdir -p "$OUT/bg"; cp -r /tmp/bg/. "$OUT/bg/" 2>/dev/null
     for f in kernels bench_ops; do echo "== $f"; tail -25 "/tmp/bg/$f.log" 2>/dev/null; done ;;

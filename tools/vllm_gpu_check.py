@@ -9,7 +9,9 @@ Models: ``tiny`` (random tiny checkpoint of the tests, QSA budget 16), ``coder``
 prompts up to 3,000 tokens so the indexer selects); ``NAME-nvfp4``: model NAME as ``qwen4exp.quant.export`` (the
 recipe's writer) quantizes it (NVFP4 W4A4 experts, block-FP8 MTP experts where the widths allow, FP8 PLE table), the
 HF reference dequantizing it; ``fn4-anchor``: fn4's shape with the upstream anchor's NVFP4 quantization_config and
-dummy weights (loads? which MoE backend? generates?). Rows also name the MoE backend vLLM logged, and the first
+dummy weights (loads? which MoE backend? generates?). Checkpoints built and HF references computed into ``--out``
+are reused by a later run into the same directory (the reference only while the checkpoint's files are unchanged).
+Rows also name the MoE backend vLLM logged, and the first
 implementation's greedy tokens are compared with the others' (``greedy_match_len_vs_upstream``).
 Prompts: seeded random ids, EOS inside some. vLLM runs bf16 with vLLM's default CUDA graphs
 (``QWEN4EXP_CHECK_EAGER=1``: eager; always eager on CPU), chunked prefill (mixed prefill + decode batches) and returns the rank-1 token of every prompt position
@@ -61,7 +63,9 @@ def build(name: str, out: str):
     if name == "tiny":
         from tiny_checkpoint import build_checkpoint
 
-        d = build_checkpoint(os.path.join(out, "tiny"), seed=0)
+        d = os.path.join(out, "tiny")
+        if not os.path.exists(os.path.join(d, "model.safetensors")):
+            build_checkpoint(d, seed=0)
         spec = [(300, 1, (50, 51, 120)), (37, 2, ()), (230, 3, (100,)), (5, 4, ()), (180, 5, (0, 90)),
                 (64, 6, (63,)), (1, 7, ()), (260, 8, (200,))]
         return d, spec, dict(max_model_len=512, max_num_batched_tokens=64)
@@ -194,6 +198,12 @@ def _error(e: Exception) -> str:
     return " / ".join(dict.fromkeys(err[-3:]))[:400] if err else (msg[-1] if msg else repr(e))
 
 
+def _stamp(d: str) -> list:
+    """What identifies a checkpoint's files: (name, size, mtime) of each."""
+    return sorted((f, os.path.getsize(os.path.join(d, f)), os.path.getmtime(os.path.join(d, f)))
+                  for f in os.listdir(d) if os.path.isfile(os.path.join(d, f)))
+
+
 def decisive_mask(gap: list, gap_err: list) -> tuple[list, float]:
     """Per prompt, the positions whose fp32 top-2 gap exceeds twice the bf16 reference's 99th-percentile gap error
     (see the module doc), and that threshold."""
@@ -233,8 +243,14 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
             continue
         ref_path = os.path.join(args.out, f"{name}-hf-reference.pt")
-        ref = hf_reference(d, prompts)
-        torch.save(dict(ref, prompts=prompts), ref_path)  # kept: a vLLM run killed later can still be scored
+        stamp = _stamp(d)
+        old = torch.load(ref_path, weights_only=False) if os.path.exists(ref_path) else {}
+        if old.get("prompts") == prompts and old.get("checkpoint") == stamp:  # same files, same prompts: reused
+            ref = old
+        else:
+            ref = hf_reference(d, prompts)
+            # kept: a vLLM run killed later can still be scored, and a later run into the same --out reuses it
+            torch.save(dict(ref, prompts=prompts, checkpoint=stamp), ref_path)
         f32, b16 = ref["float32"], ref["bfloat16"]
         total = sum(len(a) for a in f32)
         agree_b = sum(int((a == b).sum()) for a, b in zip(f32, b16))

@@ -35,8 +35,8 @@ from torch import nn
 
 from ..layers.moe import Experts
 from ..quant import QuantConfigError, QuantTensorError
-from ..quant.experts import (EXPERT_TENSOR, NVFP4_FIELDS, PROJS, block_scale_2d, check_projection,
-                             expert_format, fp8_scale_name, is_quantized, projection_dims)
+from ..quant.experts import (EXPERT_TENSOR, NVFP4_FIELDS, PROJS, block_scale_2d, check_expert_index,
+                             check_projection, expert_format, fp8_scale_name, is_quantized, projection_dims)
 from ..quant.fp8 import dequantize_fp8_block, quantize_fp8_block
 from ..quant.nvfp4 import dequantize_nvfp4, fake_quant_activation_nvfp4, pack_codes, quantize_nvfp4, round_to_e2m1
 
@@ -225,9 +225,8 @@ def build_quantized_experts(base: str, algo: str, experts: dict, config, *, pack
     """Validate one experts module's checkpoint tensors and build its QuantizedExperts."""
     E = config.num_experts
     dims = projection_dims(config)
-    extra = sorted(set(experts) - set(range(E)))
-    if extra:
-        raise QuantTensorError(f"{base}.{extra[0]}: expert index out of range (the model has {E} experts)")
+    for e in sorted(experts):
+        check_expert_index(base, e, E)
     fmt, weight_only = expert_format(algo, base=base, source=source)
     scale_name = fp8_scale_name({f for e in experts.values() for p in e.values() for f in p}) \
         if fmt == "fp8_block" else None

@@ -50,6 +50,13 @@ def projection_dims(config) -> dict[str, tuple[int, int]]:
     return {"gate_proj": (D, I), "up_proj": (D, I), "down_proj": (I, D)}
 
 
+def check_expert_index(base: str, e: int, num_experts: int, tensor: str | None = None) -> None:
+    """A checkpoint expert index must name one of the model's experts (QuantTensorError naming the tensor)."""
+    if not 0 <= e < num_experts:
+        raise QuantTensorError(f"{tensor or f'{base}.{e}'}: expert index out of range (the model has {num_experts} "
+                               f"experts)")
+
+
 def fp8_scale_name(fields) -> str:
     """The block-FP8 scale's name a checkpoint uses (``weight_scale`` only when it has no ``weight_scale_inv``)."""
     fields = set(fields)

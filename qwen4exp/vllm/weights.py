@@ -24,8 +24,8 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from ..checkpoint import EXPERT, PLE_SHARD, CheckpointError, canonical_name
 from ..quant import QuantTensorError, validate_fp8_per_tensor
-from ..quant.experts import (EXPERT_TENSOR, check_projection, dequantize_projection, fp8_scale_name, is_quantized,
-                             projection_dims, required_fields)
+from ..quant.experts import (EXPERT_TENSOR, check_expert_index, check_projection, dequantize_projection,
+                             fp8_scale_name, is_quantized, projection_dims, required_fields)
 from .quant import ExpertsQuant
 
 log = init_logger("vllm.plugins.qwen4exp")  # (under vLLM's logger: shown like its own lines)
@@ -112,7 +112,8 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
     # dequantized into the module's model-dtype weights
     pending: dict[tuple[str, int, str], dict[str, torch.Tensor]] = {}
     done: set[tuple[str, int, str]] = set()
-    dequantized: dict[str, set[str]] = {}
+    dequantized: dict[str, set[str]] = {}  # format -> the experts modules dequantized at load
+    dequantized_dtype: list[torch.dtype] = []  # (the dtype they were dequantized to, for the INFO line)
     dims = projection_dims(cfg)
 
     def experts_quant_of(base: str) -> ExpertsQuant:
@@ -130,9 +131,10 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
             load_experts(pmod, [(f"{e}.{proj}.{'weight_scale_inv' if k == scale and eq.fmt == 'fp8_block' else k}",
                                  f[k]) for k in required_fields(eq.fmt, eq.weight_only, scale)])
         else:
-            w = dequantize_projection(eq.fmt, f, _experts_dtype(modules[pmod]), scale)
-            load_experts(pmod, [(f"{e}.{proj}.weight", w)])
+            dtype = _experts_dtype(modules[pmod])
+            load_experts(pmod, [(f"{e}.{proj}.weight", dequantize_projection(eq.fmt, f, dtype, scale))])
             dequantized.setdefault(eq.fmt, set()).add(base)
+            dequantized_dtype[:] = [dtype]
         per_expert.setdefault(base, set()).add((e, proj))
         done.add((base, e, proj))
         return True
@@ -181,9 +183,7 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
             if eq.fmt is None:
                 raise QuantTensorError(f"{ck_name}: the checkpoint stores {base} quantized, but its quantization "
                                        f"config keeps it unquantized (excluded, not listed, or no config)")
-            if e >= cfg.num_experts:
-                raise QuantTensorError(f"{ck_name}: expert index out of range (the model has {cfg.num_experts} "
-                                       f"experts)")
+            check_expert_index(base, e, cfg.num_experts, ck_name)
             if (base, e, proj) in done:
                 continue  # a field the format does not read (a weight-only checkpoint's input_scale)
             f = pending.setdefault((base, e, proj), {})
@@ -239,11 +239,10 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
         validate_fp8_per_tensor(table, w, scale, w.shape[0], w.shape[1])
         modules[tmod].set_scale(scale.to(modules[emb].layer_multipliers.device))  # (beside the hashing buffers)
     if dequantized:
-        dtype = _experts_dtype(modules[names.param(next(iter(next(iter(dequantized.values())))))])
         what = " and ".join(f"{len(dequantized[k])} {n}" for k, n in (("nvfp4", "NVFP4"), ("fp8_block", "block-FP8"))
                             if k in dequantized)
         log.info("qwen4exp: %s routed-experts module(s) dequantized to %s at load (vLLM has no NVFP4 or block-FP8 MoE "
-                 "on this platform; the weights are the HF reference's dequantization)", what, dtype)
+                 "on this platform; the weights are the HF reference's dequantization)", what, dequantized_dtype[0])
     for base, per in shard_rows.items():
         rows = expected[base][0]
         if sum(per.values()) != rows:

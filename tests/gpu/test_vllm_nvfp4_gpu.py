@@ -25,15 +25,21 @@ CHECK = os.path.join(ROOT, "tools", "vllm_gpu_check.py")
 FLA = os.path.join(ROOT, ".whl", "fla")  # fla-core, when carried: the HF reference's GDN kernels (else torch)
 
 
-def check(model: str, tmp_path) -> dict:
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    """One --out for the module: fn4-nvfp4 is built (and its HF reference computed) once."""
+    return tmp_path_factory.mktemp("nvfp4")
+
+
+def check(model: str, out) -> dict:
     env = dict(os.environ, QWEN4EXP_CHECK_EAGER="1", QWEN4EXP_CHECK_TIMEOUT="200")
     if os.path.isdir(FLA):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [FLA, env.get("PYTHONPATH")]))
-    p = subprocess.run([sys.executable, CHECK, "--out", str(tmp_path), "--models", model, "--impls", "ours,upstream"],
+    p = subprocess.run([sys.executable, CHECK, "--out", str(out), "--models", model, "--impls", "ours,upstream"],
                        env=env, capture_output=True, text=True, timeout=540)
     print(p.stdout[-4000:])
     assert p.returncode == 0, p.stderr[-4000:]
-    return {r["impl"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    return {r["impl"]: r for r in csv.DictReader(open(out / "results.csv"))}
 
 
 def _native_backend(r):
@@ -42,10 +48,10 @@ def _native_backend(r):
         assert r["moe_backend"] in ("NVFP4:HUMMING", "NVFP4:MARLIN"), r  # Hopper: weight-only FP4
 
 
-def test_fn_shaped_nvfp4_in_ours_and_upstream(tmp_path):
+def test_fn_shaped_nvfp4_in_ours_and_upstream(out):
     """Both engines load the checkpoint our writer made from an FN-shaped random model and are no worse than the HF
     reference's bf16 run where bf16 can decide (random weights: greedy tokens part at near ties, reported only)."""
-    rows = check("fn4-nvfp4", tmp_path)
+    rows = check("fn4-nvfp4", out)
     for impl in ("ours", "upstream"):
         r = rows[impl]
         assert not r["error"], r
@@ -55,8 +61,8 @@ def test_fn_shaped_nvfp4_in_ours_and_upstream(tmp_path):
           rows["ours"]["greedy_match_len_vs_upstream"])
 
 
-def test_trained_tiny_coder_nvfp4_same_greedy_tokens_in_ours_and_upstream(tmp_path):
-    rows = check("coder-k512-nvfp4", tmp_path)
+def test_trained_tiny_coder_nvfp4_same_greedy_tokens_in_ours_and_upstream(out):
+    rows = check("coder-k512-nvfp4", out)
     for impl in ("ours", "upstream"):
         assert not rows[impl]["error"], rows[impl]
         _native_backend(rows[impl])
@@ -65,22 +71,22 @@ def test_trained_tiny_coder_nvfp4_same_greedy_tokens_in_ours_and_upstream(tmp_pa
     assert all(m == 16 for m in match), match
 
 
-def test_anchor_config_loads_in_ours_and_upstream(tmp_path):
-    rows = check("fn4-anchor", tmp_path)
+def test_anchor_config_loads_in_ours_and_upstream(out):
+    rows = check("fn4-anchor", out)
     for impl in ("ours", "upstream"):
         assert not rows[impl]["error"], rows[impl]
         _native_backend(rows[impl])
         assert int(rows[impl]["generated"]) > 0, rows[impl]
 
 
-def test_fn_shaped_nvfp4_mtp_draft_runs_vllms_block_fp8_moe(tmp_path):
+def test_fn_shaped_nvfp4_mtp_draft_runs_vllms_block_fp8_moe(out):
     """The MTP head's experts, block FP8 in our writer's checkpoint, load into vLLM's FP8 MoE method (the draft) and
     speculative decoding runs: the first token of each request (the target's prefill, unchanged by drafting) equals
     the plain run's; how far the rest agrees is reported (random weights: bf16 near ties)."""
     import vllm_gpu_check as C
     from vllm_offline import run_offline
 
-    d, spec, eng = C.build("fn4-nvfp4", str(tmp_path))
+    d, spec, eng = C.build("fn4-nvfp4", str(out))
     cfg = json.load(open(os.path.join(d, "config.json")))
     layers = cfg["quantization_config"]["quantized_layers"]
     assert any(k.startswith("mtp.") and v["quant_algo"] == "FP8_PB_WO" for k, v in layers.items()), layers
@@ -89,9 +95,9 @@ def test_fn_shaped_nvfp4_mtp_draft_runs_vllms_block_fp8_moe(tmp_path):
     engine = dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_num_seqs=8, seed=0,
                   enable_prefix_caching=False, gpu_memory_utilization=0.5, disable_log_stats=False, **eng)
     sampling = dict(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
-    plain = run_offline(dict(model=d, engine=engine, prompts=prompts, sampling=sampling), str(tmp_path / "plain"))
+    plain = run_offline(dict(model=d, engine=engine, prompts=prompts, sampling=sampling), str(out / "mtp-plain"))
     mtp = run_offline(dict(model=d, prompts=prompts, sampling=sampling, engine=dict(
-        engine, speculative_config={"method": "mtp", "num_speculative_tokens": 3})), str(tmp_path / "mtp"))
+        engine, speculative_config={"method": "mtp", "num_speculative_tokens": 3})), str(out / "mtp"))
     assert "Fp8 MoE backend" in mtp["log"], mtp["log"][-3000:]
     assert [t[0] for t in mtp["tokens"]] == [t[0] for t in plain["tokens"]]
     print("MTP vs plain, tokens equal before the first difference:",

@@ -216,6 +216,10 @@ BAD = {
                            rf"{E}\.down_proj\.weight_scale_2 must be finite and > 0"),
     "unknown tensor": (_set(f"{E}.down_proj.k_scale", torch.tensor(1.0)), None, Exception,
                        rf"{E}\.down_proj\.k_scale"),
+    "expert index": (lambda sd: sd.update({k.replace(".experts.2.", ".experts.8."): v.clone()
+                                           for k, v in list(sd.items()) if k.startswith(E + ".")}), None,
+                     QuantTensorError,
+                     r"model\.layers\.1\.mlp\.experts\.8: expert index out of range \(the model has 8 experts\)"),
     "fused NVFP4": (_fuse, None, QuantTensorError, r"model\.layers\.1\.mlp\.experts\.gate_up_proj: quantized routed "
                                                    r"experts must be stored per expert"),
     "mtp scale missing": (_pop(f"{MTP}.down_proj.weight_scale_inv"), None, QuantTensorError,

@@ -277,6 +277,15 @@ def _drop(key):
     return f
 
 
+def _extra_expert(sd):
+    """A copy of the last expert of layer 1 under the next index, one past the model's experts."""
+    base = "model.layers.1.mlp.experts."
+    last = max(int(k[len(base):].split(".")[0]) for k in sd if k.startswith(base))
+    sd.update({k.replace(f".experts.{last}.", f".experts.{last + 1}."): v.clone() for k, v in list(sd.items())
+               if k.startswith(f"{base}{last}.")})
+    return sd
+
+
 def _exclude_experts(cfg):
     cfg["quantization_config"]["ignore"].append("*mlp.experts*")
 
@@ -284,6 +293,9 @@ def _exclude_experts(cfg):
 BAD = {
     "missing_scale": (dict(tensors=_drop("model.layers.1.mlp.experts.3.up_proj.weight_scale_2")),
                       r"model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight_scale_2 is missing"),
+    "expert_index": (dict(tensors=_extra_expert),
+                     r"model\.layers\.1\.mlp\.experts\.\d+\.\w+_proj\.\w+: expert index out of range \(the model "
+                     r"has \d+ experts\)"),
     "config_excludes_quantized": (dict(config=_exclude_experts),
                                   r"stores model\.layers\.\d\.mlp\.experts quantized, but its quantization config "
                                   r"keeps it unquantized"),
