@@ -12,7 +12,10 @@ HF reference dequantizing it; ``fn4-anchor``: fn4's shape with the upstream anch
 dummy weights (loads? which MoE backend? generates?). Checkpoints built and HF references computed into ``--out``
 are reused by a later run into the same directory (the reference only while the checkpoint's files are unchanged).
 Rows also name the MoE backend vLLM logged, and the first
-implementation's greedy tokens are compared with the others' (``greedy_match_len_vs_upstream``).
+implementation's greedy tokens are compared with the others' (``greedy_match_len_vs_upstream``): where they part,
+both engines ran the same context, and the fp32 reference's top-2 gap at that step says whether it was a near tie
+(``greedy_parted_decisive_vs_upstream`` False: bf16 cannot decide it, a coin flip on random weights) or a real
+disagreement (True).
 Prompts: seeded random ids, EOS inside some. vLLM runs bf16 with vLLM's default CUDA graphs
 (``QWEN4EXP_CHECK_EAGER=1``: eager; always eager on CPU), chunked prefill (mixed prefill + decode batches) and returns the rank-1 token of every prompt position
 (``prompt_logprobs=1``); top-1 agreement with the fp32 argmax is counted over all positions. Also reported: greedy
@@ -176,6 +179,26 @@ def hf_reference(d: str, prompts):
     return res
 
 
+def greedy_step_gaps(d: str, prompts, tokens) -> list:
+    """Per prompt, the fp32 reference's top-2 logit gap at each step of the greedy continuation ``tokens`` (the
+    logits predicting token i from the prompt and tokens[:i], teacher-forced)."""
+    import torch
+
+    from qwen4exp import Qwen4ExpForCausalLM
+
+    m = Qwen4ExpForCausalLM.from_pretrained(d, dtype=torch.float32, device=_dev()).eval()
+    out = []
+    with torch.no_grad():
+        for p, t in zip(prompts, tokens):
+            x = torch.tensor([p + list(t)], device=_dev())
+            v = m(x).logits[0, len(p) - 1: len(p) - 1 + len(t)].float().topk(2, dim=-1).values
+            out.append((v[:, 0] - v[:, 1]).cpu())
+    del m
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
 def run_vllm(impl: str, d: str, prompts, eng: dict, work: str):
     from vllm_offline import run_offline
 
@@ -285,13 +308,25 @@ def main() -> None:
         # the implementations' greedy tokens against each other (per prompt: how many agree before the first
         # difference), on the first implementation's row
         done = [r for r in rows if r["model"] == name and "tokens" in r]
+        if len(done) > 1:
+            # where two engines' greedy tokens part, both ran the same context: is that step a near tie of the fp32
+            # reference (gap <= the decisive threshold), or a real disagreement?
+            gaps = greedy_step_gaps(d, prompts, done[0]["tokens"])
         for r in done[1:]:
-            done[0]["greedy_match_len_vs_" + r["impl"]] = [
-                next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(done[0]["tokens"],
-                                                                                                  r["tokens"])]
+            match = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                     for a, b in zip(done[0]["tokens"], r["tokens"])]
+            done[0]["greedy_match_len_vs_" + r["impl"]] = match
+            done[0]["greedy_parted_decisive_vs_" + r["impl"]] = [
+                m < len(g) and float(g[m]) > thr for m, g in zip(match, gaps)]
+            done[0]["greedy_parted_gap_vs_" + r["impl"]] = [
+                round(float(g[m]), 4) if m < len(g) else None for m, g in zip(match, gaps)]
+            print(f"[{name}] greedy tokens, {done[0]['impl']} vs {r['impl']}: equal for {match} of {GEN}; fp32 gap "
+                  f"where they part {done[0]['greedy_parted_gap_vs_' + r['impl']]} (decisive above {thr:.4f})",
+                  flush=True)
     fields = ["model", "impl", "positions", "vllm_agree", "hf_bf16_agree", "only_vllm_wrong", "only_hf_bf16_wrong",
               "no_worse", "decisive", "decisive_gap", "decisive_vllm_wrong", "decisive_hf_bf16_wrong",
               "no_worse_decisive", "startup_s", "greedy_match_len_vs_hf_bf16", "greedy_match_len_vs_upstream",
+              "greedy_parted_decisive_vs_upstream", "greedy_parted_gap_vs_upstream",
               "moe_backend", "generated", "error"]
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fields, extrasaction="ignore")

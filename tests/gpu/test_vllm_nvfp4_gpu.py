@@ -5,12 +5,16 @@ greedy tokens of the two compared; the upstream anchor's quantization_config (du
 ``tools/vllm_gpu_check.py`` on one model (one device call each); needs the CUDA build of vLLM (on Hopper with
 humming-kernels, vLLM picks its HUMMING NVFP4 MoE backend).
 
-Measured on the H200 (docs/performance.md, "NVFP4"): tiny-coder itself is refused by upstream (its QSA top-k kernel
-takes 512, 1024 or 2048 blocks, tiny-coder selects 16), hence ``coder-k512``."""
+Measured on the H200 (docs/performance.md, "NVFP4"): upstream refuses the trained tiny-coder for its QSA kernels'
+widths (top-k 512, 1024 or 2048 blocks: tiny-coder selects 16; with ``coder-k512``'s 512 blocks, its indexer kernel
+takes head dim 128 only: tiny-coder's is 64), so greedy tokens of ours and upstream are compared on the FN-shaped
+random model, wherever bf16 can decide them."""
 
+import ast
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -57,17 +61,35 @@ def test_fn_shaped_nvfp4_in_ours_and_upstream(out):
         assert not r["error"], r
         _native_backend(r)
         assert r["no_worse_decisive"] == "True" and int(r["decisive"]) > 0, r
+    # same greedy tokens wherever bf16 can decide: the two engines' continuations may part only at a step whose fp32
+    # top-2 gap is a near tie (both ran the same context up to there)
+    parted = ast.literal_eval(rows["ours"]["greedy_parted_decisive_vs_upstream"])
+    assert len(parted) == 4 and not any(parted), rows["ours"]
     print("greedy tokens equal before the first difference, ours vs upstream:",
-          rows["ours"]["greedy_match_len_vs_upstream"])
+          rows["ours"]["greedy_match_len_vs_upstream"], "fp32 gap there:", rows["ours"]["greedy_parted_gap_vs_upstream"],
+          "decisive threshold:", rows["ours"]["decisive_gap"])
 
 
-def test_trained_tiny_coder_nvfp4_same_greedy_tokens_in_ours_and_upstream(out):
+# what upstream vLLM 0.32's QSA kernels refuse at the trained tiny-coder's widths (H200, run 17): its indexer top-k
+# takes 512, 1024 or 2048 blocks, its DSL indexer kernel head dim 128 only (tiny-coder's is 64)
+UPSTREAM_WIDTH_REFUSALS = (r"persistent_topk supports k=", r"DSL kernel only supports D=128")
+
+
+def test_trained_tiny_coder_nvfp4_in_ours_and_upstream(out):
+    """Ours serves the trained tiny-coder's NVFP4 checkpoint through vLLM's NVFP4 MoE, no worse than HF bf16. Upstream
+    gives the same greedy tokens, or refuses the model for its QSA kernels' widths (and for nothing else: an NVFP4
+    loading error fails this test); the FN-shaped model above is then where the two are compared."""
     rows = check("coder-k512-nvfp4", out)
-    for impl in ("ours", "upstream"):
-        assert not rows[impl]["error"], rows[impl]
-        _native_backend(rows[impl])
-        assert rows[impl]["no_worse_decisive"] == "True", rows[impl]
-    match = json.loads(rows["ours"]["greedy_match_len_vs_upstream"])
+    ours, up = rows["ours"], rows["upstream"]
+    assert not ours["error"], ours
+    _native_backend(ours)
+    assert ours["no_worse_decisive"] == "True" and int(ours["decisive"]) > 0, ours
+    if up["error"]:
+        assert any(re.search(r, up["error"]) for r in UPSTREAM_WIDTH_REFUSALS), up
+        print("upstream refuses tiny-coder's widths:", up["error"])
+        return
+    _native_backend(up)
+    match = json.loads(ours["greedy_match_len_vs_upstream"])
     assert all(m == 16 for m in match), match
 
 
