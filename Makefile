@@ -52,7 +52,7 @@ quant: $(QUANT_STAMP)
 # QWEN4EXP_REQUIRE_MODELOPT: the recipe's test fails (not skips) without modelopt, as this target installs it
 test: venv $(TRITON_DIR)/.stamp $(QUANT_STAMP)
 	@mkdir -p .cache .tmp
-	QWEN4EXP_REQUIRE_MODELOPT=1 $(VPY) -m pytest -q -ra tests
+	QWEN4EXP_REQUIRE_MODELOPT=1 $(VPY) -m pytest -q -ra --durations=15 tests
 
 test-fast: venv
 	$(VPY) -m pytest -q -ra tests -m "not vllm and not slow"
