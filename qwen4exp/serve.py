@@ -59,15 +59,8 @@ def cpu_env(args: list[str] | None = None, env: dict | None = None) -> dict:
     base = cache_dir(env)
     if "VLLM_CPU_KVCACHE_SPACE" not in env and not any(a.startswith("--kv-cache-memory-bytes") for a in args):
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    ranks = _arg_int(args, ("--tensor-parallel-size", "-tp")) * _arg_int(args, ("--pipeline-parallel-size", "-pp"))
-    if ranks > 1 and env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            from vllm.utils.cpu_resource_utils import get_visible_memory_node
-
-            if len(get_visible_memory_node()) < ranks:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(ranks)
+    bind_cpu_workers(_arg_int(args, ("--tensor-parallel-size", "-tp"))
+                     * _arg_int(args, ("--pipeline-parallel-size", "-pp")), env)
     for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("VLLM_RPC_BASE_PATH", "rpc"),
                      ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
         if var not in env:
@@ -88,6 +81,21 @@ def _arg_int(args: list[str], names: tuple[str, ...], default: int = 1) -> int:
             except ValueError:
                 raise SystemExit(f"qwen4exp-serve: {name} needs an integer, got {v!r}") from None
     return val
+
+
+def bind_cpu_workers(ranks: int, env: dict) -> None:
+    """On CPU with more workers than NUMA nodes and no ``VLLM_CPU_OMP_THREADS_BIND`` in ``env``: bind each worker to
+    its share of the allowed cores (vLLM's "auto" binding wants one NUMA node per worker and refuses to start)."""
+    if ranks <= 1 or env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    if len(get_visible_memory_node()) < ranks:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(ranks)
 
 
 def cpu_threads_bind(ranks: int, cpus: list[int] | None = None) -> str:

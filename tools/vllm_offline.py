@@ -60,21 +60,11 @@ def run_offline(spec: dict, workdir: str, timeout: float = 600) -> dict:
 
 
 def _bind_cpu_ranks(engine: dict) -> None:
-    """On CPU with more ranks than NUMA nodes and no ``VLLM_CPU_OMP_THREADS_BIND``: bind each rank to its share of
-    the allowed cores (vLLM's "auto" binding wants one NUMA node per rank)."""
-    ranks = int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))
-    if ranks <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
-        return
-    from vllm.platforms import current_platform
+    """This process's CPU workers bound as ``qwen4exp-serve`` binds them (``qwen4exp.serve.bind_cpu_workers``)."""
+    from qwen4exp.serve import bind_cpu_workers
 
-    if not current_platform.is_cpu():
-        return
-    from vllm.utils.cpu_resource_utils import get_visible_memory_node
-
-    if len(get_visible_memory_node()) < ranks:
-        from qwen4exp.serve import cpu_threads_bind
-
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(ranks)
+    bind_cpu_workers(int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1)),
+                     os.environ)
 
 
 _PARTITION_ATTRS = ("num_embeddings_per_partition", "output_size_per_partition", "input_size_per_partition",
