@@ -13,8 +13,9 @@ from qwen4exp import envs
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 PACKAGE = os.path.join(ROOT, "qwen4exp")
 _CHOICES = {"bool": [("1", True), ("0", False), ("true", True), ("False", False), ("on", True), ("no", False)],
-            "path": [("/some/folder", "/some/folder"), ("  rel/dir ", "rel/dir")]}
-_BAD = {"bool": "2", "choice": "no-such-choice"}
+            "path": [("/some/folder", "/some/folder"), ("  rel/dir ", "rel/dir")],
+            "float": [("0", 0.0), ("2.5", 2.5), (" 30 ", 30.0)]}
+_BAD = {"bool": "2", "choice": "no-such-choice", "float": "-1"}
 
 
 @pytest.fixture(autouse=True)
@@ -28,9 +29,9 @@ def fresh(monkeypatch):
 
 def test_switches_declared():
     assert set(envs.SWITCHES) == {"QWEN4EXP_VLLM", "QWEN4EXP_OPS", "QWEN4EXP_VLLM_GDN", "QWEN4EXP_PLE_TABLE",
-                                  "QWEN4EXP_PLE_PREFETCH", "QWEN4EXP_CACHE_DIR"}
+                                  "QWEN4EXP_PLE_PREFETCH", "QWEN4EXP_CACHE_DIR", "QWEN4EXP_SESSION_TTL"}
     for name, s in envs.SWITCHES.items():
-        assert s.name == name and s.doc and s.kind in ("bool", "choice", "path")
+        assert s.name == name and s.doc and s.kind in ("bool", "choice", "path", "float")
         assert (s.kind == "choice") == bool(s.choices)
         if s.kind == "choice":
             assert s.default in s.choices
@@ -63,6 +64,12 @@ def test_bad_value_names_the_variable(name, monkeypatch):
     assert bad in str(e.value)
     with pytest.raises(ValueError, match=name):
         envs.get(name, {name: bad})
+
+
+def test_float_switch_refuses_text(monkeypatch):
+    monkeypatch.setenv("QWEN4EXP_SESSION_TTL", "ten")
+    with pytest.raises(ValueError, match="QWEN4EXP_SESSION_TTL must be a number"):
+        envs.QWEN4EXP_SESSION_TTL
 
 
 def test_values_kept_until_reset(monkeypatch):

@@ -1,0 +1,207 @@
+"""Agent-aware scheduling for vLLM 0.32: ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``.
+
+Without ``--scheduler-cls`` vLLM schedules as it always does; with it, requests that carry a ``session_id`` (the body
+field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) get:
+
+* **the end-of-turn hybrid checkpoint**: in vLLM's "align" prefix-cache mode the GDN/PLE state of a prompt is kept
+  only at the prompt's last block boundary, so turn N+1 re-prefills turn N's output. Here a session request's decode
+  also keeps its state at the last block boundary it crossed (one checkpoint a request: each newer one evicts the
+  one before), so turn N+1 resumes from within one block of where turn N stopped.
+* **soft retention** (``QWEN4EXP_SESSION_TTL`` seconds, default 10): the blocks of a session's finished turn stay
+  referenced, so a tool pause does not let other traffic evict them; they are the first to go under memory pressure
+  (before any running request is preempted, after plain cached blocks), and go at once on ``session_close`` (body
+  ``"vllm_xargs": {"session_close": true}`` on the last turn), on an abort, or on a prefix-cache reset. The state
+  machine and its counters: ``qwen4exp.vllm.sessions``.
+* **continuation first**: a waiting turn whose session's blocks are pinned goes ahead of first turns, at most
+  ``CONTINUATIONS_PER_STEP`` a step and never past a head of the queue that has waited ``HEAD_WAIT_S``.
+
+The class is vLLM's ``Scheduler`` on CPU and ``AsyncScheduler`` where async scheduling is on (GPUs): subclassing
+``Scheduler`` there would turn the async overlap off. The private vLLM attributes used here are pinned to vLLM
+0.32 by ``tests/test_scheduler_contract.py``; another vLLM minor version is refused at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import vllm
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+from vllm.v1.request import RequestStatus
+
+from qwen4exp import envs
+from qwen4exp.vllm.sessions import Event, Sessions, State
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = "0.32."
+CONTINUATIONS_PER_STEP = 4  # continuation turns moved ahead of the queue per step
+HEAD_WAIT_S = 2.0  # ... unless the head of the queue has waited this long (first turns are never starved)
+_RETAINABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+def _closes_session(request) -> bool:
+    extra = getattr(request.sampling_params, "extra_args", None) or {}
+    return bool(extra.get("session_close"))
+
+
+class AgentScheduler(Scheduler):
+    """vLLM's scheduler with agent sessions (module docstring). ``AgentScheduler(...)`` builds the async variant
+    when the engine schedules asynchronously."""
+
+    def __new__(cls, *args, **kwargs):
+        if cls is AgentScheduler:
+            config = kwargs.get("vllm_config", args[0] if args else None)
+            if config is not None and config.scheduler_config.async_scheduling:
+                cls = AsyncAgentScheduler
+        return super().__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        if not vllm.__version__.startswith(SUPPORTED_VLLM):
+            raise RuntimeError(f"qwen4exp.vllm.scheduler.AgentScheduler supports vLLM {SUPPORTED_VLLM}x (it uses the "
+                               f"scheduler's private interface); this is vLLM {vllm.__version__}")
+        super().__init__(*args, **kwargs)
+        self.sessions = Sessions(self._release_blocks, ttl=envs.QWEN4EXP_SESSION_TTL)
+        self._checkpoints: dict[str, list] = {}  # request id -> (block, hash, from decode) per hybrid group
+        coordinator = self.kv_cache_manager.coordinator
+        self._mamba_groups = [(g, m) for g, m in enumerate(coordinator.single_type_managers)
+                              if isinstance(m, MambaManager) and m.enable_caching]
+        self._cache_blocks = coordinator.cache_blocks
+        coordinator.cache_blocks = self._cache_blocks_with_turn_checkpoint
+        self._allocate_slots = self.kv_cache_manager.allocate_slots
+        self.kv_cache_manager.allocate_slots = self._allocate_slots_releasing_pins
+        logger.info("AgentScheduler (%s): session TTL %.1f s, end-of-turn checkpoint in %d hybrid-state group(s)",
+                    type(self).__mro__[2].__name__ if type(self) is AsyncAgentScheduler else "Scheduler",
+                    self.sessions.ttl, len(self._mamba_groups))
+
+    # --- the end-of-turn hybrid checkpoint ----------------------------------------------------------------------
+    def _cache_blocks_with_turn_checkpoint(self, request, num_computed_tokens: int):
+        if request.session_id is None:
+            return self._cache_blocks(request, num_computed_tokens)
+        decoding = num_computed_tokens > request.num_prompt_tokens
+        if decoding:
+            # a "shared-prefix junction" at the newest computed token: vLLM's sparse state retention then keeps the
+            # state block ending at the last block boundary crossed (the same rule that keeps the prompt's)
+            request.shared_prefix_boundary = num_computed_tokens
+        self._cache_blocks(request, num_computed_tokens)
+        if self._mamba_groups:
+            self._track_checkpoint(request, num_computed_tokens, decoding)
+
+    def _track_checkpoint(self, request, num_computed_tokens: int, decoding: bool) -> None:
+        """Remember the request's newest cached state block per hybrid group (vLLM returns a checkpoint block to the
+        pool, evictable, once the state has moved past it: the session's pin takes it back at the end of the turn).
+        One decode checkpoint a request: a newer one evicts the decode checkpoint before it from the prefix cache."""
+        prev = self._checkpoints.get(request.request_id)
+        latest = []
+        for k, (g, manager) in enumerate(self._mamba_groups):
+            blocks = manager.req_to_blocks.get(request.request_id, ())
+            found = None
+            for i in range(min(len(blocks), num_computed_tokens // manager.block_size) - 1, -1, -1):
+                b = blocks[i]
+                if not b.is_null and b.block_hash is not None:
+                    found = (b, b.block_hash, decoding)
+                    break
+                if len(blocks) - i > 4:  # (checkpoints sit at the end of what was just cached)
+                    break
+            old = prev[k] if prev else None
+            if found is None or (old is not None and found[0] is old[0]):
+                latest.append(old)
+                continue
+            if old is not None and old[2] and old[0].block_hash == old[1]:
+                self.kv_cache_manager.block_pool._maybe_evict_cached_block(old[0])
+            latest.append(found)
+        self._checkpoints[request.request_id] = latest
+
+    def _checkpoint_blocks(self, request, held: list) -> list:
+        """The request's tracked checkpoint blocks that still hold their state and that ``held`` lacks, touched
+        (referenced once more) so that they stay cached while pinned."""
+        ids = {id(b) for b in held}
+        extra = [b for b, h, _ in filter(None, self._checkpoints.pop(request.request_id, None) or ())
+                 if b.block_hash == h and id(b) not in ids]
+        if extra:
+            self.kv_cache_manager.block_pool.touch(extra)
+        return extra
+
+    # --- soft retention ----------------------------------------------------------------------------------------
+    def _release_blocks(self, blocks: list, fence: int) -> None:
+        """Give pinned blocks back to the pool (tail first), after the step that wrote them if it may still run."""
+        if not self.defer_block_free or fence <= self.processed_step_seq:
+            self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
+        else:
+            self.deferred_frees.append((fence, blocks))
+
+    def _allocate_slots_releasing_pins(self, *args, **kwargs):
+        new_blocks = self._allocate_slots(*args, **kwargs)
+        while new_blocks is None and self.sessions.release_one(Event.PRESSURE):
+            new_blocks = self._allocate_slots(*args, **kwargs)
+        return new_blocks
+
+    def add_request(self, request) -> None:
+        super().add_request(request)
+        if request.session_id is not None and request.request_id in self.requests and not request.resumable:
+            self.sessions.fire(request.session_id, Event.ARRIVE, request.request_id)
+            self.sessions.bound()
+
+    def _free_blocks(self, request):
+        sid = request.session_id
+        if sid is None or request.resumable or self.sessions.state(sid) is State.CLOSED:
+            return super()._free_blocks(request)
+        if request.status in _RETAINABLE and not _closes_session(request):
+            pin = None
+            if self.sessions.ttl > 0 and self.sessions.sessions[sid].active == {request.request_id}:
+                fence = request.last_sched_seq if self.defer_block_free else 0
+                blocks = self.kv_cache_manager.pop_blocks_for_free(request)
+                pin = self.sessions.new_pin(blocks + self._checkpoint_blocks(request, blocks), fence,
+                                            request.request_id)
+            state = self.sessions.fire(sid, Event.FINISH, request.request_id, pin)
+            if pin is None:
+                self._checkpoints.pop(request.request_id, None)
+                return super()._free_blocks(request)
+            assert state is State.RETAINED
+            del self.requests[request.request_id]
+            return
+        self._checkpoints.pop(request.request_id, None)
+        self.sessions.fire(sid, Event.ABORT if request.status not in _RETAINABLE else Event.CLOSE,
+                           request.request_id)
+        return super()._free_blocks(request)
+
+    # --- admission -----------------------------------------------------------------------------------------------
+    def _continuations_first(self) -> None:
+        waiting = self.waiting
+        if len(waiting) < 2 or not any(s.state is State.HANDOFF for s in self.sessions.sessions.values()):
+            return
+        head = waiting.peek_request()
+        if time.time() - head.arrival_time > HEAD_WAIT_S:
+            return
+        promote = [r for r in waiting if r.session_id is not None and r is not head
+                   and r.status == RequestStatus.WAITING and self.sessions.state(r.session_id) is State.HANDOFF]
+        promote = promote[:CONTINUATIONS_PER_STEP]
+        if promote:
+            waiting.remove_requests(promote)
+            waiting.prepend_requests(promote)
+
+    def schedule(self, *args, **kwargs):
+        self.sessions.expire()
+        self._continuations_first()
+        out = super().schedule(*args, **kwargs)
+        for sid, s in list(self.sessions.sessions.items()):
+            if s.state is State.HANDOFF and any(
+                    (r := self.requests.get(rid)) is not None and r.status != RequestStatus.WAITING
+                    for rid in s.active):
+                self.sessions.fire(sid, Event.ALLOCATED)
+        return out
+
+    def reset_prefix_cache(self, *args, **kwargs) -> bool:
+        self.sessions.release_all(Event.RESET)
+        return super().reset_prefix_cache(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        self.sessions.release_all(Event.RESET)
+        super().shutdown()
+
+
+class AsyncAgentScheduler(AgentScheduler, AsyncScheduler):
+    """``AgentScheduler`` over vLLM's ``AsyncScheduler`` (what ``AgentScheduler(...)`` builds when scheduling is
+    asynchronous)."""

@@ -1,0 +1,222 @@
+"""Agent sessions as a state machine: which session holds a soft pin on its last turn's KV blocks, and why.
+
+Pure bookkeeping (no vLLM import): ``AgentScheduler`` (``qwen4exp.vllm.scheduler``) feeds it the engine's events and
+hands it a ``release(blocks, fence)`` callback that returns pinned blocks to vLLM's block pool.
+
+A session is what the requests of one ``session_id`` share. When its last running turn ends normally, that turn's
+KV blocks and hybrid-state blocks stay referenced (a *pin*) for ``ttl`` seconds, so the prefix cache cannot evict
+them while the agent runs a tool; the session's next turn finds them cached. A pin is soft: it is the first thing
+given back under memory pressure (before any running request is preempted), at TTL, on an explicit close
+(``session_close`` on a turn), on an abort, and on a prefix-cache reset. It never blocks admission (SGLang's pinned
+streaming sessions wedged workers under concurrent multi-turn load; this is the evictable kind).
+
+States and the events that move them (any other pair raises ``IllegalTransition``):
+
+    CLOSED   --arrive-->  ACTIVE       (no record: the session's first turn, or one after a close)
+    ACTIVE   --arrive-->  ACTIVE       (turns of one session may overlap: sub-agents)
+    ACTIVE   --finish-->  RETAINED     (its last running turn ended: pin that turn's blocks)
+                          ACTIVE       (other turns still run: the blocks go back unpinned)
+    ACTIVE   --close/abort--> CLOSED | ACTIVE (other turns still run)
+    RETAINED --arrive-->  HANDOFF      (the next turn is waiting; the pin holds until its blocks are allocated)
+    HANDOFF  --arrive-->  HANDOFF
+    HANDOFF  --allocated--> ACTIVE     (the next turn holds the cached blocks itself: the pin is released)
+    HANDOFF  --abort-->   CLOSED | ACTIVE (pin released)
+    HANDOFF  --pressure/reset--> ACTIVE (pin released; the waiting turn goes on without it)
+    RETAINED --expire/pressure/reset/close--> CLOSED (pin released)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+
+class State(enum.Enum):
+    CLOSED = "closed"
+    ACTIVE = "active"
+    RETAINED = "retained"
+    HANDOFF = "handoff"
+
+
+class Event(enum.Enum):
+    ARRIVE = "arrive"
+    ALLOCATED = "allocated"
+    FINISH = "finish"  # a turn ended normally (stop or length) and the session stays open
+    CLOSE = "close"  # a turn ended with ``session_close``, or an explicit close
+    ABORT = "abort"  # a turn was aborted or failed
+    EXPIRE = "expire"
+    PRESSURE = "pressure"
+    RESET = "reset"
+
+
+class IllegalTransition(RuntimeError):
+    def __init__(self, session_id: str, state: State, event: Event):
+        super().__init__(f"session {session_id!r}: event {event.value!r} is not allowed in state {state.value!r}")
+        self.session_id, self.state, self.event = session_id, state, event
+
+
+@dataclass
+class Pin:
+    blocks: list  # the finished turn's blocks, in allocation order (vLLM frees them in reverse)
+    fence: int  # the engine step that last wrote them (deferred frees wait for it)
+    expires_at: float
+    request_id: str
+
+
+@dataclass
+class Session:
+    session_id: str
+    state: State = State.CLOSED
+    active: set = field(default_factory=set)  # request ids of running or waiting turns
+    pin: Optional[Pin] = None
+    turns: int = 0
+
+
+# (state, event) -> the handler's name; each handler returns the next state
+TRANSITIONS: dict[tuple[State, Event], str] = {
+    (State.CLOSED, Event.ARRIVE): "_arrive",
+    (State.ACTIVE, Event.ARRIVE): "_arrive",
+    (State.RETAINED, Event.ARRIVE): "_arrive_pinned",
+    (State.HANDOFF, Event.ARRIVE): "_arrive_pinned",
+    (State.HANDOFF, Event.ALLOCATED): "_hand_off",
+    (State.ACTIVE, Event.FINISH): "_finish",
+    (State.ACTIVE, Event.CLOSE): "_end_turn",
+    (State.ACTIVE, Event.ABORT): "_end_turn",
+    (State.HANDOFF, Event.ABORT): "_end_turn",
+    (State.HANDOFF, Event.PRESSURE): "_drop_pin_keep_turns",
+    (State.HANDOFF, Event.RESET): "_drop_pin_keep_turns",
+    (State.RETAINED, Event.EXPIRE): "_close",
+    (State.RETAINED, Event.PRESSURE): "_close",
+    (State.RETAINED, Event.RESET): "_close",
+    (State.RETAINED, Event.CLOSE): "_close",
+}
+
+COUNTERS = ("turns", "retained", "handed_off", "expired", "released_pressure", "released_reset", "closed", "aborted",
+            "evicted_lru")
+
+
+class Sessions:
+    """The sessions of one scheduler. ``release(blocks, fence)`` gives a pin's blocks back to the block pool;
+    ``clock`` is ``time.monotonic`` unless a test drives time."""
+
+    def __init__(self, release: Callable[[list, int], None], ttl: float, max_sessions: int = 4096,
+                 clock: Callable[[], float] = time.monotonic):
+        if ttl < 0:
+            raise ValueError(f"session TTL must be >= 0 seconds, got {ttl}")
+        self.release, self.ttl, self.max_sessions, self.clock = release, ttl, max_sessions, clock
+        self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self.counts = dict.fromkeys(COUNTERS, 0)
+
+    # --- the machine ---------------------------------------------------------------------------------------------
+    def fire(self, session_id: str, event: Event, request_id: str | None = None, pin: Pin | None = None) -> State:
+        s = self.sessions.get(session_id) or Session(session_id)
+        handler = TRANSITIONS.get((s.state, event))
+        if handler is None:
+            raise IllegalTransition(session_id, s.state, event)
+        s.state = getattr(self, handler)(s, event, request_id, pin)
+        if s.state is State.CLOSED:
+            self.sessions.pop(session_id, None)
+        else:
+            self.sessions[session_id] = s
+            self.sessions.move_to_end(session_id)
+        return s.state
+
+    def _arrive(self, s, event, rid, pin):
+        s.active.add(rid)
+        s.turns += 1
+        self.counts["turns"] += 1
+        return State.ACTIVE
+
+    def _arrive_pinned(self, s, event, rid, pin):
+        self._arrive(s, event, rid, pin)
+        return State.HANDOFF
+
+    def _hand_off(self, s, event, rid, pin):
+        self._drop_pin(s)
+        self.counts["handed_off"] += 1
+        return State.ACTIVE
+
+    def _finish(self, s, event, rid, pin):
+        s.active.discard(rid)
+        if s.active or pin is None:  # other turns still run, or nothing to keep: the caller frees the blocks
+            return State.ACTIVE if s.active else State.CLOSED
+        s.pin = pin
+        self.counts["retained"] += 1
+        return State.RETAINED
+
+    def _end_turn(self, s, event, rid, pin):
+        s.active.discard(rid)
+        self._drop_pin(s)
+        self.counts["aborted" if event is Event.ABORT else "closed"] += 1
+        return State.ACTIVE if s.active else State.CLOSED
+
+    def _drop_pin_keep_turns(self, s, event, rid, pin):
+        self._drop_pin(s)
+        self.counts["released_pressure" if event is Event.PRESSURE else "released_reset"] += 1
+        return State.ACTIVE
+
+    def _close(self, s, event, rid, pin):
+        self._drop_pin(s)
+        self.counts[{Event.EXPIRE: "expired", Event.PRESSURE: "released_pressure", Event.RESET: "released_reset",
+                     Event.CLOSE: "closed"}[event]] += 1
+        return State.CLOSED
+
+    def _drop_pin(self, s):
+        if s.pin is not None:
+            pin, s.pin = s.pin, None
+            self.release(pin.blocks, pin.fence)
+
+    # --- what the scheduler asks -------------------------------------------------------------------------------
+    def state(self, session_id: str) -> State:
+        s = self.sessions.get(session_id)
+        return s.state if s is not None else State.CLOSED
+
+    def new_pin(self, blocks: list, fence: int, request_id: str) -> Pin:
+        return Pin(list(blocks), fence, self.clock() + self.ttl, request_id)
+
+    def expire(self) -> int:
+        """Release every pin past its TTL; the number released."""
+        now, n = self.clock(), 0
+        for sid in [sid for sid, s in self.sessions.items() if s.state is State.RETAINED and s.pin.expires_at <= now]:
+            self.fire(sid, Event.EXPIRE)
+            n += 1
+        return n
+
+    def release_one(self, event: Event = Event.PRESSURE) -> bool:
+        """Release the least recently used pin (memory pressure); False if none is held."""
+        for sid, s in self.sessions.items():
+            if s.pin is not None:
+                self.fire(sid, event)
+                return True
+        return False
+
+    def release_all(self, event: Event = Event.RESET) -> int:
+        n = 0
+        while self.release_one(event):
+            n += 1
+        return n
+
+    def bound(self) -> None:
+        """At most ``max_sessions`` records: the least recently used pinned ones go first (turns in flight stay)."""
+        while len(self.sessions) > self.max_sessions:
+            victim = next((sid for sid, s in self.sessions.items() if s.state is State.RETAINED), None)
+            if victim is None:
+                return
+            self.fire(victim, Event.PRESSURE)
+            self.counts["released_pressure"] -= 1
+            self.counts["evicted_lru"] += 1
+
+    def pinned_blocks(self) -> int:
+        """Blocks the pins hold (vLLM's placeholder null blocks not counted)."""
+        return sum(sum(not getattr(b, "is_null", False) for b in s.pin.blocks)
+                   for s in self.sessions.values() if s.pin is not None)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Per-state session counts, pinned blocks and the event counters (for logs and /metrics)."""
+        by_state = dict.fromkeys((s.value for s in State if s is not State.CLOSED), 0)
+        for s in self.sessions.values():
+            by_state[s.state.value] += 1
+        return {"sessions": by_state, "pinned_blocks": self.pinned_blocks(), **self.counts}

@@ -1,0 +1,103 @@
+"""Multi-turn sessions through one in-process vLLM engine (CPU, tiny-coder, float32), driven step by step through
+``LLMEngine.add_request(..., session_id=...)``; prints one JSON object. Used by tests/test_vllm_scheduler.py:
+
+    python tests/agent_turns.py SCHEDULER_CLS|default OUT.json
+
+Scenarios: ``turns`` (a 3-turn session: cached tokens per turn, outputs, the same prompts with a cache miss forced),
+``pressure`` (a session's turn, then other traffic that fills the KV cache, then the session's next turn; then one
+request larger than what is free while a pin is held), ``ends`` (a turn with ``session_close``, an aborted turn),
+and the block pool's free count before and after (leaks)."""
+
+import json
+import os
+import random
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+BLOCKS = 48  # KV cache blocks in all: small enough that other traffic evicts a session's turn between its turns
+P, OUT, NEW = 970, 120, 20
+
+
+def main(sched: str, out_path: str) -> None:
+    from qwen4exp.serve import cpu_env
+
+    cpu_env()
+    from vllm import LLM, SamplingParams
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    eng = dict(dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=4,
+               enable_prefix_caching=True, num_gpu_blocks_override=BLOCKS)
+    if sched != "default":
+        eng["scheduler_cls"] = sched
+    llm = LLM(model=os.path.join(root, "qwen4exp", "assets", "tiny-coder"), **eng)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    res = {"scheduler": type(scheduler).__name__, "free_at_start": pool.get_num_free_blocks(),
+           "block_size": int(scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)}
+    rng = random.Random(0)
+    counter = iter(range(10**6))
+
+    def ids(n):
+        return [rng.randrange(3, 2000) for _ in range(n)]
+
+    def run(reqs, abort_after=None):
+        """reqs: [(prompt ids, max_tokens, session_id, extra)]; all at once; -> [(cached, output ids)]."""
+        rids = []
+        for prompt, n, sid, extra in reqs:
+            rid = f"r{next(counter)}"
+            sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, extra_args=extra or None)
+            p = {"prompt_token_ids": prompt}
+            if extra and extra.get("cache_salt"):
+                p["cache_salt"] = extra["cache_salt"]
+            engine.add_request(rid, p, sp, session_id=sid)
+            rids.append(rid)
+        done, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = (o.num_cached_tokens, list(o.outputs[0].token_ids))
+            steps += 1
+            if abort_after is not None and steps == abort_after:
+                engine.abort_request([rids[-1]])
+        return [done.get(r, (None, None)) for r in rids]
+
+    # turns: prompt N+1 = prompt N + output N + new tokens
+    prompt, turns = ids(P), []
+    for t in range(3):
+        (cached, out), = run([(prompt, OUT, "s-turns", None)])
+        (_, miss), = run([(prompt, OUT, None, {"cache_salt": f"miss-{t}"})])
+        turns.append({"prompt": len(prompt), "cached": cached, "output": out, "output_on_a_miss": miss})
+        prompt = prompt + out + ids(NEW)
+    res["turns"] = turns
+
+    # pressure: other traffic between a session's turns
+    first = ids(P)
+    (c1, o1), = run([(first, OUT, "s-pressure", None)])
+    for _ in range(6):
+        run([(ids(P), 8, None, None)])
+    (c2, o2), = run([(first + o1 + ids(NEW), 16, "s-pressure", None)])
+    res["pressure"] = {"first": c1, "next_turn_cached": c2}
+    snap = getattr(scheduler, "sessions", None)
+    res["pinned_before_big"] = snap.pinned_blocks() if snap else 0
+    (cb, ob), = run([(ids(1990), 8, None, None)])  # needs more than is free while a turn is pinned
+    res["big_request_output_tokens"] = len(ob or [])
+
+    # ends: a turn that closes its session, an aborted turn
+    (cc, oc), = run([(ids(300), 8, "s-close", {"session_close": True})])
+    res["pinned_after_close"] = snap.pinned_blocks() if snap else 0
+    run([(ids(300), 64, "s-abort", None)], abort_after=3)
+    res["sessions"] = snap.snapshot() if snap else None
+    res["states"] = {sid: s.state.value for sid, s in snap.sessions.items()} if snap else {}
+    pinned = snap.pinned_blocks() if snap else 0
+    res["free_at_end"], res["pinned_at_end"] = pool.get_num_free_blocks(), pinned
+    if snap:
+        snap.release_all()
+    res["free_after_release"] = pool.get_num_free_blocks()
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
