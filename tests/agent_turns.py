@@ -5,7 +5,8 @@
 
 Scenarios: ``turns`` (a 3-turn session: cached tokens per turn, outputs, the same prompts with a cache miss forced),
 ``pressure`` (a session's turn, then other traffic that fills the KV cache, then the session's next turn; then one
-request larger than what is free while a pin is held), ``ends`` (a turn with ``session_close``, an aborted turn),
+request larger than what is free while a pin is held), ``admission`` (a session's next turn behind more first
+turns than ``max_num_seqs``: when it gets its first token), ``ends`` (a turn with ``session_close``, an aborted turn),
 and the block pool's free count before and after (leaks)."""
 
 import json
@@ -38,6 +39,7 @@ def main(sched: str, out_path: str) -> None:
            "block_size": int(scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)}
     rng = random.Random(0)
     counter = iter(range(10**6))
+    first_token_step: dict[str, int] = {}
 
     def ids(n):
         return [rng.randrange(3, 2000) for _ in range(n)]
@@ -55,10 +57,12 @@ def main(sched: str, out_path: str) -> None:
             rids.append(rid)
         done, steps = {}, 0
         while engine.has_unfinished_requests():
+            steps += 1
             for o in engine.step():
+                if o.outputs and o.outputs[0].token_ids:
+                    first_token_step.setdefault(o.request_id, steps)
                 if o.finished:
                     done[o.request_id] = (o.num_cached_tokens, list(o.outputs[0].token_ids))
-            steps += 1
             if abort_after is not None and steps == abort_after:
                 engine.abort_request([rids[-1]])
         return [done.get(r, (None, None)) for r in rids]
@@ -83,6 +87,15 @@ def main(sched: str, out_path: str) -> None:
     res["pinned_before_big"] = snap.pinned_blocks() if snap else 0
     (cb, ob), = run([(ids(1990), 8, None, None)])  # needs more than is free while a turn is pinned
     res["big_request_output_tokens"] = len(ob or [])
+
+    # admission: a pinned session's next turn arrives behind more first turns than the engine runs at once
+    sess = ids(200)
+    (_, so), = run([(sess, 8, "s-admit", None)])
+    n0 = next(counter)
+    run([(ids(200), 8, None, None) for _ in range(6)] + [(sess + so + ids(NEW), 8, "s-admit", None)])
+    order = sorted(range(7), key=lambda i: first_token_step[f"r{n0 + 1 + i}"])
+    res["admission"] = {"continuation_first_token_rank": order.index(6),
+                        "continuation_first_token_step": first_token_step[f"r{n0 + 7}"]}
 
     # ends: a turn that closes its session, an aborted turn
     (cc, oc), = run([(ids(300), 8, "s-close", {"session_close": True})])

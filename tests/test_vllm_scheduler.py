@@ -5,6 +5,7 @@
   only turn N's prompt), and every turn's greedy output is the same with either scheduler and with a forced miss;
 * other traffic between a session's turns evicts the session's blocks under the default; the pin keeps them;
 * a request that needs more than is free while a pin is held gets the pin's blocks (no deadlock, no preemption);
+* a pinned session's next turn goes ahead of first turns queued before it;
 * a turn with ``session_close`` and an aborted turn leave no pin; after releasing the pins every block is free.
 """
 
@@ -70,6 +71,15 @@ def test_pins_yield_to_a_request_that_needs_their_blocks(runs):
     assert a["pinned_before_big"] > 0
     assert a["big_request_output_tokens"] == runs["default"]["big_request_output_tokens"] == 8
     assert a["sessions"]["released_pressure"] >= 1
+
+
+def test_a_pinned_sessions_next_turn_goes_ahead_of_first_turns(runs):
+    """Six first turns queued ahead of a session's next turn, four run at once: the default serves the continuation
+    in arrival order (after a slot frees), AgentScheduler first (within its bounded window)."""
+    a, d = runs["agent"]["admission"], runs["default"]["admission"]
+    assert d["continuation_first_token_rank"] >= 4
+    assert a["continuation_first_token_rank"] == 0
+    assert a["continuation_first_token_step"] < d["continuation_first_token_step"]
 
 
 def test_close_and_abort_end_the_session_and_nothing_leaks(runs):
