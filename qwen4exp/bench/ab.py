@@ -169,7 +169,7 @@ def plot_ab(rows: list[dict[str, Any]], path: Path, title: str | None = None) ->
     for p, (key, label) in enumerate(panels):
         x0, x1 = 40 + p * (pw + 20) + 40, 40 + p * (pw + 20) + pw
         y0, y1 = 70, height - 90
-        vals = [M_num(r.get(key)) for r in rows]
+        vals = [_num(r.get(key)) for r in rows]
         vmax, ticks = nice_ticks(max([v for v in vals if v is not None] or [1.0]))
         if key == "cached_fraction_mean":
             vmax, ticks = 1.0, [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -207,7 +207,7 @@ def plot_ab(rows: list[dict[str, Any]], path: Path, title: str | None = None) ->
     return path
 
 
-def M_num(v: Any) -> float | None:  # noqa: N802
+def _num(v: Any) -> float | None:
     try:
         return None if v is None or v == "" else float(v)
     except (TypeError, ValueError):
@@ -265,6 +265,7 @@ def run_ab(args: argparse.Namespace) -> int:
                     a.base_url = f"http://127.0.0.1:{port}/v1"
                     a.label = name
                     a.out = str(d)
+                    a.plot_out = None  # --plot-out names ab.png; each configuration keeps its own tradeoff.png
                     a.run_nonce = nonce if nonce else "none"
                     a.metrics_url = user_metrics if user_metrics and user_metrics.lower() in ("none", "off") \
                         else None

@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give twice or more: for each in turn start '--serve-cmd ARGS --host 127.0.0.1 --port P' "
                         "(ARGS: the model directory and server flags), wait for /v1/models, run the workload "
                         "into OUT/NAME/ (server log OUT/NAME/server.log), stop the server; then OUT/ab.csv and "
-                        "OUT/ab.png; --base-url is set per configuration")
+                        "OUT/ab.png (OUT: --out, default bench_out/ab; --plot-out names ab.png); --base-url is set per "
+                        "configuration")
     g.add_argument("--serve-cmd", default=None, metavar="CMD",
                    help="server command of --ab (default: qwen4exp-serve next to this Python, else "
                         "'python -m qwen4exp.serve')")
