@@ -271,7 +271,7 @@ def run_ab(args: argparse.Namespace) -> int:
                         else None
                     a.reraise_interrupt = True
                     rc, rows = run_one(a)
-                    res.update(rc=rc, rows=rows, status="ran")
+                    res.update(rc=rc, rows=rows, status="ran" if rc == EXIT_OK else f"ran, exit status {rc}")
                 except StartError as e:
                     res.update(status="failed to start", error=str(e), rc=EXIT_SETUP)
                     print(f"[ab] {name}: {e}", file=sys.stderr)
