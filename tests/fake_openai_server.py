@@ -23,6 +23,13 @@ N-th chat stream (later connections are refused); ``--stall-after N`` makes the
 N-th chat stream stop sending without closing; ``--truncate-after K`` ends every
 reply after K tokens regardless of ``ignore_eos``.
 
+Sessions: ``--request-log FILE`` appends one JSON line per chat request (its
+``X-Session-ID`` header, body ``session_id`` and ``vllm_xargs``, arrival time);
+``/metrics`` also has ``vllm:num_preemptions_total`` (0) and the histogram sum
+``vllm:request_prefill_kv_computed_tokens_sum`` (prompt tokens not served from
+the cache). ``--start-delay S`` waits S seconds before listening (a slow
+start-up for the A/B mode's tests).
+
 Run: ``python tests/fake_openai_server.py --port 0``; it prints ``READY <port>``
 on stdout once it listens.
 """
@@ -123,7 +130,10 @@ class State:
             "vllm:spec_decode_num_drafts": 0,
             "vllm:spec_decode_num_draft_tokens": 0,
             "vllm:spec_decode_num_accepted_tokens": 0,
+            "vllm:num_preemptions": 0,
         }
+        self.kv_computed_sum = 0
+        self.kv_computed_count = 0
 
     def block_hashes(self, ids: list[int]) -> list[int]:
         bs = self.args.block_size
@@ -146,6 +156,8 @@ class State:
             self.counters["vllm:prefix_cache_queries"] += len(ids)
             self.counters["vllm:prefix_cache_hits"] += hits
             self.counters["vllm:prompt_tokens"] += len(ids)
+            self.kv_computed_sum += len(ids) - hits
+            self.kv_computed_count += 1
             self.blocks.update(hashes)
         return hits
 
@@ -164,6 +176,13 @@ class State:
                 lines.append(f"# TYPE {name} counter")
                 lines.append(f"{name}_total{labels} {float(value)}")
                 lines.append(f"{name}_created{labels} 1.7e9")
+            name = "vllm:request_prefill_kv_computed_tokens"
+            lines.append(f"# HELP {name} fake histogram")
+            lines.append(f"# TYPE {name} histogram")
+            lines.append(f'{name}_bucket{{engine="0",le="+Inf",model_name="{self.args.model}"}} '
+                         f"{float(self.kv_computed_count)}")
+            lines.append(f"{name}_count{labels} {float(self.kv_computed_count)}")
+            lines.append(f"{name}_sum{labels} {float(self.kv_computed_sum)}")
         lines.append("# HELP vllm:num_requests_running fake gauge")
         lines.append("# TYPE vllm:num_requests_running gauge")
         lines.append(f"vllm:num_requests_running{labels} 0.0")
@@ -270,6 +289,17 @@ def make_handler(state: State):
             with state.lock:
                 state.chat_requests += 1
                 nreq = state.chat_requests
+                if args.request_log:
+                    entry = {
+                        "n": nreq,
+                        "t": time.time(),
+                        "x_session_id": self.headers.get("X-Session-ID"),
+                        "session_id": body.get("session_id"),
+                        "vllm_xargs": body.get("vllm_xargs"),
+                        "messages": len(body.get("messages", [])),
+                    }
+                    with open(args.request_log, "a") as f:
+                        f.write(json.dumps(entry) + "\n")
             prompt = state.tok.encode_chat(body.get("messages", []), True)
             max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
             if len(prompt) + max_tokens > args.max_model_len:
@@ -355,12 +385,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--truncate-after", type=int, default=0, help="end every reply after K tokens")
     p.add_argument("--strict-alternation", action="store_true", help="reject consecutive messages of one role")
     p.add_argument("--eos-after", type=int, default=0, help="without ignore_eos, stop after K tokens")
+    p.add_argument("--request-log", default=None, help="append one JSON line per chat request (session fields)")
+    p.add_argument("--start-delay", type=float, default=0.0, help="seconds to wait before listening")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     state = State(args)
+    if args.start_delay:
+        time.sleep(args.start_delay)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
     server.daemon_threads = True
     print(f"READY {server.server_address[1]}", flush=True)

@@ -336,6 +336,10 @@ def test_token_counts_exact(mini: Run, server: Server):
     for conv in by_conv.values():
         conv.sort(key=lambda r: r["turn"])
         assert [r["turn"] for r in conv] == list(range(1, TURNS + 1))
+        # sessions (on by default): one X-Session-ID for the conversation, session_close sent with its last turn
+        # (the real server accepted it: that turn is ok like the others)
+        assert len({r["session_id"] for r in conv}) == 1 and conv[0]["session_id"]
+        assert [r["session_close"] for r in conv] == [False] * (TURNS - 1) + [True]
         for i, r in enumerate(conv):
             assert r["status"] == "ok"
             assert r["completion_tokens"] == OUT

@@ -16,6 +16,7 @@ from typing import Any
 from . import metrics as M
 from .plot import plot_rows, plot_summary_csvs
 from .runner import BenchConfig, Runner, SetupError
+from .think import parse_think_time
 from .workload import WorkloadSpec
 
 EXIT_OK, EXIT_TURNS_FAILED, EXIT_SETUP = 0, 1, 2
@@ -54,6 +55,15 @@ turns.jsonl (one record per turn) and tradeoff.png (per-user tok/s against
 per-GPU tok/s, one line per --label, workload and --hardware beneath the
 title). Compare servers with
 --plot-from a/summary.csv b/summary.csv.
+
+Sessions: every turn sends X-Session-ID (one id per conversation, unique per
+run) and the last turn of a conversation vllm_xargs {"session_close": true};
+--think-time pauses between a reply and the next turn (simulated tool
+execution, outside every request's timing). A/B: --ab NAME='SERVE ARGS' given
+twice or more starts each server in turn (--serve-cmd, default qwen4exp-serve),
+runs the same workload against it into OUT/NAME/, stops it, and writes
+OUT/ab.csv and OUT/ab.png comparing turn-1 and later-turn TTFT, TPOT, cached
+fraction, preemptions and recomputed tokens.
 
 Exit status: 0 all turns completed, 1 some turns failed (results still
 written), 2 the run could not start (server unreachable, bad flags).
@@ -103,6 +113,21 @@ def _positive(kind):
     return conv
 
 
+def _think_time(s: str):
+    try:
+        return parse_think_time(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _ab_spec(s: str) -> tuple[str, str]:
+    name, sep, rest = s.partition("=")
+    name = name.strip()
+    if not sep or not name or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise argparse.ArgumentTypeError(f"expected NAME='SERVER ARGS' with NAME of letters, digits, . _ -, got {s!r}")
+    return name, rest.strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="qwen4exp-bench",
@@ -132,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. '{\"enable_thinking\": false}'")
     g.add_argument("--extra-body", type=_json_obj, default={}, metavar="JSON",
                    help="extra fields merged into every chat request body (e.g. '{\"temperature\": 0}')")
+    g.add_argument("--no-session-id", dest="session_id", action="store_false",
+                   help="do not send the X-Session-ID header (by default every turn sends one id per "
+                        "conversation, stable over its turns and unique per run)")
+    g.add_argument("--no-session-close", dest="session_close", action="store_false",
+                   help="do not send vllm_xargs {\"session_close\": true} with a conversation's last turn")
 
     g = p.add_argument_group("workload")
     g.add_argument("--first-turn-tokens", type=_positive(int), default=50000, metavar="N",
@@ -151,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--run-nonce", default=None, metavar="TEXT",
                    help="text written at the start of every conversation so that a repeated run does not hit "
                         "the prefix cache an earlier run filled (default: random per run; 'none' for none)")
+    g.add_argument("--think-time", type=_think_time, default=parse_think_time("0"), metavar="DIST",
+                   help="pause between a turn's reply and the next turn's send (simulated tool execution, not "
+                        "in any request's timing): 0 (default), seconds S, lognormal:MEDIAN,SIGMA[,MAX] (clipped "
+                        "at MAX) or uniform:A,B; drawn per conversation from --seed")
     g.add_argument("--no-runtime-fit", dest="runtime_fit", action="store_false",
                    help="do not count the conversation before each later turn (saves one or two /tokenize "
                         "calls per turn); the tool output is then sized from the plan, which assumes the reply "
@@ -174,6 +208,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hardware", default=None, metavar="TEXT",
                    help="what serves the model, e.g. '1x H200' or '2-core CPU', for summary.csv and the plot's "
                         "subtitle (default: 'N GPU(s)' from --num-gpus, else not stated)")
+
+    g = p.add_argument_group("A/B of server configurations")
+    g.add_argument("--ab", action="append", type=_ab_spec, default=None, metavar="NAME='ARGS'",
+                   help="give twice or more: for each in turn start '--serve-cmd ARGS --host 127.0.0.1 --port P' "
+                        "(ARGS: the model directory and server flags), wait for /v1/models, run the workload "
+                        "into OUT/NAME/ (server log OUT/NAME/server.log), stop the server; then OUT/ab.csv and "
+                        "OUT/ab.png (OUT: --out, default bench_out/ab; --plot-out names ab.png); --base-url is set per "
+                        "configuration")
+    g.add_argument("--serve-cmd", default=None, metavar="CMD",
+                   help="server command of --ab (default: qwen4exp-serve next to this Python, else "
+                        "'python -m qwen4exp.serve')")
+    g.add_argument("--ab-start-timeout", type=_positive(float), default=900.0, metavar="S",
+                   help="seconds an --ab server may take to answer /v1/models (default: %(default)s)")
+    g.add_argument("--ab-stop-timeout", type=_positive(float), default=30.0, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL when stopping an --ab server (default: %(default)s)")
 
     g = p.add_argument_group("output")
     g.add_argument("--label", default=None,
@@ -216,9 +265,11 @@ def print_table(rows: list[dict[str, Any]], stream=None) -> None:
         ("tok_min_gpu", "tok/min/GPU"),
         ("ttft_p50_ms", "TTFT p50 ms"),
         ("ttft_p90_ms", "TTFT p90 ms"),
+        ("ttft_later_p50_ms", "TTFT t>=2 p50"),
         ("itl_p50_ms", "ITL p50 ms"),
         ("cache_hit_pct", "cache hit %"),
         ("acceptance_length", "accept len"),
+        ("cached_fraction_mean", "cached frac"),
         ("turns_ok", "ok"),
         ("turns_truncated", "trunc"),
         ("turns_failed", "failed"),
@@ -235,6 +286,15 @@ def print_table(rows: list[dict[str, Any]], stream=None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.ab:
+        from .ab import run_ab
+
+        return run_ab(args)
+    return run_one(args)[0]
+
+
+def run_one(args: argparse.Namespace, log=None) -> tuple[int, list[dict[str, Any]]]:
+    """One benchmark run against ``args.base_url``: ``(exit status, summary rows)``."""
 
     if args.plot_from:
         out_png = Path(args.plot_out) if args.plot_out else Path(args.out or "bench_out") / "tradeoff.png"
@@ -243,16 +303,16 @@ def main(argv: list[str] | None = None) -> int:
             plot_summary_csvs(args.plot_from, out_png, args.title)
         except (OSError, KeyError, ValueError) as e:
             print(f"qwen4exp-bench: cannot plot: {e}", file=sys.stderr)
-            return EXIT_SETUP
+            return EXIT_SETUP, []
         print(f"wrote {out_png}")
-        return EXIT_OK
+        return EXIT_OK, []
 
     if args.warmup < 0:
         print("qwen4exp-bench: --warmup must be >= 0", file=sys.stderr)
-        return EXIT_SETUP
+        return EXIT_SETUP, []
     if args.conversations is not None and len(args.conversations) not in (1, len(args.concurrency)):
         print("qwen4exp-bench: --conversations takes one number or one per --concurrency level", file=sys.stderr)
-        return EXIT_SETUP
+        return EXIT_SETUP, []
 
     lo, hi = args.turns
     spec = WorkloadSpec(
@@ -290,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_dir=args.tokenizer,
         trust_remote_code=args.trust_remote_code,
         progress=args.progress,
+        log=log,
+        session_id=args.session_id,
+        session_close=args.session_close,
+        session_prefix=spec.nonce or secrets.token_hex(4),
+        think_time=args.think_time,
     )
     runner = Runner(cfg)
     if out_dir is None and label:
@@ -305,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = asyncio.run(runner.run())
     except SetupError as e:
         print(f"qwen4exp-bench: {e}", file=sys.stderr)
-        return EXIT_SETUP
+        return EXIT_SETUP, []
     except KeyboardInterrupt:
         interrupted = True
         outcome = {"rows": runner.rows, "aborted": True, "abort_reason": "interrupted (Ctrl-C)"}
@@ -346,18 +411,20 @@ def main(argv: list[str] | None = None) -> int:
     if mismatched:
         print(f"WARNING: {mismatched} turn(s) had a server prompt size different from the plan "
               "(see planned_prompt_tokens vs prompt_tokens in turns.jsonl)", file=sys.stderr)
+    if interrupted and getattr(args, "reraise_interrupt", False):
+        raise KeyboardInterrupt  # --ab: results are written; stop the whole comparison (and its server)
     if outcome["aborted"]:
         print(f"ERROR: run stopped: {outcome.get('abort_reason')}", file=sys.stderr)
         print(f"ERROR: {failed} turn(s) failed, {not_sent} planned turn(s) not sent"
               + (f", concurrency levels not run: {','.join(map(str, levels_missing))}" if levels_missing else "")
               + f"; partial results in {cfg.out_dir}/", file=sys.stderr)
-        return EXIT_TURNS_FAILED
+        return EXIT_TURNS_FAILED, rows
     if interrupted:
-        return EXIT_TURNS_FAILED
+        return EXIT_TURNS_FAILED, rows
     if failed:
         print(f"ERROR: {failed} turn(s) failed; first: {runner.first_error}", file=sys.stderr)
-        return EXIT_TURNS_FAILED
-    return EXIT_OK
+        return EXIT_TURNS_FAILED, rows
+    return EXIT_OK, rows
 
 
 async def _resolve_label(runner: Runner) -> None:

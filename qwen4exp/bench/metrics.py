@@ -79,6 +79,14 @@ SUMMARY_COLUMNS: list[str] = [
     "cache_hit_pct",
     "cache_hit_usage_pct",
     "acceptance_length",
+    "ttft_turn1_p50_ms",
+    "ttft_turn1_p99_ms",
+    "ttft_later_p50_ms",
+    "ttft_later_p99_ms",
+    "cached_fraction_mean",
+    "preemptions",
+    "recomputed_tokens",
+    "think_s_mean",
     "prompt_tokens_mean",
     "prompt_tokens_max",
     "output_tokens",
@@ -119,6 +127,16 @@ COLUMN_DOC: dict[str, str] = {
     "cache_hit_pct": "prefix-cache hit rate from /metrics (blank if not exposed)",
     "cache_hit_usage_pct": "cached prompt tokens from usage.prompt_tokens_details (blank if not sent)",
     "acceptance_length": "MTP/spec-decode mean acceptance length, 1 + accepted/drafts (blank if none)",
+    "ttft_turn1_p50_ms": "TTFT P50 of turn 1 (nothing of the conversation cached yet)",
+    "ttft_turn1_p99_ms": "TTFT P99 of turn 1",
+    "ttft_later_p50_ms": "TTFT P50 of turns >= 2 (the previous turn's prompt and reply could be cached)",
+    "ttft_later_p99_ms": "TTFT P99 of turns >= 2",
+    "cached_fraction_mean": "mean over turns >= 2 of cached_tokens / (prompt + completion tokens of the previous "
+                            "turn), from usage.prompt_tokens_details (blank if not sent)",
+    "preemptions": "d(vllm:num_preemptions) over the level from /metrics (blank if not exposed)",
+    "recomputed_tokens": "d(vllm:request_prefill_kv_computed_tokens sum) over the level: prompt tokens the server "
+                         "computed rather than found cached (blank if not exposed)",
+    "think_s_mean": "mean --think-time pause before turns >= 2 (outside every request's timing)",
     "prompt_tokens_mean": "mean prompt tokens per completed turn (server's usage)",
     "prompt_tokens_max": "largest prompt of the level (server's usage)",
     "output_tokens": "output tokens of the completed turns",
@@ -183,6 +201,9 @@ PREFIX_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 PREFIX_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 SPEC_ACCEPTED = ("vllm:spec_decode_num_accepted_tokens",)
 SPEC_DRAFTS = ("vllm:spec_decode_num_drafts",)
+PREEMPTIONS = ("vllm:num_preemptions",)
+# Histogram of the prompt tokens each request computed (not from the prefix cache): its _sum series.
+KV_COMPUTED = ("vllm:request_prefill_kv_computed_tokens_sum",)
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -237,7 +258,8 @@ def counter_delta(
 
 
 def server_metrics(before: Mapping[str, float] | None, after: Mapping[str, float] | None) -> dict[str, Any]:
-    """Prefix-cache hit rate (%) and spec-decode acceptance length over a level."""
+    """Prefix-cache hit rate (%), spec-decode acceptance length, preemptions and recomputed prompt tokens over a
+    level (None where the server does not expose the counter)."""
     hits = counter_delta(before, after, PREFIX_HITS)
     queries = counter_delta(before, after, PREFIX_QUERIES)
     accepted = counter_delta(before, after, SPEC_ACCEPTED)
@@ -249,6 +271,8 @@ def server_metrics(before: Mapping[str, float] | None, after: Mapping[str, float
         "spec_drafts": drafts,
         "cache_hit_pct": None,
         "acceptance_length": None,
+        "preemptions": counter_delta(before, after, PREEMPTIONS),
+        "recomputed_tokens": counter_delta(before, after, KV_COMPUTED),
     }
     if hits is not None and queries:
         res["cache_hit_pct"] = 100.0 * hits / queries
@@ -300,6 +324,11 @@ def summarize_level(
         and int(t["prompt_tokens"]) != int(t["planned_prompt_tokens"])
     )
 
+    first = [t["ttft_ms"] for t in done if t.get("ttft_ms") is not None and int(t.get("turn") or 1) == 1]
+    later = [t["ttft_ms"] for t in done if t.get("ttft_ms") is not None and int(t.get("turn") or 1) >= 2]
+    fracs = [float(t["cached_fraction"]) for t in done if t.get("cached_fraction") is not None]
+    thinks = [float(t["think_s"]) for t in turns if int(t.get("turn") or 1) >= 2 and t.get("think_s") is not None]
+
     tpot_mean = mean(tpots)
     tpot_p90 = percentile(tpots, 90)
     spans = [(float(t["start_s"]), float(t["end_s"])) for t in turns if t.get("start_s") is not None]
@@ -343,6 +372,14 @@ def summarize_level(
         "cache_hit_pct": server.get("cache_hit_pct"),
         "cache_hit_usage_pct": cache_usage,
         "acceptance_length": server.get("acceptance_length"),
+        "ttft_turn1_p50_ms": percentile(first, 50),
+        "ttft_turn1_p99_ms": percentile(first, 99),
+        "ttft_later_p50_ms": percentile(later, 50),
+        "ttft_later_p99_ms": percentile(later, 99),
+        "cached_fraction_mean": mean(fracs),
+        "preemptions": server.get("preemptions"),
+        "recomputed_tokens": server.get("recomputed_tokens"),
+        "think_s_mean": mean(thinks),
         "prompt_tokens_mean": mean(prompt_tokens),
         "prompt_tokens_max": max(prompt_tokens) if prompt_tokens else None,
         "output_tokens": out_tokens,
@@ -354,6 +391,16 @@ def summarize_level(
         "workload": workload,
     }
     return row
+
+
+def cached_fraction(cached_tokens: int | None, prev_prompt_tokens: int | None,
+                    prev_completion_tokens: int | None) -> float | None:
+    """Share of what the previous turn processed (its prompt + its reply) that this turn found cached:
+    ``cached_tokens(k) / (prompt_tokens(k-1) + completion_tokens(k-1))``; None for turn 1 or without usage."""
+    if cached_tokens is None or prev_prompt_tokens is None or prev_completion_tokens is None:
+        return None
+    denom = int(prev_prompt_tokens) + int(prev_completion_tokens)
+    return int(cached_tokens) / denom if denom > 0 else None
 
 
 def describe_workload(first_turn_tokens: int, turn_tokens: int, min_turns: int, max_turns: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import random
 import sys
 import time
 from collections import deque
@@ -16,6 +17,7 @@ import aiohttp
 
 from . import metrics as M
 from .client import TurnResult, scrape_metrics, server_alive, stream_chat
+from .think import ThinkTime
 from .tokenizer import HFTokenizer, ServerTokenizer, Tokenizer, TokenizerError
 from .workload import (
     PROXY_USER,
@@ -26,6 +28,9 @@ from .workload import (
     plan_conversation,
     template_overhead,
 )
+
+
+SESSION_HEADER = "X-Session-ID"  # vLLM's header for Request.session_id
 
 
 class SetupError(RuntimeError):
@@ -55,6 +60,11 @@ class BenchConfig:
     progress: bool = True
     hardware: str = ""  # what serves the model, for the plot's subtitle
     log: TextIO | None = None  # default: sys.stderr at the time of writing
+    # Sessions: X-Session-ID on every turn (one id per conversation), vllm_xargs.session_close on the last.
+    session_id: bool = True
+    session_close: bool = True
+    session_prefix: str = ""  # unique per run (the run nonce, or a random one): ids never repeat across runs
+    think_time: ThinkTime = field(default_factory=ThinkTime)  # pause before every turn >= 2
 
     def conversations_for(self, i: int, c: int) -> int:
         if self.conversations is None:
@@ -264,6 +274,10 @@ class Runner:
         level_start: float,
         prep_start: float,
         end: float,
+        session_id: str | None = None,
+        session_close: bool = False,
+        think_s: float | None = None,
+        prev_usage: tuple[int | None, int | None] = (None, None),
     ) -> dict[str, Any]:
         spec = self.cfg.spec
         status = M.FAILED
@@ -296,11 +310,21 @@ class Runner:
             "completion_tokens": res.completion_tokens if res is not None else None,
             "max_tokens": spec.max_output_tokens,
             "cached_tokens": res.cached_tokens if res is not None else None,
+            "cached_fraction": (
+                M.cached_fraction(res.cached_tokens, *prev_usage) if res is not None and turn >= 2 else None
+            ),
+            "session_id": session_id,
+            "session_close": session_close,
+            "think_s": think_s,
             "finish_reason": res.finish_reason if res is not None else None,
             "chunks": res.chunks if res is not None else 0,
             "itl_ms": [round(x * 1000, 4) for x in res.itl_s] if res is not None and status != M.FAILED else [],
         }
         return rec
+
+    def session_id(self, plan: ConversationPlan) -> str:
+        """The conversation's X-Session-ID: stable over its turns, unique per conversation and per run."""
+        return f"{self.cfg.session_prefix}-{plan.conv_id}" if self.cfg.session_prefix else plan.conv_id
 
     # ------------------------------------------------------------------ abort handling
 
@@ -355,7 +379,21 @@ class Runner:
         assert self.tok is not None
         messages: list[dict[str, Any]] = []
         prev_prompt = prev_completion = 0
+        prev_usage: tuple[int | None, int | None] = (None, None)
+        session_id = self.session_id(plan) if cfg.session_id else None
+        # Seeded per conversation (not per worker): the same pauses whatever the interleaving.
+        think_rng = random.Random(f"{spec.seed}:think:{plan.conv_id}")
+        think_s: float | None = None
         for k in range(plan.num_turns):
+            if k > 0 and not cfg.think_time.zero:
+                # Simulated tool execution: after the reply, before the next turn is prepared and sent.
+                think_s = cfg.think_time.sample(think_rng)
+                if deadline is not None:
+                    think_s = max(0.0, min(think_s, deadline - time.perf_counter()))
+                try:
+                    await asyncio.wait_for(self.abort.wait(), timeout=think_s)
+                except asyncio.TimeoutError:
+                    pass
             if self.abort.is_set() or (deadline is not None and time.perf_counter() >= deadline):
                 counters["not_sent"] += plan.num_turns - k
                 return
@@ -396,9 +434,14 @@ class Runner:
                 if cfg.chat_template_kwargs:
                     payload["chat_template_kwargs"] = cfg.chat_template_kwargs
                 payload.update(cfg.extra_body)
+                closing = cfg.session_close and k == plan.num_turns - 1
+                if closing:
+                    # The conversation's last turn: tell the server the session ended.
+                    payload["vllm_xargs"] = {**(payload.get("vllm_xargs") or {}), "session_close": True}
+                headers = dict(self.headers, **{SESSION_HEADER: session_id}) if session_id else self.headers
                 req = asyncio.ensure_future(
                     stream_chat(
-                        self._session, self.chat_url, payload, headers=self.headers, timeout_s=cfg.request_timeout_s
+                        self._session, self.chat_url, payload, headers=headers, timeout_s=cfg.request_timeout_s
                     )
                 )
                 stop = asyncio.ensure_future(self.abort.wait())
@@ -430,6 +473,10 @@ class Runner:
                 level_start=level_start,
                 prep_start=prep_start,
                 end=end,
+                session_id=session_id,
+                session_close=error is None and cfg.session_close and k == plan.num_turns - 1,
+                think_s=round(think_s, 6) if think_s is not None else None,
+                prev_usage=prev_usage,
             )
             out.append(rec)
             self._write_record(rec)
@@ -446,6 +493,7 @@ class Runner:
             messages = turn_msgs + [{"role": "assistant", "content": reply}]
             prev_prompt = int(res.prompt_tokens or 0)
             prev_completion = int(res.completion_tokens or 0)
+            prev_usage = (res.prompt_tokens, res.completion_tokens)
 
     # ------------------------------------------------------------------ one level
 
@@ -518,6 +566,10 @@ class Runner:
             "request_timeout_s": self.cfg.request_timeout_s,
             "warmup_conversations": self.cfg.warmup,
             "runtime_fit": self.cfg.runtime_fit,
+            "session_id": self.cfg.session_id,
+            "session_close": self.cfg.session_close,
+            "session_prefix": self.cfg.session_prefix,
+            "think_time": self.cfg.think_time.describe(),
             "run_nonce": self.cfg.spec.nonce,
             "levels": [
                 {
