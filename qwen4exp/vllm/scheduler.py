@@ -22,10 +22,10 @@ The class is vLLM's ``Scheduler`` on CPU and ``AsyncScheduler`` where async sche
 
 from __future__ import annotations
 
-import logging
 import time
 
 import vllm
+from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
@@ -34,7 +34,7 @@ from vllm.v1.request import RequestStatus
 from qwen4exp import envs
 from qwen4exp.vllm.sessions import Event, Sessions, State
 
-logger = logging.getLogger(__name__)
+logger = init_logger("vllm.plugins.qwen4exp.scheduler")
 
 SUPPORTED_VLLM = "0.32."
 CONTINUATIONS_PER_STEP = 4  # continuation turns moved ahead of the queue per step
@@ -72,9 +72,8 @@ class AgentScheduler(Scheduler):
         coordinator.cache_blocks = self._cache_blocks_with_turn_checkpoint
         self._allocate_slots = self.kv_cache_manager.allocate_slots
         self.kv_cache_manager.allocate_slots = self._allocate_slots_releasing_pins
-        logger.info("AgentScheduler (%s): session TTL %.1f s, end-of-turn checkpoint in %d hybrid-state group(s)",
-                    type(self).__mro__[2].__name__ if type(self) is AsyncAgentScheduler else "Scheduler",
-                    self.sessions.ttl, len(self._mamba_groups))
+        logger.info("%s: session TTL %.1f s, end-of-turn checkpoint in %d hybrid-state group(s)",
+                    type(self).__name__, self.sessions.ttl, len(self._mamba_groups))
 
     # --- the end-of-turn hybrid checkpoint ----------------------------------------------------------------------
     def _cache_blocks_with_turn_checkpoint(self, request, num_computed_tokens: int):

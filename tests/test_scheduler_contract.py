@@ -1,0 +1,98 @@
+"""The private vLLM 0.32 scheduler interface ``qwen4exp.vllm.scheduler.AgentScheduler`` relies on, pinned: vLLM says
+``--scheduler-cls`` classes use a non-public interface that changes between minor versions (0.33 renames
+``has_requests``; plugins written for 0.25 broke on a removed ``skipped_waiting``). When vLLM is upgraded this file
+fails first, naming what moved; the scheduler itself refuses other minor versions at start-up."""
+
+import inspect
+
+import pytest
+import vllm
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager, SingleTypeKVCacheManager
+from vllm.v1.request import Request, RequestStatus
+
+from qwen4exp.vllm import scheduler as agent
+
+
+def params(fn):
+    return list(inspect.signature(fn).parameters)
+
+
+def test_vllm_is_the_pinned_minor_version():
+    assert vllm.__version__.startswith(agent.SUPPORTED_VLLM), vllm.__version__
+
+
+def test_other_minor_versions_are_refused(monkeypatch):
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x .* this is vLLM 0\.33\.0"):
+        agent.AgentScheduler.__init__(object.__new__(agent.AgentScheduler))
+
+
+def test_scheduler_methods_we_override_or_call():
+    assert params(Scheduler._free_blocks) == ["self", "request"]
+    assert params(Scheduler.add_request) == ["self", "request"]
+    assert params(Scheduler.schedule)[:1] == ["self"]
+    assert params(Scheduler.reset_prefix_cache)[:1] == ["self"] and params(Scheduler.shutdown) == ["self"]
+    # _free_request -> _free_blocks is the one place a finished request's blocks go back (what a pin intercepts)
+    assert "self._free_blocks(request)" in inspect.getsource(Scheduler._free_request)
+    assert "del self.requests[request.request_id]" in inspect.getsource(Scheduler._free_blocks)
+    # deferred frees: what _release_blocks mirrors
+    src = inspect.getsource(Scheduler._request_blocks_can_be_freed)
+    assert "self.defer_block_free" in src and "request.last_sched_seq <= self.processed_step_seq" in src
+    init = inspect.getsource(Scheduler.__init__)
+    for attr in ("self.defer_block_free", "self.processed_step_seq", "self.deferred_frees", "self.waiting",
+                 "self.requests", "self.kv_cache_manager"):
+        assert attr in init, attr
+    assert "self.kv_cache_manager.allocate_slots(" in inspect.getsource(Scheduler.schedule)
+    assert issubclass(AsyncScheduler, Scheduler)
+    assert "self.kv_cache_manager.cache_blocks(" in inspect.getsource(AsyncScheduler._update_request_with_output)
+
+
+def test_kv_cache_manager_and_coordinator():
+    assert params(KVCacheManager.pop_blocks_for_free) == ["self", "request"]
+    assert params(KVCacheManager.allocate_slots)[:3] == ["self", "request", "num_new_tokens"]
+    assert "return None" in inspect.getsource(KVCacheManager.allocate_slots)  # "does not fit": retried after a release
+    assert "self.coordinator.cache_blocks(" in inspect.getsource(KVCacheManager.allocate_slots)
+    assert "self.coordinator.cache_blocks(" in inspect.getsource(KVCacheManager.cache_blocks)
+    assert params(KVCacheCoordinator.cache_blocks) == ["self", "request", "num_computed_tokens"]
+    assert "single_type_managers" in inspect.getsource(KVCacheCoordinator.cache_blocks)
+
+
+def test_sparse_state_retention_reads_the_junction():
+    """The end-of-turn checkpoint sets ``request.shared_prefix_boundary``; vLLM keeps the state block ending at
+    its block boundary through ``reachable_block_mask(reachable_boundaries=...)``."""
+    assert "request.shared_prefix_boundary" in inspect.getsource(SingleTypeKVCacheManager.cache_blocks)
+    assert "reachable_boundaries" in params(MambaManager.reachable_block_mask)
+    assert issubclass(MambaManager, SingleTypeKVCacheManager)
+    for attr in ("req_to_blocks", "block_size", "enable_caching", "block_pool"):
+        assert f"self.{attr}" in inspect.getsource(SingleTypeKVCacheManager.__init__), attr
+
+
+def test_block_pool_and_blocks():
+    assert params(BlockPool.free_blocks)[:2] == ["self", "ordered_blocks"]
+    assert params(BlockPool.touch)[:2] == ["self", "blocks"]
+    assert params(BlockPool._maybe_evict_cached_block) == ["self", "block"]
+    b = KVCacheBlock(block_id=0)
+    assert hasattr(b, "is_null") and b.block_hash is None
+
+
+def test_request_fields():
+    init = inspect.getsource(Request.__init__)
+    for attr in ("self.session_id", "self.shared_prefix_boundary", "self.resumable", "self.arrival_time",
+                 "self.num_prompt_tokens", "self.sampling_params"):
+        assert attr in init, attr
+    assert "last_sched_seq" in inspect.getsource(Scheduler)
+    assert {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED", "WAITING", "RUNNING"} <= set(
+        RequestStatus.__members__)
+
+
+@pytest.mark.parametrize("queue", [FCFSRequestQueue, PriorityRequestQueue])
+def test_waiting_queue_api(queue):
+    for name in ("peek_request", "remove_requests", "prepend_requests", "__iter__", "__len__"):
+        assert callable(getattr(queue, name)), name
