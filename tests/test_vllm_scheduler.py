@@ -7,6 +7,8 @@
 * a request that needs more than is free while a pin is held gets the pin's blocks (no deadlock, no preemption);
 * a pinned session's next turn goes ahead of first turns queued before it;
 * a turn with ``session_close`` and an aborted turn leave no pin; after releasing the pins every block is free.
+
+On a GPU machine this file is part of the GPU suite (``tests/conftest.py``): there the async variant runs.
 """
 
 import json
@@ -41,8 +43,12 @@ def checkpoint(n: int, block: int) -> int:
 
 
 def test_agent_scheduler_class_ran(runs):
-    assert runs["default"]["scheduler"] == "Scheduler"
-    assert runs["agent"]["scheduler"] == "AgentScheduler"  # CPU: vLLM schedules synchronously there
+    import torch
+
+    # CPU: vLLM schedules synchronously; CUDA: asynchronously, and AgentScheduler(...) builds its async variant
+    asynchronous = torch.cuda.is_available()
+    assert runs["default"]["scheduler"] == ("AsyncScheduler" if asynchronous else "Scheduler")
+    assert runs["agent"]["scheduler"] == ("AsyncAgentScheduler" if asynchronous else "AgentScheduler")
 
 
 def test_next_turn_reuses_the_previous_output(runs):
