@@ -143,14 +143,7 @@ def write_ab_csv(rows: list[dict[str, Any]], path: Path) -> Path:
 
 def print_ab_table(rows: list[dict[str, Any]], stream=None) -> None:
     stream = stream or sys.stdout
-    cells = [[AB_HEADERS[c] for c in AB_COLUMNS]] + [[M.format_cell(r.get(c)) or "-" for c in AB_COLUMNS]
-                                                     for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(AB_COLUMNS))]
-    for j, row in enumerate(cells):
-        stream.write("  ".join(c.rjust(widths[i]) if i else c.ljust(widths[i]) for i, c in enumerate(row)) + "\n")
-        if j == 0:
-            stream.write("  ".join("-" * w for w in widths) + "\n")
-    stream.flush()
+    M.write_text_table(stream, [(c, AB_HEADERS[c]) for c in AB_COLUMNS], rows)
 
 
 def plot_ab(rows: list[dict[str, Any]], path: Path, title: str | None = None) -> Path:

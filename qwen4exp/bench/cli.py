@@ -275,13 +275,7 @@ def print_table(rows: list[dict[str, Any]], stream=None) -> None:
         ("turns_failed", "failed"),
         ("turns_not_sent", "not sent"),
     ]
-    cells = [[h for _, h in cols]] + [[M.format_cell(r.get(k)) or "-" for k, _ in cols] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    for j, row in enumerate(cells):
-        stream.write("  ".join(c.rjust(widths[i]) if i else c.ljust(widths[i]) for i, c in enumerate(row)) + "\n")
-        if j == 0:
-            stream.write("  ".join("-" * w for w in widths) + "\n")
-    stream.flush()
+    M.write_text_table(stream, cols, rows)
 
 
 def main(argv: list[str] | None = None) -> int:

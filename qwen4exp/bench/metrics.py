@@ -426,3 +426,15 @@ def format_cell(value: Any) -> str:
             return f"{value:.2f}"
         return f"{value:.4g}" if abs(value) < 0.01 else f"{value:.3f}"
     return str(value)
+
+
+def write_text_table(stream, columns: list[tuple[str, str]], rows: list[dict[str, Any]]) -> None:
+    """``rows`` as an aligned text table: ``columns`` are (key, header) pairs; the first column left-aligned, the
+    others right-aligned, a dash rule under the headers, blank cells as ``-``."""
+    cells = [[h for _, h in columns]] + [[format_cell(r.get(k)) or "-" for k, _ in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    for j, row in enumerate(cells):
+        stream.write("  ".join(c.rjust(widths[i]) if i else c.ljust(widths[i]) for i, c in enumerate(row)) + "\n")
+        if j == 0:
+            stream.write("  ".join("-" * w for w in widths) + "\n")
+    stream.flush()
