@@ -163,6 +163,7 @@ def test_random_event_sequences_leak_nothing(seed):
         for x in s.sessions.values():
             assert (x.pin is not None) == (x.state in (State.RETAINED, State.HANDOFF))
             assert bool(x.active) == (x.state in (State.ACTIVE, State.HANDOFF)), x
+        assert s.handoff == {sid for sid, x in s.sessions.items() if x.state is State.HANDOFF}
     s.release_all()
     assert not pool.held and s.pinned_blocks() == 0
     assert legal > 50 and illegal > 50

@@ -169,13 +169,13 @@ class AgentScheduler(Scheduler):
     # --- admission -----------------------------------------------------------------------------------------------
     def _continuations_first(self) -> None:
         waiting = self.waiting
-        if len(waiting) < 2 or not any(s.state is State.HANDOFF for s in self.sessions.sessions.values()):
+        if len(waiting) < 2 or not self.sessions.handoff:
             return
         head = waiting.peek_request()
         if time.time() - head.arrival_time > HEAD_WAIT_S:
             return
         promote = [r for r in waiting if r.session_id is not None and r is not head
-                   and r.status == RequestStatus.WAITING and self.sessions.state(r.session_id) is State.HANDOFF]
+                   and r.status == RequestStatus.WAITING and r.session_id in self.sessions.handoff]
         promote = promote[:CONTINUATIONS_PER_STEP]
         if promote:
             waiting.remove_requests(promote)
@@ -185,10 +185,9 @@ class AgentScheduler(Scheduler):
         self.sessions.expire()
         self._continuations_first()
         out = super().schedule(*args, **kwargs)
-        for sid, s in list(self.sessions.sessions.items()):
-            if s.state is State.HANDOFF and any(
-                    (r := self.requests.get(rid)) is not None and r.status != RequestStatus.WAITING
-                    for rid in s.active):
+        for sid in list(self.sessions.handoff):
+            if any((r := self.requests.get(rid)) is not None and r.status != RequestStatus.WAITING
+                   for rid in self.sessions.sessions[sid].active):
                 self.sessions.fire(sid, Event.ALLOCATED)
         return out
 

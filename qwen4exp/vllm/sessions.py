@@ -108,6 +108,7 @@ class Sessions:
             raise ValueError(f"session TTL must be >= 0 seconds, got {ttl}")
         self.release, self.ttl, self.max_sessions, self.clock = release, ttl, max_sessions, clock
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self.handoff: set[str] = set()  # the sessions in HANDOFF (what the scheduler checks every step)
         self.counts = dict.fromkeys(COUNTERS, 0)
 
     # --- the machine ---------------------------------------------------------------------------------------------
@@ -117,6 +118,10 @@ class Sessions:
         if handler is None:
             raise IllegalTransition(session_id, s.state, event)
         s.state = getattr(self, handler)(s, event, request_id, pin)
+        if s.state is State.HANDOFF:
+            self.handoff.add(session_id)
+        else:
+            self.handoff.discard(session_id)
         if s.state is State.CLOSED:
             self.sessions.pop(session_id, None)
         else:
