@@ -1,0 +1,119 @@
+"""AgentScheduler vs vLLM's default scheduler on a GPU: FN-12L (real widths, dummy weights), the agent workload of
+issue 27 (long first turns, +N tokens a turn, tool pauses, one session id per conversation), one command.
+
+    python benchmarks/agent_ab_gpu.py --out bench_out/agent-ab                 # no pressure, then under pressure
+    python benchmarks/agent_ab_gpu.py --out bench_out/agent-ab --no-pressure   # only the first A/B
+
+Both A/Bs are ``qwen4exp-bench --ab default='ARGS' agent='ARGS --scheduler-cls ...'`` (the same seeded
+conversations, one server after the other, each server's log under OUT/<phase>/<config>/). The first runs with the
+KV room vLLM gives at ``--gpu-util``. The second sizes the KV cache (``--kv-cache-memory-bytes``) from what the first
+default server reported (bytes per token = its available KV memory / its KV tokens) to ``--pressure-factor`` times the
+tokens the ``--concurrency`` active conversations need at their longest, so the default loses paused sessions' blocks
+while the active ones still fit. Tables: OUT/<phase>/ab.csv (printed), OUT/summary.md with both.
+
+The model directory is agentic_gpu.py's (FN-12L config + the tiny-coder tokenizer); sampling is restricted to ids
+that decode to clean text, as there (the tokenizer is much smaller than the model's vocabulary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from agentic_gpu import allowed_ids, build_model_dir  # noqa: E402
+
+AGENT = "--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler"
+
+
+def kv_bytes_per_token(server_log: str) -> float | None:
+    """vLLM's start-up lines 'Available KV cache memory: X GiB' and 'GPU KV cache size: N tokens' -> X / N bytes."""
+    try:
+        text = open(server_log, errors="replace").read()
+    except OSError:
+        return None
+    mem = re.findall(r"Available KV cache memory: ([\d.]+) GiB", text)
+    tok = re.findall(r"GPU KV cache size: ([\d,]+) tokens", text)
+    if not mem or not tok:
+        return None
+    return float(mem[-1]) * 2**30 / int(tok[-1].replace(",", ""))
+
+
+def run_ab(args, phase: str, model: str, model_len: int, extra_serve: str, extra_body: dict | None) -> int:
+    out = os.path.join(args.out, phase)
+    common = (f"{model} --load-format dummy --dtype bfloat16 --max-model-len {model_len} --max-num-seqs 32 "
+              f"--max-num-batched-tokens 16384 --gpu-memory-utilization {args.gpu_util} --served-model-name model "
+              f"--enable-prompt-tokens-details {extra_serve}").strip()
+    cmd = [sys.executable, "-m", "qwen4exp.bench", "--serve-cmd", f"{shlex.quote(sys.executable)} -m qwen4exp.serve",
+           "--ab", f"default={common}", "--ab", f"agent={common} {AGENT}", "--tokenizer", model,
+           "--first-turn-tokens", str(args.first_turn_tokens), "--turn-tokens", str(args.turn_tokens),
+           "--turns", str(args.turns), "--max-output-tokens", str(args.max_output_tokens),
+           "--concurrency", str(args.concurrency), "--conversations", str(args.conversations), "--warmup", "1",
+           "--think-time", args.think_time, "--seed", "42", "--num-gpus", "1", "--hardware", "1x H200",
+           "--request-timeout", "300", "--ab-start-timeout", str(args.start_timeout), "--no-progress",
+           "--out", out]
+    if extra_body:
+        cmd += ["--extra-body", json.dumps(extra_body, separators=(",", ":"))]
+    env = dict(os.environ)
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # greedy: the torch sampler (no first-use JIT build)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    t0 = time.monotonic()
+    with open(os.path.join(args.out, f"{phase}.log"), "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.phase_timeout)
+    print(f"== {phase} ({extra_serve or 'KV room at --gpu-util'}): rc={rc}, {time.monotonic() - t0:.0f} s")
+    try:
+        print(open(os.path.join(out, "ab.txt")).read() if os.path.exists(os.path.join(out, "ab.txt"))
+              else open(os.path.join(out, "ab.csv")).read())
+    except OSError:
+        print(open(os.path.join(args.out, f"{phase}.log"), errors="replace").read()[-3000:])
+    return rc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_out/agent-ab")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--first-turn-tokens", type=int, default=50000)
+    ap.add_argument("--turn-tokens", type=int, default=800)
+    ap.add_argument("--turns", default="3")
+    ap.add_argument("--max-output-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--think-time", default="lognormal:0.5,1,3")
+    ap.add_argument("--gpu-util", type=float, default=0.7)
+    ap.add_argument("--pressure-factor", type=float, default=1.5,
+                    help="KV room under pressure, in units of what --concurrency active conversations need")
+    ap.add_argument("--no-pressure", action="store_true")
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--phase-timeout", type=float, default=900.0)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    turns = int(str(args.turns).split("-")[-1])
+    longest = args.first_turn_tokens + (turns - 1) * (args.turn_tokens + args.max_output_tokens) \
+        + args.max_output_tokens + 256
+    model_len = 1024 * -(-longest // 1024)
+    model = build_model_dir(args.out, "fn", args.layers, model_len)
+    ids = allowed_ids(model)
+    body = {"allowed_token_ids": ids} if ids else None
+    rc = run_ab(args, "free", model, model_len, "", body)
+    if args.no_pressure:
+        return rc
+    bpt = kv_bytes_per_token(os.path.join(args.out, "free", "default", "server.log"))
+    if bpt is None:
+        print("no KV size in the default server's log: pressure phase skipped")
+        return 1
+    nbytes = int(bpt * args.pressure_factor * args.concurrency * longest)
+    print(f"pressure: {bpt:.0f} B/token -> --kv-cache-memory-bytes {nbytes} "
+          f"({args.pressure_factor} x {args.concurrency} x {longest} tokens)")
+    return run_ab(args, "pressure", model, model_len, f"--kv-cache-memory-bytes {nbytes}", body) or rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
