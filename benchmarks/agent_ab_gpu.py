@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -51,8 +52,12 @@ def run_ab(args, phase: str, model: str, model_len: int, extra_serve: str, extra
     common = (f"{model} --load-format dummy --dtype bfloat16 --max-model-len {model_len} --max-num-seqs 32 "
               f"--max-num-batched-tokens 16384 --gpu-memory-utilization {args.gpu_util} --served-model-name model "
               f"--enable-prompt-tokens-details {extra_serve}").strip()
+    configs = {"default": common, "agent": f"{common} {AGENT}"}
+    abs_ = [x for c in args.configs.split(",") for x in ("--ab", f"{c}={configs[c]}")]
+    if len(abs_) == 2:  # one configuration: --ab wants two or more, so a plain run against its own server
+        abs_ = []
     cmd = [sys.executable, "-m", "qwen4exp.bench", "--serve-cmd", f"{shlex.quote(sys.executable)} -m qwen4exp.serve",
-           "--ab", f"default={common}", "--ab", f"agent={common} {AGENT}", "--tokenizer", model,
+           *abs_, "--tokenizer", model,
            "--first-turn-tokens", str(args.first_turn_tokens), "--turn-tokens", str(args.turn_tokens),
            "--turns", str(args.turns), "--max-output-tokens", str(args.max_output_tokens),
            "--concurrency", str(args.concurrency), "--conversations", str(args.conversations), "--warmup", "1",
@@ -65,8 +70,19 @@ def run_ab(args, phase: str, model: str, model_len: int, extra_serve: str, extra
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # greedy: the torch sampler (no first-use JIT build)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     t0 = time.monotonic()
+    if not abs_:
+        return run_one(args, phase, cmd, configs[args.configs], env)
     with open(os.path.join(args.out, f"{phase}.log"), "w") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.phase_timeout)
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = p.wait(timeout=args.phase_timeout)
+        except subprocess.TimeoutExpired:  # SIGINT first: --ab then writes what it has and stops its server
+            os.killpg(p.pid, signal.SIGINT)
+            try:
+                rc = p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                rc = p.wait()
     print(f"== {phase} ({extra_serve or 'KV room at --gpu-util'}): rc={rc}, {time.monotonic() - t0:.0f} s")
     try:
         print(open(os.path.join(out, "ab.txt")).read() if os.path.exists(os.path.join(out, "ab.txt"))
@@ -74,6 +90,33 @@ def run_ab(args, phase: str, model: str, model_len: int, extra_serve: str, extra
     except OSError:
         print(open(os.path.join(args.out, f"{phase}.log"), errors="replace").read()[-3000:])
     return rc
+
+
+def run_one(args, phase: str, bench: list[str], serve_args: str, env: dict) -> int:
+    """One configuration (--configs NAME): its server, then the bench against it, into OUT/<phase>/<NAME>/."""
+    from qwen4exp.demo import free_port, stop_server, wait_ready
+
+    name = args.configs
+    out = os.path.join(args.out, phase, name)
+    os.makedirs(out, exist_ok=True)
+    port = free_port()
+    with open(os.path.join(out, "server.log"), "w") as lf:
+        srv = subprocess.Popen([sys.executable, "-m", "qwen4exp.serve", *shlex.split(serve_args), "--host",
+                                "127.0.0.1", "--port", str(port)], stdout=lf, stderr=subprocess.STDOUT, env=env,
+                               start_new_session=True)
+    try:
+        wait_ready(srv, port, timeout=args.start_timeout)
+        i = bench.index("--out")
+        bench = bench[:i] + ["--out", out, "--label", name, "--base-url", f"http://127.0.0.1:{port}/v1",
+                             "--model", "model"] + bench[i + 2:]
+        with open(os.path.join(args.out, f"{phase}-{name}.log"), "w") as f:
+            rc = subprocess.call(bench, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.phase_timeout)
+        print(f"== {phase}/{name}: rc={rc}")
+        print(open(os.path.join(out, "summary.csv")).read() if os.path.exists(os.path.join(out, "summary.csv"))
+              else "(no summary.csv)")
+        return rc
+    finally:
+        stop_server(srv, timeout=30)
 
 
 def main(argv=None) -> int:
@@ -91,6 +134,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pressure-factor", type=float, default=1.5,
                     help="KV room under pressure, in units of what --concurrency active conversations need")
     ap.add_argument("--no-pressure", action="store_true")
+    ap.add_argument("--phases", default="free,pressure", help="comma list of free, pressure")
+    ap.add_argument("--configs", default="default,agent", help="comma list of default, agent (one: a plain run)")
+    ap.add_argument("--bytes-per-token", type=float, help="KV bytes a token for the pressure phase (default: read "
+                    "from the free phase's default server log)")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--phase-timeout", type=float, default=900.0)
     args = ap.parse_args(argv)
@@ -102,10 +149,11 @@ def main(argv=None) -> int:
     model = build_model_dir(args.out, "fn", args.layers, model_len)
     ids = allowed_ids(model)
     body = {"allowed_token_ids": ids} if ids else None
-    rc = run_ab(args, "free", model, model_len, "", body)
-    if args.no_pressure:
+    phases = args.phases.split(",")
+    rc = run_ab(args, "free", model, model_len, "", body) if "free" in phases else 0
+    if args.no_pressure or "pressure" not in phases:
         return rc
-    bpt = kv_bytes_per_token(os.path.join(args.out, "free", "default", "server.log"))
+    bpt = args.bytes_per_token or kv_bytes_per_token(os.path.join(args.out, "free", "default", "server.log"))
     if bpt is None:
         print("no KV size in the default server's log: pressure phase skipped")
         return 1
