@@ -47,7 +47,7 @@ def write_config(path: str, layers: int, preset: str = "fn") -> dict:
     sys.path.insert(0, os.path.dirname(HERE))
     from qwen4exp import presets
 
-    cfg = presets.fn12l() if preset == "fn" else presets.tiny_text(num_hidden_layers=4)
+    cfg = presets.tiny_text(num_hidden_layers=4) if preset == "tiny" else presets.fn12l()
     if layers != cfg.num_hidden_layers:
         d = cfg.to_dict()
         d["num_hidden_layers"] = layers
@@ -56,11 +56,22 @@ def write_config(path: str, layers: int, preset: str = "fn") -> dict:
     os.makedirs(path, exist_ok=True)
     cfg.save_pretrained(path)
     with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
+        c = json.load(f)
+    if preset == "fn-nvfp4":  # FN-48L-NVFP4: the upstream anchor's quantization_config (routed experts NVFP4)
+        c["quantization_config"] = presets.anchor_nvfp4_quantization_config()
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(c, f, indent=2)
+    return c
+
+
+# the defaults a preset changes (FN-48L-NVFP4: every layer, both engines at the anchor's memory utilisation, as the
+# weights alone take 74 GiB; batch 8 beside batch 32)
+PRESET_DEFAULTS = {"fn-nvfp4": dict(layers=48, gpu_util=0.92, gpu_util_ours=0.92, bs8_ctx=50_000)}
 
 
 def roofline_bytes(c: dict, ctx: int, elt: int = 2) -> dict:
-    """Bytes one batch-1 decode step reads at context ``ctx`` (bf16 weights, fp32 GDN state, bf16 QSA K/V)."""
+    """Bytes one batch-1 decode step reads at context ``ctx`` (bf16 weights, fp32 GDN state, bf16 QSA K/V; routed
+    experts at 4 bits + one FP8 scale per 16 when the config quantizes them to NVFP4)."""
     D, L = c["hidden_size"], c["num_hidden_layers"]
     n = c["hc_count"]
     types = c["layer_types"]
@@ -75,7 +86,10 @@ def roofline_bytes(c: dict, ctx: int, elt: int = 2) -> dict:
     gdn_w = D * (2 * nk * kd + 2 * nv * vd + 2 * nv) + nv * vd * D
     I, E, k = c["moe_intermediate_size"], c["num_experts"], c["num_experts_per_tok"]
     shared = 3 * D * c["shared_expert_intermediate_size"] + D
-    moe_w = k * 3 * D * I + shared + E * D  # active experts + shared + router
+    q = c.get("quantization_config") or {}
+    fp4 = "NVFP4" in str(q.get("quant_algo", "")).upper()
+    experts = k * 3 * D * I * ((0.5 + 1 / 16) / elt if fp4 else 1)  # (in units of elt bytes)
+    moe_w = experts + shared + E * D  # active experts + shared + router
     hc_w = 2 * (n * D * c["hc_lowrank"] * 2 + n * D)  # two mixers per layer, down + up + norm
     weights = elt * (n_lin * gdn_w + n_qsa * qsa_w + L * (moe_w + hc_w)) + elt * c["vocab_size"] * D  # + LM head
     gdn_state = n_lin * nv * kd * vd * 4 * 2  # read + write, fp32
@@ -324,6 +338,12 @@ def worker(args) -> None:
         _drive(engine, prompts(1, args.ctx), 48,
                os.path.join(os.path.dirname(args.result), f"{args.impl}.profile.txt"), llm=plm,
                gpu_only=args.profile_gpu_only)
+    if args.bs8_ctx > 0:  # batch 8 at its context: the median step with all 8 decoding
+        t_first, t_end, steps, ntok = _drive(engine, prompts(8, args.bs8_ctx), args.bs8_tokens, sample=("bs8", 4, 28))
+        step = statistics.median(steps) if steps else float("nan")
+        res.update(bs8_ctx=args.bs8_ctx, bs8_prefill_s=t_first, bs8_step_ms=1e3 * step, bs8_steps=len(steps),
+                   bs8_decode_tok_s=8 / step)
+        print(json.dumps(res), flush=True)
     if args.bs32_ctx > 0:
         prof32 = os.path.join(os.path.dirname(args.result), f"{args.impl}.profile-bs32.txt") if args.profile else None
         t_first, t_end, steps, ntok = _drive(engine, prompts(32, args.bs32_ctx), args.bs32_tokens, prof32,
@@ -390,8 +410,26 @@ def _wait_group_gone(pgid: int, seconds: float = 60.0) -> None:
 
 
 FIELDS = ["impl", "eager", "mp", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "consistency", "bs1_ctx",
-          "bs1_prefill_s", "bs1_prefill_warm_s", "bs1_tpot_ms", "bs1_step_ms", "bs32_ctx", "bs32_prefill_s",
-          "bs32_step_ms", "bs32_steps", "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "package", "error"]
+          "bs1_prefill_s", "bs1_prefill_warm_s", "bs1_tpot_ms", "bs1_step_ms", "bs8_ctx", "bs8_step_ms", "bs8_steps",
+          "bs32_ctx", "bs32_prefill_s",
+          "bs32_step_ms", "bs32_steps", "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "moe_backend", "package",
+          "error"]
+
+
+def moe_backend(log_path: str) -> str:
+    """The MoE backend the worker's vLLM logged ("Using 'HUMMING' NvFp4 MoE backend ...": NVFP4:HUMMING; else the
+    last "Using X ... MoE backend"), '' when none."""
+    import re
+
+    try:
+        text = open(log_path, errors="replace").read()
+    except OSError:
+        return ""
+    m = re.findall(r"Using '(\w+)' NvFp4 MoE backend", text)
+    if m:
+        return "NVFP4:" + m[-1]
+    m = re.findall(r"Using (\S+) (?:\w+ )?MoE backend", text)
+    return m[-1] if m else ""
 
 
 def package_root() -> str:
@@ -484,21 +522,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="bench_out/vllm_gpu", help="folder for config, logs, results.csv")
     ap.add_argument("--impls", default="upstream,ours", help="comma list: upstream (QWEN4EXP_VLLM=0), ours, and "
                     "the NAMEs of --variant / --ours-at")
-    ap.add_argument("--layers", type=int, default=12, help="FN depth (12 = FN-12L)")
-    ap.add_argument("--preset", default="fn", choices=("fn", "tiny"), help="tiny: the test model (a CPU smoke "
-                    "run of this script)")
+    ap.add_argument("--layers", type=int, default=None, help="FN depth (default 12 = FN-12L; fn-nvfp4: 48)")
+    ap.add_argument("--preset", default="fn", choices=("fn", "fn-nvfp4", "tiny"), help="fn: FN-12L (bf16); "
+                    "fn-nvfp4: FN-48L-NVFP4, the upstream full-depth anchor (its quantization_config, 48 layers, "
+                    "both engines at --gpu-util 0.92, batch 8 too); tiny: the test model (a CPU smoke run)")
     ap.add_argument("--ctx", type=int, default=50_000, help="batch-1 prompt length")
     ap.add_argument("--out-tokens", type=int, default=256, help="batch-1 output tokens")
     ap.add_argument("--bs32-ctx", type=int, default=50_000, help="batch-32 prompt length (0: skip batch 32)")
+    ap.add_argument("--bs8-ctx", type=int, default=None, help="batch-8 prompt length (default 0 = skip; "
+                    "fn-nvfp4: 50,000)")
+    ap.add_argument("--bs8-tokens", type=int, default=96, help="batch-8 output tokens per request")
     ap.add_argument("--bs32-tokens", type=int, default=192,
                     help="batch-32 output tokens per request: enough to outlast the batch's prefill (32 x 50k "
                          "tokens at 16,384 a step: ~100 steps, during which the first requests already decode), so "
                          "that there are steps with all 32 decoding; only those are timed (bs32_steps: how many)")
     ap.add_argument("--eager", default="", help="comma list of impls run with enforce_eager (default none: vLLM's "
                     "defaults, i.e. CUDA graphs; for Qwen4Exp vLLM uses breakable graphs, see qwen4exp/vllm/README.md)")
-    ap.add_argument("--gpu-util", type=float, default=0.85, help="upstream's gpu_memory_utilization")
-    ap.add_argument("--gpu-util-ours", type=float, default=0.7, help="ours: vLLM's profiling run does not see the "
-                    "peak of our eager QSA prefill (its per-chunk sort keys and scratch), so leave it headroom")
+    ap.add_argument("--gpu-util", type=float, default=None, help="upstream's gpu_memory_utilization (default 0.85)")
+    ap.add_argument("--gpu-util-ours", type=float, default=None, help="ours: vLLM's profiling run does not see the "
+                    "peak of our eager QSA prefill (its per-chunk sort keys and scratch), so leave it headroom (default 0.7)")
     ap.add_argument("--profile", action="store_true", help="torch-profiler table of 8 batch-1 decode steps per impl "
                     "(<impl>.profile.txt; those steps are left out of the timings, not of the end-to-end TPOT), "
                     "and of 8 batch-32 decode steps (<impl>.profile-bs32.txt; left out of the batch-32 figures)")
@@ -543,6 +585,7 @@ def worker_runs(args, impls: list[str], model: str, variants: dict, ours_at: dic
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--impl", impl, "--model", model,
                "--result", res_path, "--ctx", str(args.ctx), "--out-tokens", str(args.out_tokens),
                "--bs32-ctx", str(args.bs32_ctx), "--bs32-tokens", str(args.bs32_tokens),
+               "--bs8-ctx", str(args.bs8_ctx), "--bs8-tokens", str(args.bs8_tokens), "--preset", args.preset,
                "--eager", "1" if impl in eager else "0",
                "--gpu-util", str(args.gpu_util if impl == "upstream" else args.gpu_util_ours)]
         for flag in ("profile", "warm_prefill", "mp", "profile_gpu_only", "profile_host_stacks"):
@@ -552,8 +595,17 @@ def worker_runs(args, impls: list[str], model: str, variants: dict, ours_at: dic
     return runs
 
 
+def apply_preset(args) -> None:
+    """Fill the options left unset (None) from the preset's defaults, then the general ones."""
+    base = dict(layers=12, gpu_util=0.85, gpu_util_ours=0.7, bs8_ctx=0)
+    for k, v in {**base, **PRESET_DEFAULTS.get(args.preset, {})}.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
 def main() -> None:
     args = build_parser().parse_args()
+    apply_preset(args)
     if args.worker:
         args.eager = args.eager == "1"
         return worker(args)
@@ -603,6 +655,7 @@ def main() -> None:
                 if line.startswith('{"impl"'):
                     row.update(json.loads(line))
         row["roofline_ms"] = roof_ms
+        row["moe_backend"] = moe_backend(log)
         row["package"] = "" if impl == "upstream" else package_label(row.get("qwen4exp_from") or "")
         bad = package_error(impl, row, ours_at)
         if bad:
@@ -621,7 +674,7 @@ def main() -> None:
     others = [*variants, *(n for n in ours_at if n not in variants)]
     for a_name, b_name in [("ours", "upstream")] + [(v, base) for v in others for base in ("ours", "upstream")]:
         if a_name in by and b_name in by:
-            for k in ("bs1_tpot_ms", "bs1_step_ms", "bs32_step_ms"):
+            for k in ("bs1_tpot_ms", "bs1_step_ms", "bs8_step_ms", "bs32_step_ms"):
                 a, b = by[a_name].get(k), by[b_name].get(k)
                 if a and b:
                     print(f"{k}: {a_name}/{b_name} = {a / b:.2f}")

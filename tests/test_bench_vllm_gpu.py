@@ -286,3 +286,40 @@ def test_cleanly_exited_worker_leaves_no_group(tmp_path):
                          start_new_session=True)
     assert bench._finish((p, lf), timeout=30) is None
     assert bench._group_alive(p.pid) == []
+
+
+def test_fn_nvfp4_preset_is_the_full_depth_anchor(tmp_path):
+    """FN-48L-NVFP4 (issue 25): 48 layers, a QSA layer every fourth, the anchor's quantization_config; both engines
+    at the anchor's memory utilisation with batch 8 on; its batch-1 roofline counts the routed experts at 4.5 bits."""
+    from qwen4exp import presets
+
+    c = bench.write_config(str(tmp_path / "q"), 48, "fn-nvfp4")
+    assert c["num_hidden_layers"] == 48 and len(c["layer_types"]) == 48
+    assert [i for i, t in enumerate(c["layer_types"]) if t != "linear_attention"] == list(range(3, 48, 4))
+    assert c["quantization_config"] == presets.anchor_nvfp4_quantization_config()
+    plain = bench.write_config(str(tmp_path / "b"), 48, "fn")
+    assert "quantization_config" not in plain
+    q, b = bench.roofline_bytes(c, 50_000), bench.roofline_bytes(plain, 50_000)
+    # only the routed experts change: their bytes fall from 2 to 0.5625 a weight
+    k, d, i = c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]
+    assert abs((b["weights"] - q["weights"]) - 48 * k * 3 * d * i * (2 - 0.5625)) < 1e3
+    assert q["gdn_state"] == b["gdn_state"] and q["qsa_kv"] == b["qsa_kv"]
+    assert 9e9 < q["total"] < 11e9  # the anchor's arithmetic: ~9.9 GB a step
+    args = bench.build_parser().parse_args(["--preset", "fn-nvfp4"])
+    bench.apply_preset(args)
+    assert (args.layers, args.gpu_util, args.gpu_util_ours, args.bs8_ctx) == (48, 0.92, 0.92, 50_000)
+    args = bench.build_parser().parse_args(["--preset", "fn-nvfp4", "--gpu-util-ours", "0.9", "--layers", "24"])
+    bench.apply_preset(args)
+    assert (args.layers, args.gpu_util_ours) == (24, 0.9)
+    args = bench.build_parser().parse_args([])
+    bench.apply_preset(args)
+    assert (args.layers, args.gpu_util, args.gpu_util_ours, args.bs8_ctx) == (12, 0.85, 0.7, 0)
+
+
+def test_moe_backend_is_read_from_the_worker_log(tmp_path):
+    log = tmp_path / "w.log"
+    log.write_text("INFO x Using 'MARLIN' NvFp4 MoE backend out of [...]\nINFO y Using 'HUMMING' NvFp4 MoE backend\n")
+    assert bench.moe_backend(str(log)) == "NVFP4:HUMMING"
+    log.write_text("INFO Using TRITON Unquantized MoE backend out of potential backends: [...]\n")
+    assert bench.moe_backend(str(log)) == "TRITON"
+    assert bench.moe_backend(str(tmp_path / "missing.log")) == ""
