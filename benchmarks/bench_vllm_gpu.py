@@ -208,7 +208,8 @@ def _pyspy_window(label: str | None) -> None:
 
 
 def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, prefill_steps: list | None = None,
-           profile_prefill: int = 0, llm=None, gpu_only: bool = False, sample: tuple | None = None):
+           profile_prefill: int = 0, llm=None, gpu_only: bool = False, sample: tuple | None = None,
+           counts: list | None = None):
     """Add the prompts, step until done. Returns (t_first_all, t_end, step_times_while_all_decoding, tokens):
     the step times are of steps in which every request is decoding and none has finished (all of the batch in the
     step; with long prompts the first requests decode while later ones prefill, so max_tokens must outlast the
@@ -216,7 +217,8 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
     ``profile_to``: write a torch-profiler table of decode steps 32..39 there (the steps stay out of the timings),
     or with ``profile_prefill`` = k of the first k steps (prefill chunks). ``prefill_steps``: gets the wall time
     of every step before all first tokens. ``llm``: profile through vLLM's profiler (``--mp``). ``sample``:
-    (label, first, last): ``--py-spy`` records from the first-th to the last-th timed decode step."""
+    (label, first, last): ``--py-spy`` records from the first-th to the last-th timed decode step. ``counts``: gets
+    the tokens the batch gained in each timed step (with MTP: 1 + the accepted drafts, summed over the batch)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -247,6 +249,7 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
         te = time.perf_counter()
         if prefill_steps is not None and t_first is None:
             prefill_steps.append(round(te - ts, 4))
+        before = sum(got.values())
         for o in outs:
             got[o.request_id] = len(o.outputs[0].token_ids) if o.outputs else 0
         all_started = len(got) == len(prompts) and min(got.values()) >= 1
@@ -254,9 +257,20 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
             t_first = te - t0
         elif all_started and outs and max(got.values()) < max_tokens and timing:  # all decoding, none done
             steps.append(te - ts)
+            if counts is not None:
+                counts.append(sum(got.values()) - before)
     if sample:
         _pyspy_window(None)
     return t_first, time.perf_counter() - t0, steps, sum(got.values())
+
+
+def mtp_config(k: int, acceptance_length: float) -> dict:
+    """vLLM's speculative_config for our MTP head with ``k`` drafts a step, accepted by vLLM 0.32's synthetic rejection
+    sampling (each step accepts drafts at random, calibrated to the mean acceptance length; CUDA only)."""
+    if not 1 <= acceptance_length <= k + 1:
+        raise SystemExit(f"--acceptance-length {acceptance_length}: want a value in [1, {k + 1}] for --mtp {k}")
+    return {"method": "mtp", "num_speculative_tokens": k, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_length": acceptance_length}
 
 
 def self_consistency(llm, prompt: list[int], n: int = 48) -> dict:
@@ -294,10 +308,15 @@ def worker(args) -> None:
             os.path.dirname(args.result)), torch_profiler_with_stack=bool(args.profile_host_stacks))
         if args.profile_gpu_only:  # no host-op recording: the host runs at (nearly) its unprofiled speed
             eng["profiler_config"]["torch_profiler_activities"] = ["CUDA"]
+    sizes = [1, 2, 4, 8, 16, 32]
+    if args.mtp:  # MTP drafts, accepted at random so that the mean acceptance length is --acceptance-length
+        # (vLLM's synthetic rejection sampling: dummy weights never draft right; a benchmark-only mode)
+        eng["speculative_config"] = mtp_config(args.mtp, args.acceptance_length)
+        sizes = sorted(set(sizes) | {b * (args.mtp + 1) for b in sizes})  # a decode step of b requests: b(K+1)
     if args.eager:
         eng["enforce_eager"] = True
     else:
-        eng["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}
+        eng["compilation_config"] = {"cudagraph_capture_sizes": sizes}
     res["eager"] = bool(args.eager)
     res["mp"] = bool(args.mp)
     t0 = time.perf_counter()
@@ -318,13 +337,19 @@ def worker(args) -> None:
         return [[rng.randrange(10, V - 10) for _ in range(L)] for _ in range(n)]
 
     _drive(engine, prompts(1, 64), 8)  # warm-up (kernels, allocator) outside every figure
-    res.update(self_consistency(llm, prompts(1, min(args.ctx, 3000))[0]))
+    if args.mtp:  # synthetic acceptance keeps drafts whatever they are: the output is not the model's greedy text
+        res["consistency"] = "n/a (synthetic MTP)"
+    else:
+        res.update(self_consistency(llm, prompts(1, min(args.ctx, 3000))[0]))
     chunks = []
+    gained = []
     t_first, t_end, steps, ntok = _drive(engine, prompts(1, args.ctx), args.out_tokens, prefill_steps=chunks,
-                                         sample=("bs1", 4, 1 << 30))
+                                         sample=("bs1", 4, 1 << 30), counts=gained)
     res.update(bs1_ctx=args.ctx, bs1_prefill_s=t_first, bs1_e2e_s=t_end,
                bs1_tpot_ms=1e3 * (t_end - t_first) / max(ntok - 1, 1),
-               bs1_step_ms=1e3 * statistics.median(steps) if steps else None, bs1_prefill_steps_s=chunks)
+               bs1_step_ms=1e3 * statistics.median(steps) if steps else None, bs1_prefill_steps_s=chunks,
+               mtp=args.mtp, bs1_tokens_per_step=sum(gained) / len(gained) if gained else None)
+    res["bs1_tok_s_user"] = 1e3 / res["bs1_tpot_ms"] if res["bs1_tpot_ms"] else None
     if args.warm_prefill:  # the same length again: no first-use costs (kernel JIT, allocator growth) left
         chunks = []
         res["bs1_prefill_warm_s"] = _drive(engine, prompts(1, args.ctx), 1, prefill_steps=chunks)[0]
@@ -339,18 +364,25 @@ def worker(args) -> None:
                os.path.join(os.path.dirname(args.result), f"{args.impl}.profile.txt"), llm=plm,
                gpu_only=args.profile_gpu_only)
     if args.bs8_ctx > 0:  # batch 8 at its context: the median step with all 8 decoding
-        t_first, t_end, steps, ntok = _drive(engine, prompts(8, args.bs8_ctx), args.bs8_tokens, sample=("bs8", 4, 28))
+        gained = []
+        t_first, t_end, steps, ntok = _drive(engine, prompts(8, args.bs8_ctx), args.bs8_tokens, sample=("bs8", 4, 28),
+                                             counts=gained)
         step = statistics.median(steps) if steps else float("nan")
+        per = sum(gained) / len(gained) / 8 if gained else float("nan")  # tokens a request gains a step
         res.update(bs8_ctx=args.bs8_ctx, bs8_prefill_s=t_first, bs8_step_ms=1e3 * step, bs8_steps=len(steps),
-                   bs8_decode_tok_s=8 / step)
+                   bs8_tokens_per_step=per, bs8_decode_tok_s=8 * per / step)
         print(json.dumps(res), flush=True)
     if args.bs32_ctx > 0:
         prof32 = os.path.join(os.path.dirname(args.result), f"{args.impl}.profile-bs32.txt") if args.profile else None
+        gained = []
         t_first, t_end, steps, ntok = _drive(engine, prompts(32, args.bs32_ctx), args.bs32_tokens, prof32,
-                                             llm=plm, gpu_only=args.profile_gpu_only, sample=("bs32", 4, 28))
+                                             llm=plm, gpu_only=args.profile_gpu_only, sample=("bs32", 4, 28),
+                                             counts=gained)
         step = statistics.median(steps) if steps else float("nan")
+        per = sum(gained) / len(gained) / 32 if gained else float("nan")
         res.update(bs32_ctx=args.bs32_ctx, bs32_prefill_s=t_first, bs32_e2e_s=t_end, bs32_step_ms=1e3 * step,
-                   bs32_steps=len(steps), bs32_decode_tok_s=32 / step, bs32_e2e_out_tok_s=ntok / t_end)
+                   bs32_steps=len(steps), bs32_tokens_per_step=per, bs32_decode_tok_s=32 * per / step,
+                   bs32_tok_s_user=per / step, bs32_e2e_out_tok_s=ntok / t_end)
     with open(args.result, "w") as f:
         json.dump(res, f)
     print(json.dumps(res), flush=True)
@@ -409,11 +441,11 @@ def _wait_group_gone(pgid: int, seconds: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-FIELDS = ["impl", "eager", "mp", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "consistency", "bs1_ctx",
-          "bs1_prefill_s", "bs1_prefill_warm_s", "bs1_tpot_ms", "bs1_step_ms", "bs8_ctx", "bs8_step_ms", "bs8_steps",
-          "bs32_ctx", "bs32_prefill_s",
-          "bs32_step_ms", "bs32_steps", "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "roofline_ms", "moe_backend", "package",
-          "error"]
+FIELDS = ["impl", "eager", "mp", "mtp", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "consistency",
+          "bs1_ctx", "bs1_prefill_s", "bs1_prefill_warm_s", "bs1_tpot_ms", "bs1_step_ms", "bs1_tokens_per_step",
+          "bs1_tok_s_user", "bs8_ctx", "bs8_step_ms", "bs8_steps", "bs8_tokens_per_step", "bs32_ctx", "bs32_prefill_s",
+          "bs32_step_ms", "bs32_steps", "bs32_tokens_per_step", "bs32_tok_s_user", "bs32_decode_tok_s",
+          "bs32_e2e_out_tok_s", "roofline_ms", "moe_backend", "package", "error"]
 
 
 def moe_backend(log_path: str) -> str:
@@ -532,6 +564,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bs8-ctx", type=int, default=None, help="batch-8 prompt length (default 0 = skip; "
                     "fn-nvfp4: 50,000)")
     ap.add_argument("--bs8-tokens", type=int, default=96, help="batch-8 output tokens per request")
+    ap.add_argument("--mtp", type=int, default=0, help="MTP drafts a step (0: off); dummy weights never draft right, "
+                    "so drafts are accepted by vLLM's synthetic rejection sampling at --acceptance-length")
+    ap.add_argument("--acceptance-length", type=float, default=3.23, help="mean tokens a step with --mtp (default "
+                    "3.23: TokenSpeed's measured figure for this model with 3 drafts)")
     ap.add_argument("--bs32-tokens", type=int, default=192,
                     help="batch-32 output tokens per request: enough to outlast the batch's prefill (32 x 50k "
                          "tokens at 16,384 a step: ~100 steps, during which the first requests already decode), so "
@@ -586,6 +622,7 @@ def worker_runs(args, impls: list[str], model: str, variants: dict, ours_at: dic
                "--result", res_path, "--ctx", str(args.ctx), "--out-tokens", str(args.out_tokens),
                "--bs32-ctx", str(args.bs32_ctx), "--bs32-tokens", str(args.bs32_tokens),
                "--bs8-ctx", str(args.bs8_ctx), "--bs8-tokens", str(args.bs8_tokens), "--preset", args.preset,
+               "--mtp", str(args.mtp), "--acceptance-length", str(args.acceptance_length),
                "--eager", "1" if impl in eager else "0",
                "--gpu-util", str(args.gpu_util if impl == "upstream" else args.gpu_util_ours)]
         for flag in ("profile", "warm_prefill", "mp", "profile_gpu_only", "profile_host_stacks"):
@@ -674,7 +711,7 @@ def main() -> None:
     others = [*variants, *(n for n in ours_at if n not in variants)]
     for a_name, b_name in [("ours", "upstream")] + [(v, base) for v in others for base in ("ours", "upstream")]:
         if a_name in by and b_name in by:
-            for k in ("bs1_tpot_ms", "bs1_step_ms", "bs8_step_ms", "bs32_step_ms"):
+            for k in ("bs1_tpot_ms", "bs1_step_ms", "bs1_tok_s_user", "bs8_step_ms", "bs32_step_ms", "bs32_decode_tok_s"):
                 a, b = by[a_name].get(k), by[b_name].get(k)
                 if a and b:
                     print(f"{k}: {a_name}/{b_name} = {a / b:.2f}")

@@ -323,3 +323,48 @@ def test_moe_backend_is_read_from_the_worker_log(tmp_path):
     log.write_text("INFO Using TRITON Unquantized MoE backend out of potential backends: [...]\n")
     assert bench.moe_backend(str(log)) == "TRITON"
     assert bench.moe_backend(str(tmp_path / "missing.log")) == ""
+
+
+class DraftingEngine(ScriptedEngine):
+    """ScriptedEngine whose decode steps give every request ``per_step`` tokens (1 + accepted MTP drafts)."""
+
+    def __init__(self, prefill_steps: int, per_step):
+        super().__init__(prefill_steps)
+        self.per_step = per_step  # callable: step index -> tokens
+        self.n = 0
+
+    def step(self):
+        outs = super().step()
+        self.n += 1
+        extra = self.per_step(self.n) - 1
+        for o in outs:
+            r = next(r for r in self.reqs if r[0] == o.request_id)
+            if r[3] == 0 and len(o.outputs[0].token_ids) > 1:  # decoding (not the prefill's first token)
+                r[2] = min(r[1], r[2] + extra)
+                o.outputs[0].token_ids = [0] * r[2]
+        return outs
+
+
+def test_timed_steps_count_the_tokens_each_gained():
+    """With MTP a decode step gives 1 + accepted drafts a request: ``counts`` gets what the whole batch gained in
+    each timed step, so tokens a step a request = sum / steps / batch is the acceptance length reached."""
+    eng = DraftingEngine(prefill_steps=2, per_step=lambda n: 1 + n % 3)  # 1, 2, 3, 1, 2, 3, ... tokens
+    counts = []
+    _, _, steps, _ = bench._drive(eng, [[1, 2]] * 4, 120, counts=counts)
+    assert len(counts) == len(steps) > 10
+    assert all(c % 4 == 0 and 4 <= c <= 12 for c in counts), counts  # every request of the 4 gains alike
+    assert 1.5 < sum(counts) / len(counts) / 4 < 2.5  # mean of 1, 2, 3
+    plain = []
+    bench._drive(ScriptedEngine(prefill_steps=2), [[1, 2]] * 4, 60, counts=plain)
+    assert plain and set(plain) == {4}
+
+
+def test_mtp_config_is_vllms_synthetic_acceptance():
+    c = bench.mtp_config(3, 3.23)
+    assert c == {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+                 "synthetic_acceptance_length": 3.23}
+    import pytest
+
+    for bad in (0.5, 4.5):
+        with pytest.raises(SystemExit, match="acceptance-length"):
+            bench.mtp_config(3, bad)
