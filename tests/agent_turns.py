@@ -31,7 +31,10 @@ def main(sched: str, out_path: str) -> None:
                enable_prefix_caching=True, num_gpu_blocks_override=BLOCKS)
     if sched != "default":
         eng["scheduler_cls"] = sched
-    llm = LLM(model=os.path.join(root, "qwen4exp", "assets", "tiny-coder"), **eng)
+    sys.path.insert(0, os.path.join(root, "tools"))
+    from vllm_offline import shared_engine  # (the GPU suite's parts sharing one GPU)
+
+    llm = LLM(model=os.path.join(root, "qwen4exp", "assets", "tiny-coder"), **shared_engine(eng))
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     pool = scheduler.kv_cache_manager.block_pool

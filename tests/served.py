@@ -44,7 +44,9 @@ def serve(ckpt: str, work, *args: str, name: str = "tiny", timeout: float = STAR
     port = free_port()
     exe = shutil.which("qwen4exp-serve", path=os.path.dirname(sys.executable))
     cmd = [exe] if exe else [sys.executable, "-m", "qwen4exp.serve"]
-    cmd += [ckpt, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name, *args]
+    from vllm_offline import shared_serve_args  # (tools/: the GPU suite's parts sharing one GPU)
+
+    cmd += [ckpt, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name, *shared_serve_args(list(args))]
     env = dict(os.environ, QWEN4EXP_CACHE_DIR=str(work / "cache"), TMPDIR=str(work))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     log = open(work / "server.log", "w")

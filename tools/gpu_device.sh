@@ -11,7 +11,9 @@
 #                                                   # server prefix-cache runs on CUDA and any other gpu test)
 #                                                   # spread over the GPUs (SUITE_GPUS, default all visible; PART:N
 #                                                   # puts PART on the N-th; shards on one GPU run one after the
-#                                                   # other), all within SUITE_TIMEOUT s (default 570);
+#                                                   # other; SUITE_SHARE=1: all parts at once, sharing the GPUs,
+#                                                   # every test engine with a small share of its GPU and a fixed
+#                                                   # KV cache), all within SUITE_TIMEOUT s (default 570);
 #                                                   # logs $OUT/suite-PART.log + .xml, one summary line at the end.
 #                                                   # With PYTEST ARGS: one run of pytest -m gpu ARGS instead
 #                                                   # (e.g. tests/test_vllm_mtp.py -k "greedy or share")
@@ -90,21 +92,27 @@ suite() {
   else
     IFS=, read -ra parts <<< "${SUITE_PARTS:-ops,gpu,nvfp4,rest}"
     IFS=, read -ra gpus <<< "${SUITE_GPUS:-$(python -c "import torch; print(','.join(map(str, range(max(1, torch.cuda.device_count())))))")}"
-    for i in "${!parts[@]}"; do  # part i on GPU i mod #GPUs (PART:N: on the N-th of them); parts of one GPU in order
+    # part i on GPU i mod #GPUs (PART:N: on the N-th of them); parts of one GPU one after the other, or with
+    # SUITE_SHARE=1 all at once (each test engine then takes a small share of the GPU: tools/vllm_offline.py)
+    local lane_gpu=()
+    [ "${SUITE_SHARE:-0}" = 1 ] && export QWEN4EXP_TEST_GPU_SHARE=1
+    for i in "${!parts[@]}"; do
       p=${parts[i]%%:*}
       g=$([ "$p" != "${parts[i]}" ] && echo "${parts[i]#*:}" || echo $(( i % ${#gpus[@]} )))
-      lanes[g]+="$p "
+      l=$([ "${SUITE_SHARE:-0}" = 1 ] && echo "$i" || echo "$g")
+      lanes[l]+="$p "
+      lane_gpu[l]=${gpus[g]}
       parts[i]=$p
     done
-    for g in "${!lanes[@]}"; do
-      ( for p in ${lanes[g]}; do
+    for l in "${!lanes[@]}"; do
+      ( for p in ${lanes[l]}; do
           left=$(( deadline - $(date +%s) ))
           [ $left -gt 10 ] || { echo "rc=124 (no time left)" > "$OUT/suite-$p.log"; continue; }
           case $p in
-            ops)  suite_part ops "${gpus[g]}" $left tests/ops ;;
-            gpu)  suite_part gpu "${gpus[g]}" $left tests/gpu --ignore=tests/gpu/test_vllm_nvfp4_gpu.py ;;
-            nvfp4) suite_part nvfp4 "${gpus[g]}" $left tests/gpu/test_vllm_nvfp4_gpu.py ;;
-            rest) suite_part rest "${gpus[g]}" $left tests --ignore=tests/ops --ignore=tests/gpu ;;
+            ops)  suite_part ops "${lane_gpu[l]}" $left tests/ops ;;
+            gpu)  suite_part gpu "${lane_gpu[l]}" $left tests/gpu --ignore=tests/gpu/test_vllm_nvfp4_gpu.py ;;
+            nvfp4) suite_part nvfp4 "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py ;;
+            rest) suite_part rest "${lane_gpu[l]}" $left tests --ignore=tests/ops --ignore=tests/gpu ;;
             *)    echo "rc=2 (unknown part $p: want ops, gpu, nvfp4 or rest)" > "$OUT/suite-$p.log" ;;
           esac
         done ) &

@@ -33,10 +33,39 @@ import sys
 import time
 
 
+# QWEN4EXP_TEST_GPU_SHARE=1 (tools/gpu_device.sh suite with SUITE_SHARE=1: the suite's parts at once on one GPU):
+# every test engine on a CUDA GPU asks for a small share of the GPU and a fixed KV cache, so that vLLM skips its
+# memory profiling (whose check fails when another process frees GPU memory meanwhile) and several engines fit.
+SHARE_GPU_UTIL, SHARE_KV_BYTES = 0.2, 4 << 30
+
+
+def gpu_share() -> bool:
+    import torch
+
+    return os.environ.get("QWEN4EXP_TEST_GPU_SHARE", "0") == "1" and torch.cuda.is_available()
+
+
+def shared_engine(engine: dict) -> dict:
+    """``engine`` (vLLM engine arguments) with the GPU-share settings when QWEN4EXP_TEST_GPU_SHARE=1 on CUDA."""
+    if gpu_share():
+        engine = dict(engine, gpu_memory_utilization=min(float(engine.get("gpu_memory_utilization", 0.9)),
+                                                           SHARE_GPU_UTIL), kv_cache_memory_bytes=SHARE_KV_BYTES)
+    return engine
+
+
+def shared_serve_args(args: list[str]) -> list[str]:
+    """``vllm serve`` arguments with the GPU-share settings (as ``shared_engine``)."""
+    if gpu_share():
+        args = [*args, "--gpu-memory-utilization", str(SHARE_GPU_UTIL), "--kv-cache-memory-bytes",
+                str(SHARE_KV_BYTES)]
+    return args
+
+
 def run_offline(spec: dict, workdir: str, timeout: float = 600) -> dict:
     """Run ``spec`` in a subprocess (in-process engine, CPU defaults) and return its results."""
     import torch
 
+    spec = dict(spec, engine=shared_engine(spec.get("engine", {})))
     os.makedirs(workdir, exist_ok=True)
     sp, out = os.path.join(workdir, "spec.json"), os.path.join(workdir, "out.pt")
     with open(sp, "w") as f:
