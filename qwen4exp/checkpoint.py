@@ -4,11 +4,19 @@
 Layouts: composite (``model.language_model.*``, ``model.visual.*``) or text-only (``model.*``); experts fused
 (``mlp.experts.gate_up_proj`` [E, 2I, D], ``down_proj`` [E, D, I]) or per expert (``EXPERT``); PLE tables as row
 shards (``PLE_SHARD``, concatenated in numeric order); tensors no runtime reads (``IGNORED``).
+
+``validate_checkpoint``: the one check of a checkpoint directory that both runtimes (and ``qwen4exp-serve``) run
+before allocating anything: config fields, safetensors headers and index, tensor names/shapes/dtypes, tokenizer size.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import re
+from collections import defaultdict
+from dataclasses import dataclass
 
 # the final mixer's unused injection, and training artefacts (hashstats_*, token_lookup)
 IGNORED = (re.compile(r"(^|\.)hyper_connection_mixer\.block_inject_weight\.weight$"),
@@ -37,3 +45,264 @@ def canonical_name(name: str, composite: bool) -> str | None:
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model."):]
     return name
+
+
+# -- validation before anything is allocated (both runtimes, and qwen4exp-serve before it starts vLLM) -------------
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+             "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+_FLOAT = {"F64", "F32", "F16", "BF16"}
+_INT = {"I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8"}
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str  # safetensors dtype name (BF16, F32, I64, ...)
+    shape: tuple[int, ...]
+    file: str
+
+
+def read_safetensors_header(fn: str) -> dict[str, TensorInfo]:
+    """The tensors a safetensors file declares, from its header only (no tensor data read). A file whose header or
+    data is cut short, or whose header is not the format's JSON, raises CheckpointError naming the file (and the
+    first tensor that lies beyond its end)."""
+    size = os.path.getsize(fn)
+    with open(fn, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"qwen4exp: {fn}: truncated safetensors file ({size} bytes, no header)")
+        n = int.from_bytes(raw, "little")
+        if n > size - 8:
+            raise CheckpointError(f"qwen4exp: {fn}: truncated safetensors file (its header is {n} bytes, the file "
+                                  f"{size})")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"qwen4exp: {fn}: not a safetensors file (unreadable header: {e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"qwen4exp: {fn}: not a safetensors file (header is no JSON object)")
+    data = size - 8 - n
+    out: dict[str, TensorInfo] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (b, e) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"qwen4exp: {fn}: tensor {name} has a malformed header entry {info!r}") from None
+        if e > data:
+            raise CheckpointError(f"qwen4exp: {fn}: truncated safetensors file: tensor {name} ends at data byte {e}, "
+                                  f"the file holds {data} data bytes")
+        if dtype in _ITEMSIZE and (e - b) != math.prod(shape) * _ITEMSIZE[dtype]:
+            raise CheckpointError(f"qwen4exp: {fn}: tensor {name} ({dtype} {list(shape)}) spans {e - b} bytes")
+        out[name] = TensorInfo(dtype, shape, fn)
+    return out
+
+
+def checkpoint_tensors(path: str) -> dict[str, TensorInfo]:
+    """Every tensor of a checkpoint directory, from the safetensors headers. With ``model.safetensors.index.json``,
+    a shard it names that is absent, or a tensor it places in a shard that does not hold it, raises CheckpointError
+    naming both."""
+    idx = os.path.join(path, INDEX)
+    if os.path.exists(idx):
+        try:
+            with open(idx, encoding="utf-8") as f:
+                wm = json.load(f)["weight_map"]
+            if not isinstance(wm, dict):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"qwen4exp: {idx}: not a safetensors index (needs a JSON object 'weight_map' "
+                                  f"of tensor -> file{'; ' + str(e) if isinstance(e, ValueError) else ''})") from None
+        out: dict[str, TensorInfo] = {}
+        headers: dict[str, dict[str, TensorInfo]] = {}
+        for shard in sorted(set(wm.values())):
+            fn = os.path.join(path, shard)
+            if not os.path.isfile(fn):
+                raise CheckpointError(f"qwen4exp: {idx} names shard {shard}, which is missing from {path}")
+            headers[shard] = read_safetensors_header(fn)
+            out.update(headers[shard])
+        for name, shard in wm.items():
+            if name not in headers[shard]:
+                raise CheckpointError(f"qwen4exp: {idx} places tensor {name} in {shard}, which does not hold it")
+        return out
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"qwen4exp: no .safetensors files in {path}")
+    out = {}
+    for f in files:
+        out.update(read_safetensors_header(os.path.join(path, f)))
+    return out
+
+
+def mtp_layout(names) -> tuple[int, bool]:
+    """(MTP layers, has an MTP LM head of its own) from a checkpoint's (canonical) tensor names."""
+    ids = {int(m.group(1)) for n in names if (m := re.match(r"^mtp\.layers\.(\d+)\.", n))}
+    return (max(ids) + 1 if ids else 0), any(n.startswith("mtp.shared_head.") for n in names)
+
+
+def _dtype_ok(ck: str, want, fp8_ok: bool) -> bool:
+    if want.is_floating_point:
+        return ck in _FLOAT or (fp8_ok and ck == "F8_E4M3")
+    return ck in _INT
+
+
+def check_tensors(tc, tensors: dict[str, TensorInfo], quantized: bool = False) -> None:
+    """The checkpoint's tensors against those the model builds from text config ``tc`` (our HF model on the meta
+    device, with the MTP layers the checkpoint has): names, shapes and dtype kinds (float for weights, integer for
+    the PLE hashing buffers; FP8 for a PLE table). Routed experts of a quantized checkpoint (``quantized``) are
+    left to the quantized-expert checks, which know their packed layouts. Raises CheckpointError naming the tensor
+    and its file."""
+    import torch
+
+    from .hf.modeling import Qwen4ExpForCausalLM
+
+    canon: dict[str, tuple[str, TensorInfo]] = {}
+    for k, info in tensors.items():
+        n = canonical_name(k, composite=False)
+        if n is not None:
+            canon[n] = (k, info)
+    n_mtp, shared_head = mtp_layout(canon)
+    with torch.device("meta"):
+        ref = Qwen4ExpForCausalLM(tc, mtp_layers=n_mtp, mtp_shared_head=shared_head)
+    expected = dict(ref.state_dict())
+    if getattr(tc, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
+    covered: set[str] = set()
+    shards: dict[str, dict[int, tuple[str, TensorInfo]]] = defaultdict(dict)
+    experts: dict[str, dict[tuple[int, str], tuple[str, TensorInfo]]] = defaultdict(dict)
+
+    def where(k: str, info: TensorInfo) -> str:
+        return f"tensor {k} in {os.path.basename(info.file)}"
+
+    for n, (k, info) in canon.items():
+        if (m := PLE_SHARD.match(n)):
+            shards[m.group(1)][int(m.group(2))] = (k, info)
+            continue
+        if n.endswith("ngram_embedding.weight_scale") and n[: -len("_scale")] in expected:
+            continue  # an FP8 table's scale (checked with the table by the loaders)
+        if quantized and ".mlp.experts." in n:
+            base = n.split(".mlp.experts.")[0] + ".mlp.experts"
+            covered.update(x for x in expected if x.startswith(base + "."))
+            continue
+        if (m := EXPERT.match(n)):
+            experts[m.group(1)][(int(m.group(2)), m.group(3))] = (k, info)
+            continue
+        want = expected.get(n)
+        if want is None:
+            raise CheckpointError(f"qwen4exp: unexpected {where(k, info)}: the model (config.json) has no such "
+                                  f"tensor")
+        if info.shape != tuple(want.shape):
+            raise CheckpointError(f"qwen4exp: {where(k, info)} has shape {list(info.shape)}, the config implies "
+                                  f"{list(want.shape)}")
+        if not _dtype_ok(info.dtype, want.dtype, fp8_ok=n.endswith("ngram_embedding.weight")):
+            raise CheckpointError(f"qwen4exp: {where(k, info)} has dtype {info.dtype}, expected "
+                                  f"{'a float dtype (BF16, F16, F32)' if want.dtype.is_floating_point else 'an integer dtype'}")
+        covered.add(n)
+    for base, parts in shards.items():
+        want = expected.get(base + ".weight")
+        k0, i0 = next(iter(parts.values()))
+        if want is None:
+            raise CheckpointError(f"qwen4exp: unexpected {where(k0, i0)}: the model has no PLE table {base}")
+        order = sorted(parts)
+        if order != list(range(len(order))):
+            raise CheckpointError(f"qwen4exp: PLE table {base} is missing shard(s) "
+                                  f"{sorted(set(range(order[-1] + 1)) - set(order))[:8]}")
+        rows = 0
+        for s in order:
+            k, info = parts[s]
+            if len(info.shape) != 2 or info.shape[1] != want.shape[1]:
+                raise CheckpointError(f"qwen4exp: {where(k, info)} has shape {list(info.shape)}, the config implies "
+                                      f"[rows, {want.shape[1]}]")
+            if not _dtype_ok(info.dtype, want.dtype, fp8_ok=True):
+                raise CheckpointError(f"qwen4exp: {where(k, info)} has dtype {info.dtype}, expected BF16/F16/F32 "
+                                      f"or F8_E4M3")
+            rows += info.shape[0]
+        if rows != want.shape[0]:
+            raise CheckpointError(f"qwen4exp: PLE table {base}: its {len(order)} shard(s) hold {rows} rows, the "
+                                  f"config implies {want.shape[0]}")
+        covered.add(base + ".weight")
+    for base, per in experts.items():
+        gu, dn = expected.get(base + ".gate_up_proj"), expected.get(base + ".down_proj")
+        if gu is None or dn is None:
+            k, info = next(iter(per.values()))
+            raise CheckpointError(f"qwen4exp: unexpected {where(k, info)}: the model has no routed experts {base}")
+        n_exp, i2, d = gu.shape
+        want = {"gate_proj": (i2 // 2, d), "up_proj": (i2 // 2, d), "down_proj": tuple(dn.shape[1:])}
+        for (e, proj), (k, info) in per.items():
+            if e >= n_exp:
+                raise CheckpointError(f"qwen4exp: {where(k, info)}: expert {e} beyond num_experts {n_exp}")
+            if info.shape != want[proj]:
+                raise CheckpointError(f"qwen4exp: {where(k, info)} has shape {list(info.shape)}, the config implies "
+                                      f"{list(want[proj])}")
+            if not _dtype_ok(info.dtype, gu.dtype, fp8_ok=False):
+                raise CheckpointError(f"qwen4exp: {where(k, info)} has dtype {info.dtype}, expected a float dtype")
+        absent = [f"{base}.{e}.{p}.weight" for e in range(n_exp) for p in want if (e, p) not in per]
+        if absent:
+            raise CheckpointError(f"qwen4exp: checkpoint is missing tensor(s): {', '.join(absent[:10])}")
+        covered.update((base + ".gate_up_proj", base + ".down_proj"))
+    missing = [k for k in expected if k not in covered]
+    if missing:
+        raise CheckpointError(f"qwen4exp: checkpoint is missing tensor(s): {', '.join(missing[:10])}"
+                              + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+
+
+def tokenizer_vocab(path: str) -> tuple[str, int] | None:
+    """(file, number of token ids) of the tokenizer files in ``path`` (tokenizer.json, else vocab.json; plus the
+    added tokens of tokenizer_config.json): one more than the largest id. None without tokenizer files."""
+    top, src = -1, None
+    for fname in ("tokenizer.json", "vocab.json"):
+        fn = os.path.join(path, fname)
+        if not os.path.isfile(fn):
+            continue
+        try:
+            with open(fn, encoding="utf-8") as f:
+                tok = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"qwen4exp: {fn}: not valid JSON ({e})") from None
+        vocab = tok.get("model", {}).get("vocab") if fname == "tokenizer.json" else tok
+        if isinstance(vocab, dict):
+            top = max([top, *(v for v in vocab.values() if isinstance(v, int))])
+        elif isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+            top = max(top, len(vocab) - 1)
+        for t in tok.get("added_tokens", []) if fname == "tokenizer.json" else []:
+            if isinstance(t, dict) and isinstance(t.get("id"), int):
+                top = max(top, t["id"])
+        src = fn
+        break
+    fn = os.path.join(path, "tokenizer_config.json")
+    if src is not None and os.path.isfile(fn):
+        try:
+            with open(fn, encoding="utf-8") as f:
+                added = json.load(f).get("added_tokens_decoder") or {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"qwen4exp: {fn}: not valid JSON ({e})") from None
+        ids = [int(i) for i in added if str(i).isdigit()]
+        if ids and max(ids) > top:
+            top, src = max(ids), fn
+    return None if src is None else (src, top + 1)
+
+
+def validate_checkpoint(path, *, config=None, weights: bool = True, tokenizer: bool = True):
+    """One validation of a checkpoint directory before any runtime allocates anything: config.json (valid JSON,
+    required fields, field types and invariants: ``configuration.validate_text_config``), the safetensors headers and
+    index (``weights``: truncated files, missing shards, tensors no shard holds, names/shapes/dtypes against the model
+    the config builds), and the tokenizer's size against ``vocab_size`` (``tokenizer``). Returns our config object
+    (``config``, when given, is checked instead of config.json). Raises ConfigError (a field) or CheckpointError (a
+    file or tensor), both ValueError, with one message naming it."""
+    from .configuration import load_config, text_config_of, validate_text_config
+
+    path = str(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"qwen4exp: checkpoint directory {path} does not exist")
+    cfg = load_config(path) if config is None else config
+    tc = text_config_of(cfg)
+    validate_text_config(tc)
+    if weights:
+        from .quant import load_quant_config
+
+        check_tensors(tc, checkpoint_tensors(path), quantized=load_quant_config(path) is not None)
+    if tokenizer and (tv := tokenizer_vocab(path)) is not None and tv[1] > tc.vocab_size:
+        raise CheckpointError(f"qwen4exp: tokenizer {tv[0]} has {tv[1]} token ids, more than the model's vocab_size "
+                              f"{tc.vocab_size} (config.json): ids from {tc.vocab_size} on have no embedding row")
+    return cfg

@@ -30,6 +30,62 @@ def _fail(field: str, msg: str) -> None:
     raise ConfigError(f"Qwen4Exp config field `{field}`: {msg}")
 
 
+# Fields a checkpoint's config.json must set: they fix every tensor's shape, so a default would build another model.
+REQUIRED_TEXT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                        "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                        "linear_value_head_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
+                        "num_experts", "num_experts_per_tok")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_field_types(values) -> None:
+    """Each text-config field against the type ``Qwen4ExpTextConfig`` declares for it (``int``, ``int | None``,
+    ``float``, ``list[int] | None``, ``int | list[int] | None``): ``"big"``, ``1.5`` or ``null`` where an int is
+    required fails naming the field. ``values``: a mapping, or any object with the fields as attributes (upstream's
+    config objects); fields it lacks are not checked here."""
+    get = values.get if isinstance(values, dict) else (lambda k, d=None: getattr(values, k, d))
+    missing = object()
+    for name, kind in _field_kinds().items():
+        v = get(name, missing)
+        if v is missing:
+            continue
+        optional = kind.endswith("| None")
+        if v is None:
+            if not optional:
+                _fail(name, f"must be {kind}, got null")
+            continue
+        base = kind.removesuffix(" | None")
+        if base == "int":
+            ok = _is_int(v)
+        elif base == "float":
+            ok = _is_int(v) or isinstance(v, float)
+        elif base == "list[int]":
+            ok = isinstance(v, (list, tuple)) and all(_is_int(x) for x in v)
+        elif base == "int | list[int]":
+            ok = _is_int(v) or (isinstance(v, (list, tuple)) and all(_is_int(x) for x in v))
+        else:
+            continue
+        if not ok:
+            _fail(name, f"must be {kind}, got {v!r}")
+
+
+_KINDS: dict[str, str] | None = None
+
+
+def _field_kinds() -> dict[str, str]:
+    """Field name -> its declared type (``Qwen4ExpTextConfig.__init__``'s annotations, as written)."""
+    global _KINDS
+    if _KINDS is None:
+        import inspect
+
+        _KINDS = {n: str(p.annotation) for n, p in inspect.signature(Qwen4ExpTextConfig.__init__).parameters.items()
+                  if n not in ("self", "kwargs")}
+    return _KINDS
+
+
 def normalize_layer_types(layer_types: list[str] | None, num_hidden_layers: int, interval: int = 4) -> list[str]:
     """Official checkpoints write ``full_attention`` for the QSA layers; older ones ``qwen_sparse_attention``."""
     if layer_types is None:
@@ -131,6 +187,7 @@ class Qwen4ExpTextConfig(PretrainedConfig):
         mamba_ssm_dtype: str | None = None,
         **kwargs: Any,
     ):
+        check_field_types({k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")})
         interval = kwargs.pop("full_attention_interval", 4)
         self.rope_parameters = standardize_rope(rope_parameters, kwargs)
         self.vocab_size = vocab_size
@@ -194,12 +251,18 @@ class Qwen4ExpTextConfig(PretrainedConfig):
 
 def validate_text_config(c) -> None:
     """Check the invariants every runtime relies on. Works on any object with the text-config attributes."""
+    check_field_types(c)
     _check_layer_types(c.layer_types, c.num_hidden_layers)
     for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "vocab_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
               "linear_value_head_dim", "hc_lowrank", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if int(getattr(c, f)) <= 0:
             _fail(f, f"must be > 0, got {getattr(c, f)}")
+    for f in ("max_position_embeddings", "linear_conv_kernel_dim"):
+        if int(getattr(c, f)) <= 0:
+            _fail(f, f"must be > 0, got {getattr(c, f)}")
+    if not c.rms_norm_eps > 0:
+        _fail("rms_norm_eps", f"must be > 0, got {c.rms_norm_eps}")
     gate = c.output_gate_type or c.hidden_act
     if gate not in ("sigmoid", "silu"):
         _fail("output_gate_type", f"must be 'sigmoid' or 'silu', got {gate!r}")
@@ -363,11 +426,32 @@ def load_config(path_or_dict) -> Qwen4ExpConfig | Qwen4ExpTextConfig:
         p = str(path_or_dict)
         if os.path.isdir(p):
             p = os.path.join(p, "config.json")
-        with open(p) as f:
-            d = json.load(f)
+        try:
+            with open(p, encoding="utf-8") as f:
+                d = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p}: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{p}: must hold a JSON object, got {type(d).__name__}")
+        try:
+            return _config_from_dict(d, required=True)
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None
+    return _config_from_dict(d)
+
+
+def _config_from_dict(d: dict, required: bool = False):
+    """``required``: a checkpoint's config.json, which must set ``REQUIRED_TEXT_FIELDS`` (no defaults)."""
     mt = d.pop("model_type", "qwen4_exp")
-    if mt == "qwen4_exp":
-        return Qwen4ExpConfig(**d)
-    if mt == "qwen4_exp_text":
-        return Qwen4ExpTextConfig(**d)
-    raise ConfigError(f"Qwen4Exp config field `model_type`: expected 'qwen4_exp' or 'qwen4_exp_text', got {mt!r}")
+    if mt not in ("qwen4_exp", "qwen4_exp_text"):
+        _fail("model_type", f"expected 'qwen4_exp' or 'qwen4_exp_text', got {mt!r}")
+    text = d if mt == "qwen4_exp_text" else d.get("text_config")
+    if required:
+        if not isinstance(text, dict):
+            _fail("text_config", f"must be a JSON object, got {'nothing' if text is None else repr(text)}")
+        for f in REQUIRED_TEXT_FIELDS:
+            if f not in text:
+                _fail(f if mt == "qwen4_exp_text" else f"text_config.{f}", "is required in a checkpoint's config.json")
+    if isinstance(text, dict):
+        check_field_types(text)
+    return Qwen4ExpConfig(**d) if mt == "qwen4_exp" else Qwen4ExpTextConfig(**d)

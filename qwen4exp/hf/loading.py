@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..checkpoint import EXPERT, PLE_SHARD, CheckpointError, canonical_name
-from ..configuration import Qwen4ExpConfig, Qwen4ExpTextConfig, load_config
+from ..checkpoint import EXPERT, PLE_SHARD, CheckpointError, canonical_name, mtp_layout, validate_checkpoint
+from ..configuration import Qwen4ExpConfig, Qwen4ExpTextConfig
 from ..layers.rope import RotaryEmbedding
 from ..quant import QuantConfigError, QuantTensorError, load_quant_config
 from ..quant.fp8 import validate_fp8_per_tensor
@@ -87,17 +87,13 @@ def convert(weights, composite: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def _mtp_layout(names) -> tuple[int, bool]:
-    ids = {int(m.group(1)) for n in names if (m := re.match(r"^mtp\.layers\.(\d+)\.", n))}
-    return (max(ids) + 1 if ids else 0), any(n.startswith("mtp.shared_head.") for n in names)
-
-
 def load_pretrained(cls, path, dtype=None, device="cpu", config=None, quant_mode: str = "dequantize",
                     emulate_w4a4: bool = False):
     path = str(path)
     if quant_mode not in QUANT_MODES:
         raise ValueError(f"qwen4exp: quant_mode must be one of {', '.join(QUANT_MODES)}, got {quant_mode!r}")
-    cfg = config if config is not None else load_config(path)
+    # config, headers, tensor names/shapes/dtypes and tokenizer size, before anything is allocated
+    cfg = validate_checkpoint(path, config=config)
     composite = cls.config_class is Qwen4ExpConfig
     if composite and isinstance(cfg, Qwen4ExpTextConfig):
         cfg = Qwen4ExpConfig(text_config=cfg.to_dict())
@@ -111,7 +107,7 @@ def load_pretrained(cls, path, dtype=None, device="cpu", config=None, quant_mode
     weights = ((n, t) for k, t in iter_checkpoint(path) if (n := canonical_name(k, composite)) is not None)
     weights, qexperts = split_quantized_experts(weights, qcfg, layout)
     sd = convert(weights, composite)
-    n_mtp, shared_head = _mtp_layout(list(sd) + [f"{b}.x" for b in qexperts])
+    n_mtp, shared_head = mtp_layout(list(sd) + [f"{b}.x" for b in qexperts])
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if dtype is None:

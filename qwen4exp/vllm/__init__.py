@@ -44,6 +44,8 @@ def register() -> bool:
         ModelRegistry.register_model(arch, path)
     _install_config_hooks()
     keep_resolved_block_size()
+    eager_logprob_ranks_on_cpu()
+    validate_token_ids_without_tokenizer()
     _registered = True
     # the INFO line naming the implementation is logged once, where the model is built (qwen4exp.vllm.model)
     _logger().debug("qwen4exp plugin registered %s", ", ".join(ARCHITECTURES))
@@ -67,6 +69,7 @@ def _install_config_hooks() -> None:
 
             @classmethod
             def verify_and_update_config(cls, vllm_config) -> None:
+                validate_model_dir(vllm_config)
                 if cls._base is not None:
                     cls._base.verify_and_update_config(vllm_config)
                 graph_modes(vllm_config)
@@ -75,6 +78,72 @@ def _install_config_hooks() -> None:
 
         Hook.__name__ = f"Qwen4ExpPlugin{arch}Config"
         mc.MODELS_CONFIG_MAP[arch] = Hook
+
+
+def eager_logprob_ranks_on_cpu() -> None:
+    """On CPU, the sampler's logprob ranks use vLLM's eager ``batched_count_greater_than`` instead of the
+    torch.compile'd one (v1/sample/ops/logprobs.py): the compile runs on the first request that asks for logprobs,
+    inside the engine step, and stalls every stream for 10-20 s on a fresh machine. The function is the same code,
+    uncompiled (``_torchdynamo_orig_callable``); the sampler reads it from its module globals at each call."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.sample import sampler
+
+    eager = getattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable", None)
+    if eager is not None:
+        sampler.batched_count_greater_than = eager
+
+
+def validate_token_ids_without_tokenizer() -> None:
+    """Prompt token ids are checked against the model's vocabulary also with ``--skip-tokenizer-init``: vLLM 0.32's
+    ``BaseRenderer.validate_token_ids`` skips the check when no tokenizer is loaded, and an id >= vocab_size then
+    reaches the engine's embedding lookup. The error names the ``prompt`` field when vLLM's caller names none."""
+    from vllm.renderers.base import BaseRenderer
+
+    orig = BaseRenderer.validate_token_ids
+    if getattr(orig, "_qwen4exp", False):
+        return
+
+    from vllm.exceptions import VLLMValidationError
+
+    def validate_token_ids(self, token_ids, *, parameter=None):
+        if self.tokenizer is not None:
+            try:
+                return orig(self, token_ids, parameter=parameter)
+            except VLLMValidationError as e:
+                if parameter is not None or e.parameter is not None:
+                    raise
+                raise VLLMValidationError(f"prompt: {e.args[0]}", parameter="prompt", value=e.value) from None
+        if not token_ids:
+            return
+        vocab = self.model_config.get_vocab_size()
+        bad = min(token_ids) if min(token_ids) < 0 else max(token_ids) if max(token_ids) >= vocab else None
+        if bad is not None:
+            raise VLLMValidationError(f"prompt: token id {bad} is out of vocabulary (vocab_size {vocab})",
+                                      parameter=parameter or "prompt")
+
+    validate_token_ids._qwen4exp = True
+    BaseRenderer.validate_token_ids = validate_token_ids
+
+
+def validate_model_dir(vllm_config) -> None:
+    """``qwen4exp.checkpoint.validate_checkpoint`` on a local model directory, while vLLM builds its config (in the
+    API server / ``LLM`` process, before the engine starts or allocates anything): a bad config field, file or tensor
+    fails here with one message naming it. Dummy weights (``load_format="dummy"``): config and tokenizer only."""
+    import os
+
+    mc = getattr(vllm_config, "model_config", None)
+    model = getattr(mc, "model", None)
+    if not isinstance(model, str) or not os.path.isdir(model):
+        return
+    from ..checkpoint import validate_checkpoint
+
+    fmt = str(getattr(getattr(vllm_config, "load_config", None), "load_format", "auto"))
+    has_st = any(f.endswith(".safetensors") for f in os.listdir(model))
+    validate_checkpoint(model, weights=fmt != "dummy" and (has_st or fmt == "safetensors"),
+                        tokenizer=getattr(mc, "tokenizer", None) in (None, model))
 
 
 def graph_modes(vllm_config) -> None:
