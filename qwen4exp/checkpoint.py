@@ -172,8 +172,8 @@ def check_tensors(tc, tensors: dict[str, TensorInfo], quantized: bool = False) -
     shards: dict[str, dict[int, tuple[str, TensorInfo]]] = defaultdict(dict)
     experts: dict[str, dict[tuple[int, str], tuple[str, TensorInfo]]] = defaultdict(dict)
 
-    def where(k: str, info: TensorInfo) -> str:
-        return f"tensor {k} in {os.path.basename(info.file)}"
+    def at(info: TensorInfo) -> str:
+        return f" (in {os.path.basename(info.file)})"
 
     for n, (k, info) in canon.items():
         if (m := PLE_SHARD.match(n)):
@@ -190,33 +190,33 @@ def check_tensors(tc, tensors: dict[str, TensorInfo], quantized: bool = False) -
             continue
         want = expected.get(n)
         if want is None:
-            raise CheckpointError(f"qwen4exp: unexpected {where(k, info)}: the model (config.json) has no such "
-                                  f"tensor")
+            raise CheckpointError(f"qwen4exp: unexpected tensor {k}{at(info)}: the model (config.json) has no "
+                                  f"such tensor")
         if info.shape != tuple(want.shape):
-            raise CheckpointError(f"qwen4exp: {where(k, info)} has shape {list(info.shape)}, the config implies "
-                                  f"{list(want.shape)}")
+            raise CheckpointError(f"qwen4exp: tensor {k} has shape {list(info.shape)}, the config implies "
+                                  f"{list(want.shape)}{at(info)}")
         if not _dtype_ok(info.dtype, want.dtype, fp8_ok=n.endswith("ngram_embedding.weight")):
-            raise CheckpointError(f"qwen4exp: {where(k, info)} has dtype {info.dtype}, expected "
-                                  f"{'a float dtype (BF16, F16, F32)' if want.dtype.is_floating_point else 'an integer dtype'}")
+            kind = "a float dtype (BF16, F16, F32)" if want.dtype.is_floating_point else "an integer dtype"
+            raise CheckpointError(f"qwen4exp: tensor {k} has dtype {info.dtype}, expected {kind}{at(info)}")
         covered.add(n)
     for base, parts in shards.items():
         want = expected.get(base + ".weight")
         k0, i0 = next(iter(parts.values()))
         if want is None:
-            raise CheckpointError(f"qwen4exp: unexpected {where(k0, i0)}: the model has no PLE table {base}")
+            raise CheckpointError(f"qwen4exp: unexpected tensor {k0}{at(i0)}: the model has no PLE table {base}")
         order = sorted(parts)
         if order != list(range(len(order))):
-            raise CheckpointError(f"qwen4exp: PLE table {base} is missing shard(s) "
+            raise CheckpointError(f"qwen4exp: PLE table {base} is missing shards "
                                   f"{sorted(set(range(order[-1] + 1)) - set(order))[:8]}")
         rows = 0
         for s in order:
             k, info = parts[s]
             if len(info.shape) != 2 or info.shape[1] != want.shape[1]:
-                raise CheckpointError(f"qwen4exp: {where(k, info)} has shape {list(info.shape)}, the config implies "
-                                      f"[rows, {want.shape[1]}]")
+                raise CheckpointError(f"qwen4exp: tensor {k} has shape {list(info.shape)}, the config implies "
+                                      f"[rows, {want.shape[1]}]{at(info)}")
             if not _dtype_ok(info.dtype, want.dtype, fp8_ok=True):
-                raise CheckpointError(f"qwen4exp: {where(k, info)} has dtype {info.dtype}, expected BF16/F16/F32 "
-                                      f"or F8_E4M3")
+                raise CheckpointError(f"qwen4exp: tensor {k} has dtype {info.dtype}, expected BF16/F16/F32 "
+                                      f"or F8_E4M3{at(info)}")
             rows += info.shape[0]
         if rows != want.shape[0]:
             raise CheckpointError(f"qwen4exp: PLE table {base}: its {len(order)} shard(s) hold {rows} rows, the "
@@ -226,17 +226,18 @@ def check_tensors(tc, tensors: dict[str, TensorInfo], quantized: bool = False) -
         gu, dn = expected.get(base + ".gate_up_proj"), expected.get(base + ".down_proj")
         if gu is None or dn is None:
             k, info = next(iter(per.values()))
-            raise CheckpointError(f"qwen4exp: unexpected {where(k, info)}: the model has no routed experts {base}")
+            raise CheckpointError(f"qwen4exp: unexpected tensor {k}{at(info)}: the model has no routed experts "
+                                  f"{base}")
         n_exp, i2, d = gu.shape
         want = {"gate_proj": (i2 // 2, d), "up_proj": (i2 // 2, d), "down_proj": tuple(dn.shape[1:])}
         for (e, proj), (k, info) in per.items():
             if e >= n_exp:
-                raise CheckpointError(f"qwen4exp: {where(k, info)}: expert {e} beyond num_experts {n_exp}")
+                raise CheckpointError(f"qwen4exp: tensor {k}{at(info)}: expert {e} beyond num_experts {n_exp}")
             if info.shape != want[proj]:
-                raise CheckpointError(f"qwen4exp: {where(k, info)} has shape {list(info.shape)}, the config implies "
-                                      f"{list(want[proj])}")
+                raise CheckpointError(f"qwen4exp: tensor {k} has shape {list(info.shape)}, the config implies "
+                                      f"{list(want[proj])}{at(info)}")
             if not _dtype_ok(info.dtype, gu.dtype, fp8_ok=False):
-                raise CheckpointError(f"qwen4exp: {where(k, info)} has dtype {info.dtype}, expected a float dtype")
+                raise CheckpointError(f"qwen4exp: tensor {k} has dtype {info.dtype}, expected a float dtype{at(info)}")
         absent = [f"{base}.{e}.{p}.weight" for e in range(n_exp) for p in want if (e, p) not in per]
         if absent:
             raise CheckpointError(f"qwen4exp: checkpoint is missing tensor(s): {', '.join(absent[:10])}")

@@ -148,7 +148,7 @@ def test_missing_and_unexpected_tensor_named(ckpt):
     sd = load_file(str(ckpt / ST))
     sd["model.layers.7.mlp.gate.weight"] = sd["model.layers.0.mlp.gate.weight"].clone()
     save_file(sd, str(ckpt / ST), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"unexpected tensor model.layers.7.mlp.gate.weight in model.safetensors"):
+    with pytest.raises(ValueError, match=r"unexpected tensor model.layers.7.mlp.gate.weight \(in model.safetensors\)"):
         hf_load(ckpt)
     del sd["model.layers.7.mlp.gate.weight"], sd["model.layers.2.linear_attn.dt_bias"]
     save_file(sd, str(ckpt / ST), metadata={"format": "pt"})
@@ -205,6 +205,6 @@ def test_vllm_config_hook_rejects_before_the_engine(ckpt, fault):
         sd = load_file(str(ckpt / ST))
         sd["model.layers.1.self_attn.k_proj.weight"] = sd["model.layers.1.self_attn.k_proj.weight"].to(torch.int8)
         save_file(sd, str(ckpt / ST), metadata={"format": "pt"})
-        want = "tensor model.layers.1.self_attn.k_proj.weight in model.safetensors has dtype I8"
+        want = "tensor model.layers.1.self_attn.k_proj.weight has dtype I8, expected a float dtype (BF16, F16, F32) (in model.safetensors)"
     with pytest.raises(Exception, match=re.escape(want)):
         EngineArgs(model=str(ckpt), enforce_eager=True, max_model_len=256).create_engine_config()
