@@ -57,13 +57,16 @@ test: venv $(TRITON_DIR)/.stamp $(QUANT_STAMP)
 test-fast: venv
 	$(VPY) -m pytest -q -ra tests -m "not vllm and not slow"
 
+# The demo's server listens on 127.0.0.1 (PORT=N picks its port). Ctrl-C, SIGTERM (make forwards it), SIGHUP (a
+# closed terminal) or make's own death stop the server and every process it started (qwen4exp/demo.py).
+DEMO_PORT = $(if $(PORT),--port $(PORT))
 demo: venv
 	@mkdir -p .cache .tmp
-	$(VPY) -m qwen4exp.demo
+	$(VPY) -m qwen4exp.demo $(DEMO_PORT)
 
 serve: venv
 	@mkdir -p .cache .tmp
-	$(VPY) -m qwen4exp.demo --serve
+	$(VPY) -m qwen4exp.demo --serve $(DEMO_PORT)
 
 bench: venv
 	$(VPY) benchmarks/bench_hf_reference.py

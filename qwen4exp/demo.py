@@ -6,6 +6,9 @@
 
 The checkpoint is ``qwen4exp/assets/tiny-coder`` (3.8M parameters, trained on the Python standard library; see its
 README): every mechanism is active (GDN + QSA layers, 4 HC streams, PLE, MoE + shared expert, MTP head).
+
+The server listens on 127.0.0.1 only. Ctrl-C, SIGTERM, SIGHUP (a closed terminal) and the death of the parent
+process (``make serve`` killed) all stop it with every process it started (its own process group).
 """
 
 from __future__ import annotations
@@ -52,19 +55,74 @@ def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 300.0) -> flo
     raise TimeoutError(f"server not ready after {timeout:.0f} s")
 
 
+def group_alive(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid`` (Linux: from /proc; elsewhere [pgid] while the group
+    answers a signal)."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d))
+    return out
+
+
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    """SIGTERM the server's process group, SIGKILL it if the leader has not exited after ``timeout`` seconds."""
-    if proc.poll() is not None:
-        return
+    """SIGTERM the server's process group (API server, engine core, workers: it was started in its own session) and
+    wait for all of it; SIGKILL what is left after ``timeout`` seconds."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=timeout)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not group_alive(proc.pid):
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+class Stop(Exception):
+    """SIGTERM or SIGHUP arrived: stop the server and exit."""
+
+
+def _on_stop_signal(signum, _frame):
+    for sig in STOP_SIGNALS:  # one stop: a second signal (make forwards SIGTERM, then the parent-death one) must
+        signal.signal(sig, signal.SIG_IGN)  # not interrupt the clean-up
+    raise Stop(signal.Signals(signum).name)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux ``PR_SET_PDEATHSIG``): ``make serve`` killed by a signal it
+    does not forward (SIGHUP, SIGKILL) must not leave the server behind."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def chat(port: int, prompt: str, max_tokens: int, out=sys.stdout) -> dict:
@@ -127,11 +185,15 @@ def main(argv=None) -> int:
         return run_hf(args.prompt, args.max_tokens)
     port = args.port or free_port()
     log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"qwen4exp-demo-{port}.log")
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _on_stop_signal)
+    proc = None
     with open(log_path, "w") as log:
-        print(f"starting the vLLM CPU server (qwen4exp plugin) on 127.0.0.1:{port} (log: {log_path}) ...",
-              flush=True)
-        proc = start_server(args.model, port, log=log)
         try:
+            stop_with_parent()
+            print(f"starting the vLLM CPU server (qwen4exp plugin) on 127.0.0.1:{port} (log: {log_path}) ...",
+                  flush=True)
+            proc = start_server(args.model, port, log=log)
             ready = wait_ready(proc, port, args.startup_timeout)
             print(f"server ready in {ready:.1f} s", flush=True)
             if args.serve:
@@ -146,6 +208,9 @@ def main(argv=None) -> int:
         except KeyboardInterrupt:
             print("\ninterrupted", flush=True)
             return 130
+        except Stop as e:
+            print(f"\n{e}: stopping the server", flush=True)
+            return 128 + int(getattr(signal, str(e)))
         except Exception as e:  # noqa: BLE001 - report and stop the server
             print(f"\ndemo failed: {e}; last server log lines:", file=sys.stderr)
             log.flush()
@@ -153,8 +218,11 @@ def main(argv=None) -> int:
                 sys.stderr.write("".join(f.readlines()[-30:]))
             return 1
         finally:
-            stop_server(proc)
-            print("server stopped", flush=True)
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+            if proc is not None:
+                stop_server(proc)
+                print("server stopped", flush=True)
 
 
 if __name__ == "__main__":
