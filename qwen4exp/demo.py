@@ -108,6 +108,9 @@ def _on_stop_signal(signum, _frame):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# a started server shuts down in a few seconds; during start-up vLLM's API server does not act on SIGTERM until
+# its engine handshake ends, so the group is SIGKILLed after this grace
+STOP_GRACE_S = 10.0
 
 
 def stop_with_parent() -> None:
@@ -221,7 +224,7 @@ def main(argv=None) -> int:
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
             if proc is not None:
-                stop_server(proc)
+                stop_server(proc, timeout=STOP_GRACE_S)
                 print("server stopped", flush=True)
 
 

@@ -6,8 +6,8 @@ for the module, with ``--api-key``):
 * the first request with ``logprobs`` on a fresh server answers within a bound the torch.compile of vLLM's logprob
   rank helper (11-18 s on CPU) would break;
 * ``--api-key``: 401 without the key, 200 with it;
-* SIGTERM to ``python -m qwen4exp.demo --serve`` and SIGHUP to ``make serve`` stop the server and every process it
-  started, and free the port.
+* SIGTERM to ``make serve`` (forwarded to the demo), SIGHUP to its process group (a closed terminal) and SIGKILL to
+  make (the demo stops with its parent) stop the server and every process it started (and free the port).
 """
 
 import json
@@ -220,10 +220,12 @@ def _wait_for(tmp_path, proc, pred, timeout=240):
     raise AssertionError(f"not reached in {timeout} s:\n{(tmp_path / 'out.txt').read_text()[-3000:]}")
 
 
-def _stop_and_check(proc, sig, tmp_path, port=None):
+def _stop_and_check(proc, sig, tmp_path, port=None, group=False):
+    """Send ``sig`` to the launcher only (``kill PID``), or to its process group (``group``: what a closing
+    terminal does with SIGHUP); every process it started must be gone within 60 s."""
     tree = descendants(proc.pid)
     assert tree, "the server was not started"
-    os.kill(proc.pid, sig)  # the launcher only (as `kill PID` or a closing terminal's SIGHUP to make)
+    (os.killpg if group else os.kill)(proc.pid, sig)
     t0 = time.monotonic()
     while (alive(tree) or proc.poll() is None) and time.monotonic() - t0 < 60:
         time.sleep(0.2)
@@ -237,8 +239,15 @@ def _stop_and_check(proc, sig, tmp_path, port=None):
     print(f"{sig.name}: {len(tree)} processes stopped in {time.monotonic() - t0:.1f} s")
 
 
-def test_sigterm_to_the_demo_server_stops_everything(tmp_path):
-    proc = _start([sys.executable, "-m", "qwen4exp.demo", "--serve"], tmp_path)
+def _make_serve(tmp_path):
+    """``make serve`` in its own session (as from a terminal)."""
+    return _start(["make", "-s", "-o", ".venv/.stamp", "serve", f"VPY={sys.executable}"], tmp_path)
+
+
+def test_sigterm_to_make_serve_stops_everything(tmp_path):
+    """``kill MAKE_PID`` on a ready server: make forwards SIGTERM to the demo, which stops the server's process
+    group; nothing is left and the port is free."""
+    proc = _make_serve(tmp_path)
     try:
         text = _wait_for(tmp_path, proc, lambda t: "serving at http://127.0.0.1:" in t)
         port = int(text.split("serving at http://127.0.0.1:", 1)[1].split("/", 1)[0])
@@ -250,16 +259,27 @@ def test_sigterm_to_the_demo_server_stops_everything(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_sighup_to_make_serve_stops_everything(tmp_path):
-    """make does not forward SIGHUP: the demo stops with its parent (PR_SET_PDEATHSIG). Sent during start-up,
-    once the engine core runs (a terminal closed while the server starts)."""
-    proc = _start(["make", "-s", "-o", ".venv/.stamp", "serve", f"VPY={sys.executable}"], tmp_path)
+def _make_serve_starting(tmp_path):
+    """``make serve`` (in its own session, as from a terminal), once the demo's server runs its engine core."""
+    proc = _make_serve(tmp_path)
+    _wait_for(tmp_path, proc, lambda t: "starting the vLLM CPU server" in t)
+    t0 = time.monotonic()
+    while len(descendants(proc.pid)) < 4 and time.monotonic() - t0 < 120:  # demo, API server, engine core, ...
+        time.sleep(0.5)
+    return proc
+
+
+@pytest.mark.parametrize("how", ["sighup_to_the_terminal_group", "sigkill_to_make"])
+def test_make_serve_stops_everything(tmp_path, how):
+    """A closed terminal (SIGHUP to make's process group: make waits for the demo, the demo stops its server), or
+    make killed outright (the demo stops with its parent: PR_SET_PDEATHSIG). Sent during start-up."""
+    proc = _make_serve_starting(tmp_path)
     try:
-        _wait_for(tmp_path, proc, lambda t: "starting the vLLM CPU server" in t)
-        t0 = time.monotonic()
-        while len(descendants(proc.pid)) < 3 and time.monotonic() - t0 < 120:  # demo, API server, engine core
-            time.sleep(0.5)
-        _stop_and_check(proc, signal.SIGHUP, tmp_path)
+        if how == "sigkill_to_make":
+            _stop_and_check(proc, signal.SIGKILL, tmp_path)
+        else:
+            _stop_and_check(proc, signal.SIGHUP, tmp_path, group=True)
+            assert "SIGHUP: stopping the server" in (tmp_path / "out.txt").read_text()
         assert not group_alive(proc.pid)
     finally:
         if proc.poll() is None:
