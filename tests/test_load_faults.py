@@ -198,6 +198,8 @@ def test_vllm_config_hook_rejects_before_the_engine(ckpt, fault):
     config, naming the field / tensor (before: hidden_size -1 died ~24 s later in vLLM's buffer allocation)."""
     from vllm.engine.arg_utils import EngineArgs
 
+    from qwen4exp.vllm import CheckpointRejected
+
     if fault == "hidden_size":
         edit_config(ckpt, hidden_size=-1)
         want = "config field `hidden_size`: must be > 0, got -1"
@@ -206,5 +208,5 @@ def test_vllm_config_hook_rejects_before_the_engine(ckpt, fault):
         sd["model.layers.1.self_attn.k_proj.weight"] = sd["model.layers.1.self_attn.k_proj.weight"].to(torch.int8)
         save_file(sd, str(ckpt / ST), metadata={"format": "pt"})
         want = "tensor model.layers.1.self_attn.k_proj.weight has dtype I8, expected a float dtype (BF16, F16, F32) (in model.safetensors)"
-    with pytest.raises(Exception, match=re.escape(want)):
+    with pytest.raises(CheckpointRejected, match=re.escape(want)):  # (not wrapped in pydantic's ValidationError)
         EngineArgs(model=str(ckpt), enforce_eager=True, max_model_len=256).create_engine_config()

@@ -142,8 +142,16 @@ def validate_model_dir(vllm_config) -> None:
 
     fmt = str(getattr(getattr(vllm_config, "load_config", None), "load_format", "auto"))
     has_st = any(f.endswith(".safetensors") for f in os.listdir(model))
-    validate_checkpoint(model, weights=fmt != "dummy" and (has_st or fmt == "safetensors"),
-                        tokenizer=getattr(mc, "tokenizer", None) in (None, model))
+    try:
+        validate_checkpoint(model, weights=fmt != "dummy" and (has_st or fmt == "safetensors"),
+                            tokenizer=getattr(mc, "tokenizer", None) in (None, model))
+    except ValueError as e:
+        # not a ValueError past this point: pydantic would wrap it in a ValidationError with the whole config dump
+        raise CheckpointRejected(f"{type(e).__name__}: {e}") from None
+
+
+class CheckpointRejected(RuntimeError):
+    """``validate_model_dir``'s error: the validation error's class and its message, in one line."""
 
 
 def graph_modes(vllm_config) -> None:
