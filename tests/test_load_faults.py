@@ -130,7 +130,8 @@ def test_index_tensor_no_shard_holds(ckpt):
 
 
 @pytest.mark.parametrize("name,change,msg", [
-    ("model.hyper_connection_mixer.hc_norm.weight", lambda t: t.to(torch.int32), "has dtype I32, expected a float dtype"),
+    ("model.hyper_connection_mixer.hc_norm.weight", lambda t: t.to(torch.int32),
+     "has dtype I32, expected a float dtype"),
     ("model.layers.0.ple.ple_embedding.layer_multipliers", lambda t: t.float(), "has dtype F32, expected an integer"),
     ("lm_head.weight", lambda t: t[:-1], r"has shape \[2047, 192\], the config implies \[2048, 192\]"),
     ("model.layers.0.ple.ple_embedding.ngram_embedding.shard_1.weight", lambda t: t[:-8],
@@ -207,6 +208,7 @@ def test_vllm_config_hook_rejects_before_the_engine(ckpt, fault):
         sd = load_file(str(ckpt / ST))
         sd["model.layers.1.self_attn.k_proj.weight"] = sd["model.layers.1.self_attn.k_proj.weight"].to(torch.int8)
         save_file(sd, str(ckpt / ST), metadata={"format": "pt"})
-        want = "tensor model.layers.1.self_attn.k_proj.weight has dtype I8, expected a float dtype (BF16, F16, F32) (in model.safetensors)"
+        want = ("tensor model.layers.1.self_attn.k_proj.weight has dtype I8, expected a float dtype (BF16, F16, F32) "
+                "(in model.safetensors)")
     with pytest.raises(CheckpointRejected, match=re.escape(want)):  # (not wrapped in pydantic's ValidationError)
         EngineArgs(model=str(ckpt), enforce_eager=True, max_model_len=256).create_engine_config()

@@ -152,12 +152,31 @@ def test_token_ids_checked_without_a_tokenizer():
     import qwen4exp.vllm as plugin
 
     plugin.validate_token_ids_without_tokenizer()
+    assert getattr(BaseRenderer.validate_token_ids, "_qwen4exp", False)
     r = types.SimpleNamespace(tokenizer=None, model_config=types.SimpleNamespace(get_vocab_size=lambda: 2048))
     BaseRenderer.validate_token_ids(r, [0, 5, 2047])
     for bad in (2048, -1):
         with pytest.raises(VLLMValidationError, match=f"prompt: token id {bad} is out of vocabulary") as e:
             BaseRenderer.validate_token_ids(r, [1, bad])
         assert e.value.parameter == "prompt"
+
+
+def test_logprob_ranks_eager_on_cpu():
+    """The plugin's swap is in place (a vLLM that renames the helper fails here, not as a silent stall)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+
+    import qwen4exp.vllm as plugin
+
+    plugin.eager_logprob_ranks_on_cpu()
+    orig = getattr(logprobs.batched_count_greater_than, "_torchdynamo_orig_callable", None)
+    assert orig is not None, "vLLM's logprob-rank helper is no longer a torch.compile'd function"
+    assert (sampler.batched_count_greater_than is orig) == current_platform.is_cpu()
+    import torch
+
+    x = torch.tensor([[0.1, 0.5, 0.3], [0.9, 0.2, 0.4]])
+    assert sampler.batched_count_greater_than(x, torch.tensor([[0.3], [0.9]])).tolist() == [2, 1]
 
 
 # -- stopping -----------------------------------------------------------------------------------------------------
