@@ -1,7 +1,7 @@
 """Greedy determinism of the vLLM plugin (offline engine, CPU, tiny-coder): across repeated runs and across batch
 compositions, in fp32 and bf16. One engine per dtype runs every generate call below in sequence.
 
-Per target prompt: 5 runs alone, 5 runs inside one batch of 8 (the target + 7 other requests of other lengths), and
+Per target prompt: 5 runs alone, 2 runs inside one batch of 8 (the target + 7 other requests of other lengths), and
 one run inside a second, different batch of 8. Repeats of the same composition must give identical tokens in both
 dtypes (nothing in the engine may depend on anything but the batch). fp32: every composition gives the alone tokens.
 bf16: a different batch can change the GEMM blocking and so the rounding, so a greedy token may flip where the two
@@ -19,25 +19,22 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 CKPT = os.path.join(os.path.dirname(__file__), "..", "qwen4exp", "assets", "tiny-coder")
-GEN = 24
-REPEATS = 5
+GEN = 16
+REPEATS = 5  # runs alone
+BATCH_REPEATS = 2  # runs of composition A
 TIE_ULPS = 2  # a flip needs the two best logits within this many bf16 ulps in both runs
 TEXTS = [
     "def fibonacci(n):\n    ",
-    "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
     "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
     "    def peek(self):\n        ",
-    '    def __repr__(self):\n        return "%s(%r)" % (self.__class__.__name__, self.',
-    "<|im_start|>user\nWrite a Python function `is_prime(n)`: whether n is a prime number.<|im_end|>\n"
-    "<|im_start|>assistant\n",
     "def read_lines(path, encoding='utf-8'):\n    \"\"\"Return the lines of a text file.\"\"\"\n"
     "    with open(path, encoding=encoding) as f:\n        return [line.rstrip('\\n') for line in f]\n\n\n"
     "def write_lines(path, lines, encoding='utf-8'):\n    \"\"\"Write lines to a text file.\"\"\"\n"
     "    with open(path, 'w', encoding=encoding) as f:\n        for line in lines:\n            ",
 ]
 N_TARGETS = len(TEXTS)
-FILLER_LENS = (3, 17, 60, 130, 240, 9, 90, 310, 44, 180, 25, 400, 70, 5)  # 14 others: two sets of 7
+FILLER_LENS = (3, 17, 60, 130, 200, 9, 90, 150, 44, 180, 25, 110, 70, 5)  # 14 others: two sets of 7
 
 
 def _layout():
@@ -56,7 +53,7 @@ def _layout():
             prompts.append(p)
             idx["alone"].append(len(prompts) - 1)
             batches.append([len(prompts) - 1])
-        for kind, reps, others in (("A", REPEATS, fill[:7]), ("B", 1, fill[7:])):
+        for kind, reps, others in (("A", BATCH_REPEATS, fill[:7]), ("B", 1, fill[7:])):
             for _ in range(reps):
                 b = []
                 for j, o in enumerate(others):  # the target at a position that moves with t
@@ -131,6 +128,7 @@ def _check(run, index, exact: bool):
 
 def test_fp32_identical_across_repeats_and_batches(runs):
     flips, compared = _check(runs["float32"], runs["index"], exact=True)
+    print(f"fp32 engine start-up {runs['float32']['startup_s']:.0f} s, runs {runs['float32']['run_s']:.0f} s")
     print(f"fp32: {compared} batch runs of {N_TARGETS} targets equal their alone run; repeats identical")
 
 
@@ -143,3 +141,14 @@ def test_bf16_repeats_identical_and_batch_flips_are_near_ties(runs):
         assert same, f"target {t} batch {kind} step {step}: the runs' top-2 tokens differ"
         assert gap_a <= TIE_ULPS * ulp and gap_o <= TIE_ULPS * ulp, (
             f"target {t} batch {kind} step {step}: a flip without a near-tie (gaps {gap_a}, {gap_o}, ulp {ulp})")
+
+
+def test_flip_rule():
+    """The near-tie rule on hand-made runs: agreeing runs give None; a flip reports the first differing step, both
+    runs' top-2 gaps and the bf16 ulp at the top logit, and whether the two tokens are the runs' top two."""
+    assert _flip([1, 2], [{1: 5.0, 3: 1.0}, {2: 5.0, 4: 1.0}], [1, 2], [{1: 5.0, 3: 1.0}, {2: 5.0, 4: 1.0}]) is None
+    step, ga, go, ulp, same = _flip([1, 2, 9], [{1: 5.0}, {2: 10.0, 4: 9.9375}, {9: 1.0}],
+                                    [1, 4, 7], [{1: 5.0}, {4: 10.0, 2: 9.9375}, {7: 1.0}])
+    assert (step, ga, go, ulp, same) == (1, 0.0625, 0.0625, 0.0625, True)  # bf16 spacing in [8, 16): 2**-4
+    assert _flip([2], [{2: 10.0, 5: 9.9}], [4], [{4: 10.0, 5: 9.0}])[4] is False  # token 2 not in the other's top 2
+    assert _ulp_bf16(1.0) == 2.0 ** -7 and _ulp_bf16(-3.0) == 2.0 ** -6

@@ -4,7 +4,7 @@
 any step whose batch holds that token. What vLLM 0.32 does, found here and asserted exactly: it cannot isolate the
 request. The exception in the worker's ``execute_model`` is fatal to the engine core ("EngineCore encountered a
 fatal error"); the faulting request gets HTTP 500 ("EngineCore encountered an issue"), requests in flight beside it
-end with an error (never a hang), shutdown in order within a second and exits with status 0 (not
+end with an error (never a hang), and the API server shuts down in order within a second and exits with status 0 (not
 non-zero: the exit status does not tell a fault from a normal stop), with the injected cause in its log, and it leaves
 no process behind (engine core and worker are killed by the API server's shutdown). So a fault in our layers is loud
 in the log and takes the server down cleanly: a supervisor must restart it.
