@@ -258,6 +258,18 @@ def settle(base: str, idle_kv: float, timeout: float = SETTLE_S) -> tuple[dict, 
         time.sleep(0.5)
 
 
+def rss_by_process(pid: int) -> str:
+    """``name pid: MiB`` of ``pid`` and each descendant (which process grew, for a failed RSS check)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return ", ".join(f"{q.name()} {q.pid}: {q.memory_info().rss / 2 ** 20:.0f}"
+                         for q in [p, *p.children(recursive=True)])
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
 def rss_mb(pid: int) -> float:
     """Resident memory of ``pid`` and all its descendants (API server, engine core, workers), MiB."""
     import psutil
@@ -369,7 +381,8 @@ class Soak:
         if phase == "preempt" and row["preemptions"] <= 0:
             self.fail(p, "vLLM did not preempt (the KV cache is not small enough)")
         if row["rss_after_mb"] > rss0 + self.a.rss_bound_mb:
-            self.fail(p, f"RSS {row['rss_after_mb']:.0f} MiB > post-warm-up {rss0:.0f} + {self.a.rss_bound_mb:g} MiB")
+            self.fail(p, f"RSS {row['rss_after_mb']:.0f} MiB > post-warm-up {rss0:.0f} + {self.a.rss_bound_mb:g} MiB "
+                         f"({rss_by_process(proc.pid)} MiB)")
         if row["5xx"] or row["4xx"]:
             self.fail(p, f"{row['4xx']} responses 4xx, {row['5xx']} 5xx: "
                          f"{[x.error for x in res if x.status and x.status >= 400][:3]}")
