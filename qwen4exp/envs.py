@@ -19,7 +19,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 @dataclass(frozen=True)
 class Switch:
     name: str
-    kind: str  # "bool", "choice", "float" or "path"
+    kind: str  # "bool", "choice", "float", "int" or "path"
     default: Any
     doc: str
     choices: tuple[str, ...] = ()
@@ -46,6 +46,14 @@ class Switch:
             if x < 0:
                 raise ValueError(f"{self.name} must be >= 0, got {raw!r}")
             return x
+        if self.kind == "int":
+            try:
+                i = int(v)
+            except ValueError:
+                raise ValueError(f"{self.name} must be an integer, got {raw!r}") from None
+            if i < 0:
+                raise ValueError(f"{self.name} must be >= 0, got {raw!r}")
+            return i
         return v  # path
 
 
@@ -69,6 +77,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "AgentScheduler (--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler): seconds a session's finished "
            "turn keeps its KV blocks pinned for the next turn (0: no pins; agent traces: ~86% of next turns within "
            "1 s, ~95% within 10 s)"),
+    Switch("QWEN4EXP_FAULT_INJECT", "int", None,
+           "tests only: a token id; the vLLM plugin's model forward raises (RuntimeError naming it) in every step "
+           "whose input holds that token, to test how the server handles an engine fault; unset: off"),
     Switch("QWEN4EXP_CACHE_DIR", "path", "",
            "qwen4exp-serve's cache folder (vLLM and inductor caches); default $XDG_CACHE_HOME/qwen4exp or "
            "~/.cache/qwen4exp"),
@@ -108,7 +119,7 @@ def table(current: Callable[[str], Optional[str]] = os.environ.get) -> str:
     """A Markdown table of the switches (the README links this module; ``python -m qwen4exp.envs`` prints it)."""
     rows = ["| switch | values | default | set here | what |", "| --- | --- | --- | --- | --- |"]
     for s in SWITCHES.values():
-        values = {"bool": "0 / 1", "path": "a folder", "float": "seconds"}.get(s.kind, " / ".join(s.choices))
+        values = {"bool": "0 / 1", "path": "a folder", "float": "seconds", "int": "an integer"}.get(s.kind, " / ".join(s.choices))
         default = {True: "1", False: "0"}.get(s.default, s.default) if s.kind == "bool" else (s.default or "(see doc)")
         rows.append(f"| `{s.name}` | {values} | {default} | {current(s.name) or ''} | {s.doc} |")
     return "\n".join(rows)

@@ -14,8 +14,8 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 PACKAGE = os.path.join(ROOT, "qwen4exp")
 _CHOICES = {"bool": [("1", True), ("0", False), ("true", True), ("False", False), ("on", True), ("no", False)],
             "path": [("/some/folder", "/some/folder"), ("  rel/dir ", "rel/dir")],
-            "float": [("0", 0.0), ("2.5", 2.5), (" 30 ", 30.0)]}
-_BAD = {"bool": "2", "choice": "no-such-choice", "float": "-1"}
+            "float": [("0", 0.0), ("2.5", 2.5), (" 30 ", 30.0)], "int": [("0", 0), (" 17 ", 17)]}
+_BAD = {"bool": "2", "choice": "no-such-choice", "float": "-1", "int": "1.5"}
 
 
 @pytest.fixture(autouse=True)
@@ -29,9 +29,10 @@ def fresh(monkeypatch):
 
 def test_switches_declared():
     assert set(envs.SWITCHES) == {"QWEN4EXP_VLLM", "QWEN4EXP_OPS", "QWEN4EXP_VLLM_GDN", "QWEN4EXP_PLE_TABLE",
-                                  "QWEN4EXP_PLE_PREFETCH", "QWEN4EXP_CACHE_DIR", "QWEN4EXP_SESSION_TTL"}
+                                  "QWEN4EXP_PLE_PREFETCH", "QWEN4EXP_CACHE_DIR", "QWEN4EXP_SESSION_TTL",
+                                  "QWEN4EXP_FAULT_INJECT"}
     for name, s in envs.SWITCHES.items():
-        assert s.name == name and s.doc and s.kind in ("bool", "choice", "path", "float")
+        assert s.name == name and s.doc and s.kind in ("bool", "choice", "path", "float", "int")
         assert (s.kind == "choice") == bool(s.choices)
         if s.kind == "choice":
             assert s.default in s.choices

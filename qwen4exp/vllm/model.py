@@ -85,6 +85,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
                 self._ple_embed_steps[str(i)] = embed_step
             layers.append(layer)
         self.layers = nn.ModuleList(layers)
+        self.fault_token = envs.QWEN4EXP_FAULT_INJECT  # tests only (tests/test_engine_faults.py); None: off
         self.ple_state_pads = nn.ModuleList(_ple_state_pads(config, vllm_config, self.ple_states, prefix, dtype))
         self.hyper_connection_mixer = HyperConnection(config, inject=False, linear=vllm_linear,
                                                       prefix=f"{prefix}.hyper_connection_mixer")
@@ -104,6 +105,8 @@ class Qwen4ExpVllmTextModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
+        if self.fault_token is not None:
+            inject_fault(input_ids, self.fault_token)
         emb = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         H = embed_streams(emb, c.hc_count)
         cos, sin = self.rotary_emb(positions, emb.dtype)
@@ -129,6 +132,14 @@ class Qwen4ExpVllmTextModel(nn.Module):
             self.mtp_hidden[: H.shape[0]].copy_(H)  # (vLLM never schedules more rows than the buffer has)
         out, _ = self.hyper_connection_mixer(H, Hn)
         return out
+
+
+def inject_fault(input_ids: torch.Tensor, token: int) -> None:
+    """``QWEN4EXP_FAULT_INJECT``: raise, as a bug inside our layers would, in a step whose batch holds ``token``
+    (a host sync each step: tests only)."""
+    if bool((input_ids == token).any()):
+        raise RuntimeError(f"qwen4exp: injected fault (QWEN4EXP_FAULT_INJECT={token}): token id {token} is in "
+                           f"this step's input")
 
 
 def decoder_layer(config, i: int, prefix: str, mixer: nn.Module, layer_type: str, **kw) -> DecoderLayer:
