@@ -208,3 +208,37 @@ def test_bad_multimodal_inputs_name_the_problem(pair):
         bad.pop("image_grid_thw")
         with pytest.raises(ValueError, match="pixel_values given without image_grid_thw"):
             ours(**bad)
+
+
+def test_auto_processor_and_generate(tmp_path):
+    """AutoProcessor (our Qwen4ExpProcessor: Pillow image processor, no torchvision needed) + our model answer a
+    multi-turn chat holding two PIL images of different sizes exactly as upstream's model does."""
+    from transformers import AutoProcessor
+
+    from qwen4exp.hf.processing import Qwen4ExpProcessor, has_torchvision
+    from upstream import UM
+    from vision_checkpoint import build_vision_checkpoint, test_image
+
+    build_vision_checkpoint(str(tmp_path), seed=7, dtype=torch.float32, indexer_n_heads=16)
+    proc = AutoProcessor.from_pretrained(tmp_path)
+    assert isinstance(proc, Qwen4ExpProcessor)
+    assert (proc.video_processor is None) == (not has_torchvision())
+    msgs = [{"role": "system", "content": "you are a good assistant"},
+            {"role": "user", "content": [{"type": "image", "image": test_image(40, 24, seed=1)},
+                                         {"type": "text", "text": "what is in the image"}]},
+            {"role": "assistant", "content": "a red house and a tree"},
+            {"role": "user", "content": [{"type": "text", "text": "and this one"},
+                                         {"type": "image", "image": test_image(30, 50, seed=2)}]}]
+    inp = proc.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=True,
+                                   return_tensors="pt")
+    assert inp["image_grid_thw"].tolist() == [[1, 6, 10], [1, 12, 8]]  # 24x40 and 50x30 px, 4-px patches
+    ours = Qwen4ExpForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32)
+    up = UM.Qwen4ExpForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        go, gu = ours.generate(**inp, **GEN), up.generate(**inp, **GEN)
+    assert torch.equal(go, gu)
+    text = proc.batch_decode(go[:, inp["input_ids"].shape[1]:])[0]
+    assert len(text) > 0
+    if not has_torchvision():
+        with pytest.raises(ValueError, match="video inputs need .* torchvision"):
+            proc(text="<|vision_start|><|video_pad|><|vision_end|>", videos=[torch.zeros(4, 3, 16, 16)])
