@@ -13,7 +13,7 @@ import torch
 
 pytestmark = pytest.mark.vllm
 
-GEN = 10
+GEN = 16
 
 RUNNER = r'''
 import json, sys, torch
@@ -24,13 +24,15 @@ sys.path.insert(0, sys.argv[3])
 from vision_checkpoint import test_image
 spec = json.load(open(sys.argv[1]))
 llm = LLM(model=spec["model"], **spec["engine"])
-sp = SamplingParams(temperature=0.0, max_tokens=spec["gen"], ignore_eos=True)
+sp = SamplingParams(temperature=0.0, max_tokens=spec["gen"], ignore_eos=True, prompt_logprobs=0, detokenize=False)
 out = {}
 for name, batch in spec["batches"].items():
     reqs = [{"prompt": p["text"], "multi_modal_data": {"image": [test_image(*im) for im in p["images"]]}}
             if p["images"] else {"prompt": p["text"]} for p in batch]
     res = llm.generate(reqs, sp, use_tqdm=False)
-    out[name] = [{"prompt_ids": list(r.prompt_token_ids), "tokens": list(r.outputs[0].token_ids)} for r in res]
+    out[name] = [{"prompt_ids": list(r.prompt_token_ids), "tokens": list(r.outputs[0].token_ids),
+                  "prompt_lp": [None] + [d[t].logprob for d, t in zip(r.prompt_logprobs[1:], r.prompt_token_ids[1:])]}
+                 for r in res]
 json.dump(out, open(sys.argv[2], "w"))
 '''
 
@@ -80,26 +82,40 @@ def setup(tmp_path_factory):
     return d, runs
 
 
+_REF = {}
+
+
 def _hf_reference(d, prompt):
+    """Our HF reference (fp32) on the same prompt through AutoProcessor: (prompt ids, log-probs of each prompt
+    token given the ones before, greedy continuation)."""
     from transformers import AutoProcessor
 
     from qwen4exp import Qwen4ExpForConditionalGeneration
     from vision_checkpoint import test_image
 
-    proc = AutoProcessor.from_pretrained(d)
-    model = Qwen4ExpForConditionalGeneration.from_pretrained(d, dtype=torch.float32)
+    if d not in _REF:
+        _REF[d] = (AutoProcessor.from_pretrained(d), Qwen4ExpForConditionalGeneration.from_pretrained(
+            d, dtype=torch.float32))
+    proc, model = _REF[d]
     imgs = [test_image(*im) for im in prompt["images"]] or None
     inp = proc(text=[prompt["text"]], images=imgs, return_tensors="pt")
+    ids = inp["input_ids"][0]
     with torch.no_grad():
+        lp = model(**inp).logits[0].log_softmax(-1)
         out = model.generate(**inp, max_new_tokens=GEN, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return inp["input_ids"][0].tolist(), out[0, inp["input_ids"].shape[1]:].tolist()
+    return ids.tolist(), lp[:-1].gather(1, ids[1:, None])[:, 0], out[0, ids.numel():].tolist()
 
 
 @pytest.mark.parametrize("run", ["whole", "chunk8"])
-def test_plugin_greedy_equals_hf_reference(setup, run):
+def test_plugin_matches_hf_reference(setup, run):
+    """Same prompt ids; teacher-forced log-probs of every prompt token within 1e-3 (fp32 both); same greedy
+    tokens."""
     d, runs = setup
     for i, p in enumerate(PROMPTS):
-        ids, ref = _hf_reference(d, p)
+        ids, lp, ref = _hf_reference(d, p)
         got = runs[run]["single"][i]
         assert got["prompt_ids"] == ids, (run, i)
+        err = (torch.tensor(got["prompt_lp"][1:]) - lp).abs().max().item()
+        print(f"{run} prompt {i}: max |prompt log-prob diff| {err:.1e}")
+        assert err <= 1e-3, (run, i, err)
         assert got["tokens"] == ref, (run, i)

@@ -258,6 +258,7 @@ class QSAMixer(QSAAttention):
         n = raw.shape[0]
         prev_owner, prev_pos = [], []  # earlier positions of blocks completed now: request, position
         src, first, last = [], [], []  # per block: r source rows (< n: this step; n + i: prev row i), start, last row
+        first_rows, block_owner = [], []  # per block: its first token's row in this step (-1: earlier), request
         for b in range(len(seq_lens)):
             s, e = qsl[b], qsl[b + 1]
             if e <= s:
@@ -275,6 +276,8 @@ class QSAMixer(QSAAttention):
             for j in range(nfull):
                 first.append(base + j * r)
                 last.append(s + base + j * r + r - 1 - start)
+                first_rows.append(s + base + j * r - start if base + j * r >= start else -1)
+                block_owner.append(b)
         bk_rows = torch.zeros_like(raw)
         if not first:
             return bk_rows
@@ -288,7 +291,7 @@ class QSAMixer(QSAAttention):
         if pos3 is None:
             cb, sb = self.rotary[0](first_t, raw.dtype)
         else:  # M-RoPE: rotate at the (t, h, w) position of each block's first token
-            cb, sb = self.rotary[0](block_start_positions(pos3, first, last, r, qsl, prev_owner, prev_pos, ikv, m, d_i),
+            cb, sb = self.rotary[0](block_start_positions(pos3, first, first_rows, block_owner, qsl, ikv, m, d_i),
                                     raw.dtype)
         keys = self.block_keys(block_mean(rows[src_t], r), cb, sb)
         bk_rows[last_t] = keys.to(bk_rows.dtype)
@@ -412,22 +415,15 @@ def stash_block_start_positions(bk_rows: torch.Tensor, pos1: torch.Tensor, pos3:
         bk_rows[rows, : 3 * _DIGITS] = digits.permute(1, 0, 2).reshape(rows.numel(), -1).to(bk_rows.dtype)
 
 
-def block_start_positions(pos3, first, last, r, qsl, prev_owner, prev_pos, ikv, m, d_i) -> torch.Tensor:
-    """(t, h, w) positions [3, nblocks] of the first tokens (indices ``first``) of the blocks whose last rows in
-    this step are ``last``."""
+def block_start_positions(pos3, first, first_rows, owners, qsl, ikv, m, d_i) -> torch.Tensor:
+    """(t, h, w) positions [3, nblocks] of the blocks' first tokens (indices ``first``; ``first_rows``: their rows
+    in this step, -1 for a token of an earlier step; ``owners``: each block's request)."""
     dev = pos3.device
-    first_row = [int(l_) - (r - 1) for l_ in last]  # the block's first row in this step (< 0: an earlier step)
-    out = pos3[:, torch.tensor([max(f, 0) for f in first_row], dtype=torch.long, device=dev)].clone()
-    early = [j for j, f in enumerate(first_row) if f < 0]
+    out = pos3[:, torch.tensor([max(f, 0) for f in first_rows], dtype=torch.long, device=dev)].clone()
+    early = [j for j, f in enumerate(first_rows) if f < 0]
     if not early:
         return out
-    # a request's only block reaching back starts at its first earlier row (prev_pos lists them per request)
-    start_of = {}
-    for b, p in zip(prev_owner, prev_pos):
-        start_of.setdefault(b, p)
-    owner_by_first = {p: b for b, p in start_of.items()}
-    owners = [owner_by_first[first[j]] for j in early]
-    owner_t = torch.tensor(owners, dtype=torch.long, device=dev)
+    owner_t = torch.tensor([owners[j] for j in early], dtype=torch.long, device=dev)
     pp = torch.tensor([first[j] for j in early], dtype=torch.long, device=dev)
     row = paged_rows(ikv, m.block_table[owner_t], pp.unsqueeze(1))[:, 0, 0, d_i: d_i + 3 * _DIGITS]
     digits = row.float().round().long().view(len(early), 3, _DIGITS) - 1
@@ -436,10 +432,16 @@ def block_start_positions(pos3, first, last, r, qsl, prev_owner, prev_pos, ikv, 
     for k, j in enumerate(early):
         if bool((digits[k] >= 0).all()):
             out[:, j] = stored_pos[:, k]
-        else:  # not stored: extrapolate back from the request's first row s of this step (token first - first_row)
-            s0 = qsl[owners[k]]
-            out[:, j] = pos3[:, s0] - (s0 - first_row[j])
+        else:  # not stored: extrapolate back from the request's first row s of this step (token index start)
+            s0 = qsl[owners[j]]
+            start = _request_start(m, owners[j], qsl)
+            out[:, j] = pos3[:, s0] - (start - first[j])
     return out
+
+
+def _request_start(m, b: int, qsl) -> int:
+    _, seq_lens = _host_lengths(m)
+    return seq_lens[b] - (qsl[b + 1] - qsl[b])
 
 
 @functools.cache
