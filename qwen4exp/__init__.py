@@ -11,6 +11,7 @@ _FROM = {
     "Qwen4ExpConfig": ".configuration", "Qwen4ExpTextConfig": ".configuration",
     "Qwen4ExpVisionConfig": ".configuration", "ConfigError": ".configuration", "load_config": ".configuration",
     "Qwen4ExpForCausalLM": ".hf", "Qwen4ExpForConditionalGeneration": ".hf", "Qwen4ExpHybridCache": ".hf",
+    "Qwen4ExpProcessor": ".hf",
 }
 
 

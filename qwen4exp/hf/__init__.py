@@ -2,5 +2,9 @@
 
 from .cache import Qwen4ExpHybridCache
 from .modeling import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, Qwen4ExpTextModel
+from .processing import Qwen4ExpProcessor, register as _register_processor
 
-__all__ = ["Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpTextModel", "Qwen4ExpHybridCache"]
+_register_processor()
+
+__all__ = ["Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpTextModel", "Qwen4ExpHybridCache",
+           "Qwen4ExpProcessor"]

@@ -56,6 +56,10 @@ class Qwen4ExpHybridCache:
         self.config, self.batch_size, self.dtype, self.device = config, batch_size, dtype, torch.device(device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
         self.columns = 0
+        # M-RoPE: set once a row got (t, h, w) positions (images / video); later tokens of row b sit at their index
+        # + rope_deltas[b] on all three axes
+        self.mrope = False
+        self.rope_deltas = torch.zeros(batch_size, dtype=torch.long)
         self.journal: list | None = None  # set to a list to record state updates (speculative verification)
         # the MTP draft layers' own QSA caches (positions they have consumed: mtp_lengths)
         self.mtp_layers = [{"qsa": [QSARowState() for _ in range(batch_size)]} for _ in range(mtp_layers)]

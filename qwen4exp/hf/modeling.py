@@ -20,7 +20,7 @@ from ..layers.hyper_connection import HyperConnection
 from ..layers.moe import Experts
 from ..layers.ple import NGramTable, PLE
 from ..layers.gdn import GatedDeltaNet
-from ..layers.rope import RotaryEmbedding
+from ..layers.rope import IMAGE, VIDEO, RotaryEmbedding, mrope_positions
 from ..layers.vision import VisionTower
 from ..modeling import DecoderLayer, embed_streams, next_mixer
 from ..ops.qsa import block_mean, qsa_attention
@@ -364,9 +364,12 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
             model_inputs["input_ids"] = input_ids if input_ids is not None and input_ids.shape[1] else None
         else:
             model_inputs["input_ids"] = input_ids[:, done:]
-        for k in ("logits_to_keep", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
-            if kwargs.get(k) is not None:
-                model_inputs[k] = kwargs[k]
+        if kwargs.get("logits_to_keep") is not None:
+            model_inputs["logits_to_keep"] = kwargs["logits_to_keep"]
+        if done == 0:  # images / videos enter with the prompt; decode steps continue from the cached positions
+            for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids"):
+                if kwargs.get(k) is not None:
+                    model_inputs[k] = kwargs[k]
         return model_inputs
 
     def _reverse_embedding(self, embeds: torch.Tensor) -> torch.Tensor:
@@ -395,12 +398,12 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
         image_grid_thw: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
         return_mtp_hidden: bool = False,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         if pixel_values is not None or pixel_values_videos is not None:
-            self.visual_tower()(pixel_values if pixel_values is not None else pixel_values_videos,
-                                image_grid_thw if image_grid_thw is not None else video_grid_thw)
+            self.visual_tower()  # text-only models refuse here
         if (input_ids is None) == (inputs_embeds is None) and ple_input_ids is None:
             raise ValueError("qwen4exp: pass exactly one of input_ids or inputs_embeds")
         tm = self.text_model
@@ -427,14 +430,22 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
         cu = torch.zeros(B + 1, dtype=torch.long, device=input_ids.device)
         cu[1:] = lens.cumsum(0)
         ids = input_ids[valid]
+        grids = image_grid_thw is not None or video_grid_thw is not None
         if position_ids is not None:
             pos = position_ids[1:] if position_ids.dim() == 3 and position_ids.shape[0] == 4 else position_ids
             pos = pos[..., -S:]
             pos = pos[:, valid] if pos.dim() == 3 else pos[valid]
+        elif grids:
+            pos = self._mrope_prefill_positions(ids, cu, valid, cache, mm_token_type_ids, image_grid_thw,
+                                                video_grid_thw)
         else:
-            base = cache.lengths.to(input_ids.device)
+            base = (cache.lengths + cache.rope_deltas).to(input_ids.device)
             pos = torch.repeat_interleave(base - cu[:-1], lens) + torch.arange(ids.numel(), device=ids.device)
+            if cache.mrope:  # the rows' QSA caches hold (t, h, w) positions: keep three axes
+                pos = pos.expand(3, -1)
         emb = inputs_embeds[valid] if inputs_embeds is not None else None
+        if pixel_values is not None or pixel_values_videos is not None:
+            emb = self._merge_vision(ids, emb, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         rows = torch.arange(B)
         hidden, H = tm.forward_packed(ids, pos, cu, cache, rows, emb)
         cache.lengths += lens.cpu()
@@ -461,6 +472,55 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
     def visual_tower(self):
         raise NotImplementedError("qwen4exp: Qwen4ExpForCausalLM is text-only; image/video inputs need "
                                   "Qwen4ExpForConditionalGeneration")
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # images and video (Qwen4ExpForConditionalGeneration)
+    def _merge_vision(self, ids, emb, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
+        """Packed token embeddings with every image / video placeholder token replaced by the tower's output (in
+        order: the k-th placeholder token of a kind takes the k-th merged patch of that kind)."""
+        tower = self.visual_tower()
+        if emb is None:
+            emb = self.text_model.embed_tokens(ids)
+        else:
+            emb = emb.clone()
+        cfg = self.config
+        for name, px, grid, tok in (("image", pixel_values, image_grid_thw, cfg.image_token_id),
+                                    ("video", pixel_values_videos, video_grid_thw, cfg.video_token_id)):
+            if px is None:
+                continue
+            tower.check_inputs(px, grid, "pixel_values" if name == "image" else "pixel_values_videos")
+            feats = tower(px.to(emb.device), grid.to(emb.device))
+            mask = ids == tok
+            if int(mask.sum()) != feats.shape[0]:
+                raise ValueError(f"qwen4exp: {int(mask.sum())} {name} placeholder tokens (id {tok}) in input_ids "
+                                 f"but {name}_grid_thw gives {feats.shape[0]} {name} embeddings")
+            emb[mask] = feats.to(emb.dtype)
+        return emb
+
+    def _mrope_prefill_positions(self, ids, cu, valid, cache, mm_token_type_ids, image_grid_thw, video_grid_thw):
+        """(t, h, w) positions [3, T] of the packed prompt tokens (``layers.rope.mrope_positions`` per row), and
+        each row's delta for its later tokens. Without ``mm_token_type_ids`` the types come from the placeholder
+        token ids."""
+        if bool((cache.lengths > 0).any()):
+            raise ValueError("qwen4exp: image_grid_thw / video_grid_thw must come with a row's first forward (an "
+                             "empty past_key_values); continue a cached row with text")
+        cfg = self.config
+        if mm_token_type_ids is not None:
+            types = mm_token_type_ids[:, -valid.shape[1]:].to(ids.device)[valid].long()
+        else:
+            types = (ids == cfg.image_token_id).long() * IMAGE + (ids == cfg.video_token_id).long() * VIDEO
+        merge = cfg.vision_config.spatial_merge_size
+        img = iter(image_grid_thw.tolist() if image_grid_thw is not None else [])
+        vid = iter(video_grid_thw.tolist() if video_grid_thw is not None else [])
+        pos = torch.empty(3, ids.numel(), dtype=torch.long)
+        cl = cu.tolist()
+        for b in range(len(cl) - 1):
+            pos[:, cl[b]:cl[b + 1]], cache.rope_deltas[b] = mrope_positions(types[cl[b]:cl[b + 1]], img, vid, merge)
+        if next(img, None) is not None or next(vid, None) is not None:
+            raise ValueError("qwen4exp: image_grid_thw / video_grid_thw hold more entries than input_ids has "
+                             "placeholder runs for")
+        cache.mrope = True
+        return pos.to(ids.device)
 
 
 class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, GenerationMixin):

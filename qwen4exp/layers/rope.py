@@ -73,3 +73,57 @@ class RotaryEmbedding(nn.Module):
             freqs = f3.gather(0, self.axis.to(positions.device).view(1, 1, -1).expand(1, f3.shape[1], -1))[0]
         emb = torch.cat([freqs, freqs], -1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+TEXT, IMAGE, VIDEO = 0, 1, 2  # mm_token_type_ids values
+
+
+def mrope_positions(types, image_grids=(), video_grids=(), spatial_merge_size: int = 2
+                    ) -> tuple[torch.Tensor, int]:
+    """(t, h, w) RoPE positions of one sequence -> (positions [3, L] long, delta).
+
+    ``types`` [L]: TEXT / IMAGE / VIDEO per token (``mm_token_type_ids``). ``image_grids`` / ``video_grids``: the
+    (t, h, w) patch grids of the sequence's images / videos in order (iterables; pass one shared iterator over the
+    rows of a batch to consume them row after row). A video counts as t separate frames of (1, h, w) (the processor
+    gives every frame its own timestamp text and placeholder run).
+
+    Text tokens count up on all three axes. A run of placeholder tokens takes its items' grids one after another:
+    an item of (t, h/m, w/m) merged tokens starting at position p gets (p + frame, p + row, p + col), and the next
+    token continues at p + max(h, w) / m. ``delta`` = max position + 1 - L: later tokens (decode) sit at their
+    index + delta on all three axes.
+    """
+    types = torch.as_tensor(types, dtype=torch.long).cpu()
+    L = types.numel()
+    m = int(spatial_merge_size)
+    items = {IMAGE: iter(image_grids if image_grids is not None else ()),
+             VIDEO: (f for (t, h, w) in (video_grids if video_grids is not None else ()) for f in [(1, h, w)] * int(t))}
+    names = {IMAGE: "image", VIDEO: "video"}
+    pos = torch.empty(3, L, dtype=torch.long)
+    bounds = [0, *(torch.nonzero(types[1:] != types[:-1]).flatten() + 1).tolist(), L]
+    cur = 0
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        kind = int(types[s])
+        if kind == TEXT:
+            pos[:, s:e] = torch.arange(cur, cur + e - s)
+            cur += e - s
+            continue
+        if kind not in items:
+            raise ValueError(f"qwen4exp: mm_token_type_ids holds {kind} (text 0, image 1, video 2 expected)")
+        i = s
+        while i < e:
+            grid = next(items[kind], None)
+            if grid is None:
+                raise ValueError(f"qwen4exp: more {names[kind]} placeholder tokens than the {names[kind]}_grid_thw "
+                                 f"entries describe")
+            t, gh, gw = int(grid[0]), int(grid[1]) // m, int(grid[2]) // m
+            n = t * gh * gw
+            if i + n > e:
+                raise ValueError(f"qwen4exp: a run of {e - s} {names[kind]} placeholder tokens does not match the "
+                                 f"{names[kind]}_grid_thw entries ({n} tokens for grid {[int(g) for g in grid]})")
+            pos[0, i:i + n] = cur + torch.arange(t).repeat_interleave(gh * gw)
+            pos[1, i:i + n] = cur + torch.arange(gh).repeat_interleave(gw).repeat(t)
+            pos[2, i:i + n] = cur + torch.arange(gw).repeat(t * gh)
+            cur += max(gh, gw)
+            i += n
+    delta = int(pos.max()) + 1 - L if L else 0
+    return pos, delta

@@ -29,6 +29,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE
 from vllm.model_executor.models.utils import WeightsMapper
+from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
@@ -39,6 +40,7 @@ from ..layers.hyper_connection import HyperConnection
 from ..modeling import DecoderLayer, embed_streams, next_mixer
 from .layers import (FusedMoEBlock, StateSlots, check_cudagraph_mode, colocate_projections, eager_segment,
                      gdn_mixer, ngram_table_factory, our_gdn, ple_state_shapes, rotary_embedding, vllm_linear)
+from . import multimodal as mm
 from .qsa import QSAMixer
 from .weights import load_qwen4exp_weights
 
@@ -380,6 +382,24 @@ class Qwen4ExpForCausalLM(_Qwen4ExpBase):
     """Text-only checkpoints: ``model.*``, ``lm_head.weight``."""
 
 
-class Qwen4ExpForConditionalGeneration(_Qwen4ExpBase):
-    """Composite checkpoints: ``model.language_model.*`` (+ ``model.visual.*``, not used yet), ``lm_head.weight``.
-    Serves text; image/video inputs are rejected."""
+@MULTIMODAL_REGISTRY.register_processor(**mm.PROCESSOR)
+class Qwen4ExpForConditionalGeneration(_Qwen4ExpBase, mm.VisionInputs):
+    """Composite checkpoints: ``model.language_model.*``, ``model.visual.*`` (the vision tower), ``lm_head.weight``.
+    Images and video: ``qwen4exp.vllm.multimodal``."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.init_vision(vllm_config)
+
+    def embed_input_ids(self, input_ids, multimodal_embeddings=None, *, is_multimodal=None):
+        return mm.VisionInputs.embed_input_ids(self, input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
+
+    def get_mrope_input_positions(self, input_tokens, mm_features):
+        return mm.VisionInputs.get_mrope_input_positions(self, input_tokens, mm_features)
+
+    def get_language_model(self) -> nn.Module:
+        return self
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = load_qwen4exp_weights(self, self.load_vision_weights(weights))
+        return loaded | self.check_vision_loaded()

@@ -204,15 +204,21 @@ class QSAMixer(QSAAttention):
         if not self._scales_checked:
             self.check_kv_scales()
         if int(m.max_query_len) <= 1:  # pure decode: the graph-capturable path
-            self._decode_step(out, q, k, v, index_q, index_k_raw, m)
+            self._decode_step(out, q, k, v, index_q, index_k_raw, m, positions)
             return
         out.zero_()
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("qwen4exp QSA: only pure decode batches can be captured in a FULL CUDA graph (got "
                                f"max_query_len={m.max_query_len}); speculative decoding runs PIECEWISE graphs")
         n = int(m.num_actual_tokens)
-        pos1 = positions[0] if positions.dim() == 2 else positions
-        pos1 = pos1[:n].long()
+        qsl, seq_lens = _host_lengths(m)
+        nreq = len(seq_lens)
+        pos3 = None
+        if positions.dim() == 2:  # M-RoPE (t, h, w): token indices from the step's lengths, not from positions
+            pos3 = positions[:, :n].long()
+            pos1 = token_indices(qsl, seq_lens, positions.device)
+        else:
+            pos1 = positions[:n].long()
         r = self.r
         # 1. main K/V into the paged cache
         kv = _kv_cache(self.attn)
@@ -221,9 +227,9 @@ class QSAMixer(QSAAttention):
         ikv = _kv_cache(self.index_cache)
         d_i = ikv.shape[3] // 2
         raw = index_k_raw[:n]
-        qsl, seq_lens = _host_lengths(m)
-        nreq = len(seq_lens)
-        bk_rows = self._completed_block_keys(raw, qsl, seq_lens, m, ikv, d_i)
+        bk_rows = self._completed_block_keys(raw, qsl, seq_lens, m, ikv, d_i, pos3)
+        if pos3 is not None:
+            stash_block_start_positions(bk_rows, pos1, pos3, r)
         write_paged(ikv, m.slot_mapping[:n].long(), raw.unsqueeze(1), bk_rows.unsqueeze(1))
         # 3. selection + attention: the queries of requests with few of them (decodes, MTP verifications, short
         #    chunks) in one batched call, each longer chunk through the paged prefill op (Triton on GPUs)
@@ -242,7 +248,7 @@ class QSAMixer(QSAAttention):
                                             max(1, seq_lens[b] // r), r, self.budget, self.index_scale),
                            slice(e - 1, e))
 
-    def _completed_block_keys(self, raw, qsl, seq_lens, m, ikv, d_i: int) -> torch.Tensor:
+    def _completed_block_keys(self, raw, qsl, seq_lens, m, ikv, d_i: int, pos3=None) -> torch.Tensor:
         """Index-cache block-key column of this step's rows [n, d_i]: at the row of each block's last position, the
         key of every block completed by this step's tokens (zeros elsewhere). All requests at once: which blocks
         complete and where each of their r raw keys comes from (this step's rows, or the index cache for positions
@@ -252,6 +258,7 @@ class QSAMixer(QSAAttention):
         n = raw.shape[0]
         prev_owner, prev_pos = [], []  # earlier positions of blocks completed now: request, position
         src, first, last = [], [], []  # per block: r source rows (< n: this step; n + i: prev row i), start, last row
+        first_rows, block_owner = [], []  # per block: its first token's row in this step (-1: earlier), request
         for b in range(len(seq_lens)):
             s, e = qsl[b], qsl[b + 1]
             if e <= s:
@@ -269,6 +276,8 @@ class QSAMixer(QSAAttention):
             for j in range(nfull):
                 first.append(base + j * r)
                 last.append(s + base + j * r + r - 1 - start)
+                first_rows.append(s + base + j * r - start if base + j * r >= start else -1)
+                block_owner.append(b)
         bk_rows = torch.zeros_like(raw)
         if not first:
             return bk_rows
@@ -279,17 +288,21 @@ class QSAMixer(QSAAttention):
             owner_t, pos_t = idx[3], idx[4]
             prev = paged_rows(ikv, m.block_table[owner_t], pos_t.unsqueeze(1))[:, 0, 0, :d_i]
             rows = torch.cat([raw, prev.to(raw.dtype)], 0)
-        cb, sb = self.rotary[0](first_t, raw.dtype)
+        if pos3 is None:
+            cb, sb = self.rotary[0](first_t, raw.dtype)
+        else:  # M-RoPE: rotate at the (t, h, w) position of each block's first token
+            cb, sb = self.rotary[0](block_start_positions(pos3, first, first_rows, block_owner, qsl, ikv, m, d_i),
+                                    raw.dtype)
         keys = self.block_keys(block_mean(rows[src_t], r), cb, sb)
         bk_rows[last_t] = keys.to(bk_rows.dtype)
         return bk_rows
 
-    def _decode_step(self, out, q, k, v, index_q, index_k_raw, m) -> None:
+    def _decode_step(self, out, q, k, v, index_q, index_k_raw, m, positions=None) -> None:
         """A pure decode batch (one query per request): cache writes, the block key of any block this token
         completes, selection + attention, all with fixed shapes and no host sync, so a FULL CUDA graph can capture
         it. Row b is request b; requests that pad a captured batch have seq_len 0, slot -1 and a null block
         table: they write nothing and read the null block (finite, discarded)."""
-        B, valid, pos, slots, cb, sb = self._decode_inputs(m, index_k_raw.dtype)
+        B, valid, pos, slots, cb, sb = self._decode_inputs(m, index_k_raw.dtype, positions)
         r = self.r
         if out.shape[0] > B:
             out[B:].zero_()
@@ -306,7 +319,7 @@ class QSAMixer(QSAAttention):
             n_blocks = max(1, int(m.max_seq_len) // r)
         out[:B] = self._attend_decodes(q[:B], index_q[:B], pos, bt, kv, ikv, n_blocks)
 
-    def _decode_inputs(self, m, dtype):
+    def _decode_inputs(self, m, dtype, positions=None):
         """(B, valid, pos, slots, cos, sin) of a pure decode batch: its rows, which rows are real requests, their
         positions and cache slots (int64), and the rotation of the block key that each token may complete (at the
         block's first position). The same for every QSA layer of the step (one KV-cache group: one metadata
@@ -316,7 +329,12 @@ class QSAMixer(QSAAttention):
             B, r = m.seq_lens.shape[0], self.r
             seq = m.seq_lens[:B].long()
             pos = (seq - 1).clamp(min=0)
-            cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), dtype)
+            if positions is not None and positions.dim() == 2:
+                # M-RoPE: a decode token is text after the prompt (position = index + delta on all axes); the
+                # block it completes starts r - 1 tokens earlier, at position - (r - 1) (text after the last image)
+                cb, sb = self.rotary[0]((positions[:, :B].long() - (r - 1)).clamp(min=0), dtype)
+            else:
+                cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), dtype)
             return B, seq > 0, pos, m.slot_mapping[:B].long(), cb, sb
 
         return _once_per_forward("_qwen4exp_decode_inputs", m, (dtype, self.r), compute)
@@ -367,6 +385,63 @@ class QSAMixer(QSAAttention):
         if self._kept is not None:
             n = row_indices.numel()
             self._kept[:n] = self._kept.index_select(0, row_indices.to(self._kept.device).long())
+
+
+# -- M-RoPE (images / video): the block key of a block rotates at the (t, h, w) position of its first token -------
+# Blocks completed in the step of their first token read it from the step's positions. For the first block of a
+# step, which may start in an earlier step, the first token's row in the index cache keeps its position: at rows of
+# block-starting tokens (index % r == 0, r >= 2) the block-key half (unused there: block keys live at block-ending
+# rows) holds the three axes as base-8 digits + 1, exact in every cache dtype (FP8 included); 0 = not stored (a
+# token written by a decode step), then the position is extrapolated from this step's first token (exact for text
+# after the last image).
+_DIGITS, _BASE = 8, 8  # positions < 8^8
+
+
+def token_indices(qsl: list[int], seq_lens: list[int], device) -> torch.Tensor:
+    """Index of every token of the step in its sequence (row s of request b is token seq_len - query_len)."""
+    lens = [qsl[b + 1] - qsl[b] for b in range(len(seq_lens))]
+    off = torch.tensor([seq_lens[b] - lens[b] - qsl[b] for b in range(len(seq_lens))], dtype=torch.long)
+    idx = torch.repeat_interleave(off, torch.tensor(lens, dtype=torch.long)) + torch.arange(qsl[-1])
+    return idx.to(device)
+
+
+def stash_block_start_positions(bk_rows: torch.Tensor, pos1: torch.Tensor, pos3: torch.Tensor, r: int) -> None:
+    if r < 2 or bk_rows.shape[1] < 3 * _DIGITS:
+        return
+    rows = torch.nonzero(pos1 % r == 0).flatten()
+    if rows.numel():
+        p = pos3[:, rows].clamp(min=0)  # [3, k]
+        digits = torch.stack([(p // _BASE ** i) % _BASE for i in range(_DIGITS)], -1) + 1  # [3, k, D]
+        bk_rows[rows, : 3 * _DIGITS] = digits.permute(1, 0, 2).reshape(rows.numel(), -1).to(bk_rows.dtype)
+
+
+def block_start_positions(pos3, first, first_rows, owners, qsl, ikv, m, d_i) -> torch.Tensor:
+    """(t, h, w) positions [3, nblocks] of the blocks' first tokens (indices ``first``; ``first_rows``: their rows
+    in this step, -1 for a token of an earlier step; ``owners``: each block's request)."""
+    dev = pos3.device
+    out = pos3[:, torch.tensor([max(f, 0) for f in first_rows], dtype=torch.long, device=dev)].clone()
+    early = [j for j, f in enumerate(first_rows) if f < 0]
+    if not early:
+        return out
+    owner_t = torch.tensor([owners[j] for j in early], dtype=torch.long, device=dev)
+    pp = torch.tensor([first[j] for j in early], dtype=torch.long, device=dev)
+    row = paged_rows(ikv, m.block_table[owner_t], pp.unsqueeze(1))[:, 0, 0, d_i: d_i + 3 * _DIGITS]
+    digits = row.float().round().long().view(len(early), 3, _DIGITS) - 1
+    weights = torch.tensor([_BASE ** i for i in range(_DIGITS)], device=dev)
+    stored_pos = (digits.clamp(min=0) * weights).sum(-1).T  # [3, early]
+    for k, j in enumerate(early):
+        if bool((digits[k] >= 0).all()):
+            out[:, j] = stored_pos[:, k]
+        else:  # not stored: extrapolate back from the request's first row s of this step (token index start)
+            s0 = qsl[owners[j]]
+            start = _request_start(m, owners[j], qsl)
+            out[:, j] = pos3[:, s0] - (start - first[j])
+    return out
+
+
+def _request_start(m, b: int, qsl) -> int:
+    _, seq_lens = _host_lengths(m)
+    return seq_lens[b] - (qsl[b + 1] - qsl[b])
 
 
 @functools.cache
