@@ -218,6 +218,34 @@ def cpu_threads_bind(ranks: int, cpus: list[int] | None = None) -> str:
 
 patch_vllm_version()  # at import: spawned engine processes re-import the launcher's main module
 
+ENGINE_DIED_RC = 1
+_engine_died = False
+
+
+def watch_engine_death() -> None:
+    """Note when vLLM's API server shuts down because its engine core died (vLLM 0.32 then exits with status 0, as
+    after a normal stop), so that ``main`` exits with ``ENGINE_DIED_RC`` and a supervisor sees the fault. vLLM asks
+    ``terminate_if_errored`` on a request's engine error and from its watchdog; both name it through the module, once
+    the error handler's from-import is re-pointed."""
+    import importlib
+
+    from vllm.entrypoints.launchers import launcher
+
+    original = launcher.terminate_if_errored
+    if getattr(original, "_qwen4exp", False):
+        return
+
+    def terminate_if_errored(server, engine):
+        global _engine_died
+        if engine.errored and not engine.is_running:
+            _engine_died = True
+        return original(server, engine)
+
+    terminate_if_errored._qwen4exp = True
+    launcher.terminate_if_errored = terminate_if_errored
+    handler = importlib.import_module("vllm.entrypoints.serve.exception_handling.handlers.vllm_error")
+    handler.terminate_if_errored = terminate_if_errored
+
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
@@ -232,7 +260,14 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = vllm_argv(args)
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    vllm_main()
+    watch_engine_death()
+    try:
+        vllm_main()
+    finally:
+        if _engine_died:
+            print("qwen4exp-serve: the engine core died (its error is in the log above); exit status "
+                  f"{ENGINE_DIED_RC}", file=sys.stderr, flush=True)
+            sys.exit(ENGINE_DIED_RC)
 
 
 if __name__ == "__main__":

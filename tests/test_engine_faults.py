@@ -4,10 +4,10 @@
 any step whose batch holds that token. What vLLM 0.32 does, found here and asserted exactly: it cannot isolate the
 request. The exception in the worker's ``execute_model`` is fatal to the engine core ("EngineCore encountered a
 fatal error"); the faulting request gets HTTP 500 ("EngineCore encountered an issue"), requests in flight beside it
-end with an error (never a hang), and the API server shuts down in order within a second and exits with status 0 (not
-non-zero: the exit status does not tell a fault from a normal stop), with the injected cause in its log, and it leaves
-no process behind (engine core and worker are killed by the API server's shutdown). So a fault in our layers is loud
-in the log and takes the server down cleanly: a supervisor must restart it.
+end with an error (never a hang), and the API server shuts down in order within a second, with the injected cause in
+its log, and it leaves no process behind (engine core and worker are killed by the API server's shutdown). vLLM's own
+exit status is then 0, as after a normal stop; ``qwen4exp-serve`` exits with status 1 and one line saying the engine
+died, so that a supervisor can tell a fault from a stop and restart it.
 """
 
 import json
@@ -63,11 +63,25 @@ def test_forward_fault_fails_request_and_server_exits_cleanly(tmp_path, monkeypa
         assert beside["result"][0] != 200, beside  # it did not complete: the engine died under it
         log = s["log"].read_text()
         assert CAUSE in log and "EngineCore encountered a fatal error" in log
-        # vLLM 0.32's API server shuts down in order after the engine's death and exits with status 0 (as after a
-        # normal stop): the log, not the exit status, tells a supervisor why
-        assert rc == 0 and "Application shutdown complete" in log
+        # vLLM 0.32's API server shuts down in order after the engine's death (and would exit 0); ours exits 1
+        assert "Application shutdown complete" in log
+        assert rc == 1 and "qwen4exp-serve: the engine core died" in log, (rc, log[-2000:])
         deadline = time.time() + 10
         while time.time() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
             time.sleep(0.5)
         left = [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not left, f"processes left behind: {left}"
+
+
+def test_normal_stop_exits_zero(tmp_path):
+    """SIGTERM to a ready server is a stop, not a fault: status 0 and no engine-death line (the fault test above
+    relies on the two being told apart)."""
+    import signal
+
+    with serve(CKPT, tmp_path, "--max-model-len", "512", "--enforce-eager") as s:
+        status, ok = post(s["base"] + "/v1/completions", dict(model="tiny", prompt=[5, 6, 7], max_tokens=2))
+        assert status == 200, ok
+        s["proc"].send_signal(signal.SIGTERM)
+        rc = s["proc"].wait(timeout=EXIT_S)
+        log = s["log"].read_text()
+        assert rc == 0 and "engine core died" not in log, (rc, log[-2000:])
