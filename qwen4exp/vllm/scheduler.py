@@ -11,7 +11,9 @@ field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) get:
   referenced, so a tool pause does not let other traffic evict them; they are the first to go under memory pressure
   (before any running request is preempted, after plain cached blocks), and go at once on ``session_close`` (body
   ``"vllm_xargs": {"session_close": true}`` on the last turn), on an abort, or on a prefix-cache reset. The state
-  machine and its counters: ``qwen4exp.vllm.sessions``.
+  machine and its counters: ``qwen4exp.vllm.sessions``; on ``/metrics`` (when stats are on):
+  ``qwen4exp.vllm.metrics``. An event the state machine refuses is logged and counted, the session dropped, and
+  the engine goes on.
 * **continuation first**: a waiting turn whose session's blocks are pinned goes ahead of first turns, at most
   ``CONTINUATIONS_PER_STEP`` a step and never past a head of the queue that has waited ``HEAD_WAIT_S``.
 
@@ -32,7 +34,8 @@ from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 from vllm.v1.request import RequestStatus
 
 from qwen4exp import envs
-from qwen4exp.vllm.sessions import Event, Sessions, State
+from qwen4exp.vllm import metrics
+from qwen4exp.vllm.sessions import Event, IllegalTransition, Sessions, State
 
 logger = init_logger("vllm.plugins.qwen4exp.scheduler")
 
@@ -64,6 +67,7 @@ class AgentScheduler(Scheduler):
                                f"scheduler's private interface); this is vLLM {vllm.__version__}")
         super().__init__(*args, **kwargs)
         self.sessions = Sessions(self._release_blocks, ttl=envs.QWEN4EXP_SESSION_TTL)
+        self._metrics_sent: dict[str, int] = {}  # what the last stats carried (qwen4exp.vllm.metrics.payload)
         self._checkpoints: dict[str, list] = {}  # request id -> (block, hash, from decode) per hybrid group
         coordinator = self.kv_cache_manager.coordinator
         self._mamba_groups = [(g, m) for g, m in enumerate(coordinator.single_type_managers)
@@ -140,7 +144,7 @@ class AgentScheduler(Scheduler):
     def add_request(self, request) -> None:
         super().add_request(request)
         if request.session_id is not None and request.request_id in self.requests and not request.resumable:
-            self.sessions.fire(request.session_id, Event.ARRIVE, request.request_id)
+            self._fire(request.session_id, Event.ARRIVE, request.request_id)
             self.sessions.bound()
 
     def _free_blocks(self, request):
@@ -154,17 +158,27 @@ class AgentScheduler(Scheduler):
                 blocks = self.kv_cache_manager.pop_blocks_for_free(request)
                 pin = self.sessions.new_pin(blocks + self._checkpoint_blocks(request, blocks), fence,
                                             request.request_id)
-            state = self.sessions.fire(sid, Event.FINISH, request.request_id, pin)
+            state = self._fire(sid, Event.FINISH, request.request_id, pin)
             if pin is None:
                 self._checkpoints.pop(request.request_id, None)
                 return super()._free_blocks(request)
-            assert state is State.RETAINED
+            if state is not State.RETAINED:  # refused: nothing holds the popped blocks
+                self._release_blocks(pin.blocks, pin.fence)
             del self.requests[request.request_id]
             return
         self._checkpoints.pop(request.request_id, None)
-        self.sessions.fire(sid, Event.ABORT if request.status not in _RETAINABLE else Event.CLOSE,
-                           request.request_id)
+        self._fire(sid, Event.ABORT if request.status not in _RETAINABLE else Event.CLOSE, request.request_id)
         return super()._free_blocks(request)
+
+    def _fire(self, sid: str, event: Event, request_id: str | None = None, pin=None) -> State | None:
+        """``sessions.fire``; an event the state machine refuses (a bug, counted on /metrics) drops the session
+        (its pin released) instead of failing the engine step: None then."""
+        try:
+            return self.sessions.fire(sid, event, request_id, pin)
+        except IllegalTransition as e:
+            logger.error("AgentScheduler: %s; the session's retention is dropped", e)
+            self.sessions.forget(sid)
+            return None
 
     # --- admission -----------------------------------------------------------------------------------------------
     def _continuations_first(self) -> None:
@@ -188,8 +202,14 @@ class AgentScheduler(Scheduler):
         for sid in list(self.sessions.handoff):
             if any((r := self.requests.get(rid)) is not None and r.status != RequestStatus.WAITING
                    for rid in self.sessions.sessions[sid].active):
-                self.sessions.fire(sid, Event.ALLOCATED)
+                self._fire(sid, Event.ALLOCATED)
         return out
+
+    def make_stats(self, *args, **kwargs):
+        stats = super().make_stats(*args, **kwargs)
+        if stats is not None:  # carried to the API server's AgentStatLogger (qwen4exp.vllm.metrics)
+            stats.running_lora_adapters.update(metrics.payload(self.sessions, self._metrics_sent))
+        return stats
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:
         self.sessions.release_all(Event.RESET)

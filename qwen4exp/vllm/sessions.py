@@ -23,6 +23,10 @@ States and the events that move them (any other pair raises ``IllegalTransition`
     HANDOFF  --abort-->   CLOSED | ACTIVE (pin released)
     HANDOFF  --pressure/reset--> ACTIVE (pin released; the waiting turn goes on without it)
     RETAINED --expire/pressure/reset/close--> CLOSED (pin released)
+
+Counters (``Sessions.counts``, cumulative): the events above, ``illegal_transitions`` (pairs refused), and
+``Sessions.evictions``: pins released other than by a hand-off, by reason (``EVICTION_REASONS``). What reaches
+``/metrics``: ``qwen4exp.vllm.metrics``.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class Pin:
     fence: int  # the engine step that last wrote them (deferred frees wait for it)
     expires_at: float
     request_id: str
+    size: int = 0  # blocks held, vLLM's placeholder null blocks not counted
 
 
 @dataclass
@@ -95,7 +100,11 @@ TRANSITIONS: dict[tuple[State, Event], str] = {
 }
 
 COUNTERS = ("turns", "retained", "handed_off", "expired", "released_pressure", "released_reset", "closed", "aborted",
-            "evicted_lru")
+            "evicted_lru", "illegal_transitions")
+# why a pin went without a hand-off to the session's next turn ("error": dropped by ``forget`` after a refused event)
+EVICTION_REASONS = ("ttl", "pressure", "close", "abort", "reset", "error")
+_REASON = {Event.EXPIRE: "ttl", Event.PRESSURE: "pressure", Event.CLOSE: "close", Event.ABORT: "abort",
+           Event.RESET: "reset"}
 
 
 class Sessions:
@@ -110,14 +119,21 @@ class Sessions:
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self.handoff: set[str] = set()  # the sessions in HANDOFF (what the scheduler checks every step)
         self.counts = dict.fromkeys(COUNTERS, 0)
+        self.evictions = dict.fromkeys(EVICTION_REASONS, 0)
+        self._by_state = dict.fromkeys((s.value for s in State if s is not State.CLOSED), 0)
+        self._pinned = 0  # blocks the pins hold (kept as they change: read every engine step for /metrics)
 
     # --- the machine ---------------------------------------------------------------------------------------------
     def fire(self, session_id: str, event: Event, request_id: str | None = None, pin: Pin | None = None) -> State:
         s = self.sessions.get(session_id) or Session(session_id)
         handler = TRANSITIONS.get((s.state, event))
         if handler is None:
+            self.counts["illegal_transitions"] += 1
             raise IllegalTransition(session_id, s.state, event)
+        before = s.state
         s.state = getattr(self, handler)(s, event, request_id, pin)
+        self._count_state(before, -1)
+        self._count_state(s.state, 1)
         if s.state is State.HANDOFF:
             self.handoff.add(session_id)
         else:
@@ -128,6 +144,10 @@ class Sessions:
             self.sessions[session_id] = s
             self.sessions.move_to_end(session_id)
         return s.state
+
+    def _count_state(self, state: State, n: int) -> None:
+        if state is not State.CLOSED:
+            self._by_state[state.value] += n
 
     def _arrive(self, s, event, rid, pin):
         s.active.add(rid)
@@ -140,7 +160,7 @@ class Sessions:
         return State.HANDOFF
 
     def _hand_off(self, s, event, rid, pin):
-        self._drop_pin(s)
+        self._drop_pin(s, None)
         self.counts["handed_off"] += 1
         return State.ACTIVE
 
@@ -149,30 +169,43 @@ class Sessions:
         if s.active or pin is None:  # other turns still run, or nothing to keep: the caller frees the blocks
             return State.ACTIVE if s.active else State.CLOSED
         s.pin = pin
+        self._pinned += pin.size
         self.counts["retained"] += 1
         return State.RETAINED
 
     def _end_turn(self, s, event, rid, pin):
         s.active.discard(rid)
-        self._drop_pin(s)
+        self._drop_pin(s, _REASON[event])
         self.counts["aborted" if event is Event.ABORT else "closed"] += 1
         return State.ACTIVE if s.active else State.CLOSED
 
     def _drop_pin_keep_turns(self, s, event, rid, pin):
-        self._drop_pin(s)
+        self._drop_pin(s, _REASON[event])
         self.counts["released_pressure" if event is Event.PRESSURE else "released_reset"] += 1
         return State.ACTIVE
 
     def _close(self, s, event, rid, pin):
-        self._drop_pin(s)
+        self._drop_pin(s, _REASON[event])
         self.counts[{Event.EXPIRE: "expired", Event.PRESSURE: "released_pressure", Event.RESET: "released_reset",
                      Event.CLOSE: "closed"}[event]] += 1
         return State.CLOSED
 
-    def _drop_pin(self, s):
+    def _drop_pin(self, s, reason: str | None):
         if s.pin is not None:
             pin, s.pin = s.pin, None
+            self._pinned -= pin.size
             self.release(pin.blocks, pin.fence)
+            if reason is not None:
+                self.evictions[reason] += 1
+
+    def forget(self, session_id: str) -> None:
+        """Drop a session's record and pin whatever its state (the way back to a known state after a refused event:
+        its turns then run, and end, as turns without a session)."""
+        s = self.sessions.pop(session_id, None)
+        self.handoff.discard(session_id)
+        if s is not None:
+            self._count_state(s.state, -1)
+            self._drop_pin(s, "error")
 
     # --- what the scheduler asks -------------------------------------------------------------------------------
     def state(self, session_id: str) -> State:
@@ -180,7 +213,8 @@ class Sessions:
         return s.state if s is not None else State.CLOSED
 
     def new_pin(self, blocks: list, fence: int, request_id: str) -> Pin:
-        return Pin(list(blocks), fence, self.clock() + self.ttl, request_id)
+        return Pin(list(blocks), fence, self.clock() + self.ttl, request_id,
+                   sum(not getattr(b, "is_null", False) for b in blocks))
 
     def expire(self) -> int:
         """Release every pin past its TTL; the number released."""
@@ -216,12 +250,13 @@ class Sessions:
 
     def pinned_blocks(self) -> int:
         """Blocks the pins hold (vLLM's placeholder null blocks not counted)."""
-        return sum(sum(not getattr(b, "is_null", False) for b in s.pin.blocks)
-                   for s in self.sessions.values() if s.pin is not None)
+        return self._pinned
+
+    def by_state(self) -> dict[str, int]:
+        """Sessions per state (CLOSED ones have no record)."""
+        return dict(self._by_state)
 
     def snapshot(self) -> dict[str, Any]:
-        """Per-state session counts, pinned blocks and the event counters (for logs and /metrics)."""
-        by_state = dict.fromkeys((s.value for s in State if s is not State.CLOSED), 0)
-        for s in self.sessions.values():
-            by_state[s.state.value] += 1
-        return {"sessions": by_state, "pinned_blocks": self.pinned_blocks(), **self.counts}
+        """Per-state session counts, pinned blocks and the event counters (for logs and tests)."""
+        return {"sessions": self.by_state(), "pinned_blocks": self.pinned_blocks(), **self.counts,
+                "evictions": dict(self.evictions)}
