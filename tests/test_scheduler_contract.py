@@ -96,3 +96,64 @@ def test_request_fields():
 def test_waiting_queue_api(queue):
     for name in ("peek_request", "remove_requests", "prepend_requests", "__iter__", "__len__"):
         assert callable(getattr(queue, name)), name
+
+
+# --- the route of AgentScheduler's numbers to /metrics (qwen4exp.vllm.metrics) ------------------------------------
+def test_stat_logger_plugins_are_loaded_into_the_api_servers_logger_manager():
+    from vllm.plugins import STAT_LOGGER_PLUGINS_GROUP
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics import loggers
+
+    assert STAT_LOGGER_PLUGINS_GROUP == "vllm.stat_logger_plugins"
+    src = inspect.getsource(loggers.load_stat_logger_plugin_factories)
+    assert "STAT_LOGGER_PLUGINS_GROUP" in src and "issubclass" in src and "StatLoggerBase" in src
+    init = inspect.getsource(AsyncLLM.__init__)
+    assert "load_stat_logger_plugin_factories()" in init and "log_stats or has_custom_loggers" in init
+    assert "custom_stat_loggers=custom_stat_loggers" in init
+    assert params(loggers.AggregateStatLoggerBase.__init__) == ["self", "vllm_config", "engine_indexes"]
+    assert params(loggers.StatLoggerBase.record) == ["self", "scheduler_stats", "iteration_stats",
+                                                     "mm_cache_stats", "engine_idx"]
+    assert {"log_engine_initialized"} <= set(loggers.StatLoggerBase.__abstractmethods__)
+
+
+def test_plugin_loggers_record_before_vllms_prometheus_logger():
+    """AgentStatLogger pops its keys from the carrier before vLLM's loggers read it: the plugins come first."""
+    from vllm.v1.metrics import loggers
+
+    src = inspect.getsource(loggers.StatLoggerManager.__init__)
+    assert src.index("stat_logger_factories.extend(custom_stat_loggers)") < src.index(
+        "stat_logger_factories.append(default_logger_factory)") < src.index("PrometheusStatLogger(vllm_config")
+    assert "for stat_logger in self.stat_loggers:" in inspect.getsource(loggers.StatLoggerManager.record)
+    # vLLM's Prometheus logger, built after ours, unregisters only its own ("vllm:") series
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    assert 'startswith("vllm:")' in inspect.getsource(unregister_vllm_metrics)
+    assert "unregister_vllm_metrics()" in inspect.getsource(loggers.PrometheusStatLogger.__init__)
+
+
+def test_the_carrier_field():
+    """SchedulerStats.running_lora_adapters: made empty by the engine core, filled in the API server with LoRA names
+    only (keys added, none removed), after the engine's stats arrive and before the loggers record them."""
+    import dataclasses
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.stats import LoRARequestStates, SchedulerStats
+
+    field = {f.name: f for f in dataclasses.fields(SchedulerStats)}["running_lora_adapters"]
+    assert field.type in (dict[str, int], "dict[str, int]") and field.default_factory is dict
+    assert "running_lora_adapters" not in inspect.getsource(Scheduler.make_stats)
+    src = inspect.getsource(LoRARequestStates.update_scheduler_stats)
+    assert "scheduler_stats.running_lora_adapters[lora_name] =" in src and ".pop(" not in src
+    handler = inspect.getsource(AsyncLLM._run_output_handler)
+    assert handler.index("update_scheduler_stats(outputs.scheduler_stats)") < handler.index(".record(")
+    assert "scheduler_stats=outputs.scheduler_stats" in handler
+
+
+def test_make_stats_is_sent_after_the_steps_frees():
+    """AgentScheduler.make_stats adds its numbers to vLLM's; update_from_output builds the stats after it freed the
+    finished requests (so a turn's pin shows in the stats sent with its last token)."""
+    assert params(Scheduler.make_stats)[:1] == ["self"]
+    assert "return None" in inspect.getsource(Scheduler.make_stats)  # (stats off: nothing carried)
+    src = inspect.getsource(Scheduler.update_from_output)
+    assert src.index("self._free_request(request)") < src.rindex("self.make_stats(")
+    assert "make_stats" not in AsyncScheduler.__dict__

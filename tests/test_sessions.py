@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from qwen4exp.vllm.sessions import COUNTERS, TRANSITIONS, Event, IllegalTransition, Sessions, State
+from qwen4exp.vllm.sessions import COUNTERS, EVICTION_REASONS, TRANSITIONS, Event, IllegalTransition, Sessions, State
 
 
 class Pool:
@@ -164,7 +164,16 @@ def test_random_event_sequences_leak_nothing(seed):
             assert (x.pin is not None) == (x.state in (State.RETAINED, State.HANDOFF))
             assert bool(x.active) == (x.state in (State.ACTIVE, State.HANDOFF)), x
         assert s.handoff == {sid for sid, x in s.sessions.items() if x.state is State.HANDOFF}
+        # the counts kept for /metrics agree with the records
+        assert s.pinned_blocks() == len(pool.held)
+        assert s.by_state() == {st.value: sum(x.state is st for x in s.sessions.values())
+                                for st in State if st is not State.CLOSED}
+        if rng.random() < 0.02 and s.sessions:
+            s.forget(rng.choice(sorted(s.sessions)))  # the scheduler's way out of a refused event
     s.release_all()
     assert not pool.held and s.pinned_blocks() == 0
-    assert legal > 50 and illegal > 50
-    assert set(s.snapshot()) >= set(COUNTERS) | {"sessions", "pinned_blocks"}
+    assert legal > 50 and illegal > 50 and s.counts["illegal_transitions"] == illegal
+    # every pin taken was handed off or evicted for a reason
+    assert s.counts["retained"] == s.counts["handed_off"] + sum(s.evictions.values())
+    assert set(s.evictions) == set(EVICTION_REASONS) and s.evictions["ttl"] == s.counts["expired"] > 0
+    assert set(s.snapshot()) >= set(COUNTERS) | {"sessions", "pinned_blocks", "evictions"}
