@@ -77,6 +77,8 @@ def test_pins_yield_to_a_request_that_needs_their_blocks(runs):
     assert a["pinned_before_big"] > 0
     assert a["big_request_output_tokens"] == runs["default"]["big_request_output_tokens"] == 8
     assert a["sessions"]["released_pressure"] >= 1
+    # what /metrics counts (qwen4exp.vllm.metrics): each pin released under pressure is an eviction for "pressure"
+    assert a["sessions"]["evictions"]["pressure"] == a["sessions"]["released_pressure"] + a["sessions"]["evicted_lru"]
 
 
 def test_a_pinned_sessions_next_turn_goes_ahead_of_first_turns(runs):
@@ -93,6 +95,7 @@ def test_close_and_abort_end_the_session_and_nothing_leaks(runs):
     assert "s-close" not in a["states"] and "s-abort" not in a["states"]
     assert a["sessions"]["closed"] == 1 and a["sessions"]["aborted"] == 1
     assert a["sessions"]["handed_off"] >= 3  # each later turn took over its session's pin
+    assert a["sessions"]["illegal_transitions"] == 0 and a["sessions"]["evictions"]["error"] == 0
     assert a["free_at_end"] == a["free_at_start"] - a["pinned_at_end"]
     assert a["free_after_release"] == a["free_at_start"] == d["free_at_end"] == d["free_at_start"]
 
