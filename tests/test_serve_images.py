@@ -4,7 +4,8 @@ here); remote and file URLs (no connection made), undecodable data URLs, an imag
 than ``--limit-mm-per-prompt`` and an image sent to the text-only tiny-coder get a 400 naming the problem, each
 followed by a normal request that gets 200; a composite checkpoint without ``preprocessor_config.json`` is refused at
 start with one line and serves text with ``--language-model-only``; the README's image request runs as written.
-One server per checkpoint (ports 18650-18652; 18653 is a listener that must see no connection)."""
+One server per checkpoint (ports 18650-18652; 18653: a listener that must see no connection; 18654: an HTTP
+server for the connector test)."""
 
 import base64
 import io
@@ -75,8 +76,10 @@ def vl_ckpt(tmp_path_factory):
     return _build(str(tmp_path_factory.mktemp("vl_ckpt")))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def vl_server(vl_ckpt, tmp_path_factory):
+    """The composite checkpoint's server, for the tests of ``TestCompositeServer`` (stopped before the next server
+    starts: two cores)."""
     with serve(vl_ckpt, tmp_path_factory.mktemp("vl_server"), "--dtype", "float32", "--enforce-eager",
                "--max-model-len", str(MAX_LEN), "--max-num-seqs", "4", "--limit-mm-per-prompt", '{"image": 2}',
                port=PORT_VL) as s:
@@ -130,21 +133,6 @@ def _hf_reference(ckpt, messages, images):
     return inp["input_ids"][0].tolist(), out[0, n:].tolist()
 
 
-@pytest.mark.parametrize("case", list(PARITY))
-def test_data_url_images_match_hf_reference(vl_server, case):
-    """Same prompt ids (the image's placeholder tokens included) and the same greedy tokens as the HF reference for
-    the same PNG images and chat."""
-    from vision_checkpoint import test_image
-
-    images = [test_image(*im) for im in PARITY_IMAGES[case]]
-    urls = [png_data_url(im) for im in images]
-    status, body = chat(vl_server["base"], _fill(PARITY[case], lambda i: image_part(urls[i])))
-    assert status == 200, body
-    ids, ref = _hf_reference(vl_server["ckpt"], PARITY[case], images)
-    assert body["prompt_token_ids"] == ids
-    assert body["choices"][0]["token_ids"] == ref
-
-
 @pytest.fixture(scope="module")
 def listener():
     """A TCP listener on PORT_LISTENER: a fetch of an http URL naming it would connect here."""
@@ -172,6 +160,8 @@ BAD = {
     "bad_base64": (lambda: [image_part("data:image/png;base64,@@not*base64!!"), text_part("what is it")],
                    ["image_url", "not valid base64"]),
     "not_an_image": (lambda: [image_part(_not_an_image())], ["image_url", "does not hold an image"]),
+    "data_url_not_base64": (lambda: [image_part("data:image/png,rawbytes")], ["image_url", "only base64 data URLs"]),
+    "data_url_without_data": (lambda: [image_part("data:image/png;base64")], ["image_url", "not a valid data URL"]),
     "image_over_max_model_len": (lambda: [image_part(png_data_url(_test_image(128, 128, 5)))],
                                  ["exceeds model's maximum context length", f"({MAX_LEN})"]),
     "too_many_images": (lambda: [image_part(png_data_url(_test_image(24, 24, i))) for i in range(3)],
@@ -185,39 +175,59 @@ def _test_image(*a):
     return test_image(*a)
 
 
-@pytest.mark.parametrize("case", list(BAD))
-def test_bad_images_get_4xx_and_server_keeps_serving(vl_server, listener, case):
-    parts, want = BAD[case]
-    status, body = chat(vl_server["base"], [{"role": "user", "content": parts()}])
-    msg = body.get("error", {}).get("message", "")
-    print(case, status, msg)
-    assert status == 400, body
-    for w in want:
-        assert w in msg, (case, w, msg)
-    with pytest.raises(BlockingIOError):
-        listener.accept()  # nothing connected: the http URL was refused without a fetch
-    assert_still_serving(vl_server["base"])
+class TestCompositeServer:
+    """The composite checkpoint's server: fp32, ``--max-model-len 192``, at most 2 images a prompt."""
 
+    @pytest.mark.parametrize("case", list(PARITY))
+    def test_data_url_images_match_hf_reference(self, vl_server, case):
+        """Same prompt ids (the images' placeholder tokens included) and the same greedy tokens as the HF reference
+        for the same PNG images and chat."""
+        from vision_checkpoint import test_image
 
-def test_readme_image_request_runs(vl_server, tmp_path):
-    """The README's image chat request (the block after ``qwen4exp-serve``) against this server, as written but for
-    the address, the model name and the image file."""
-    from vision_checkpoint import test_image
+        images = [test_image(*im) for im in PARITY_IMAGES[case]]
+        urls = [png_data_url(im) for im in images]
+        status, body = chat(vl_server["base"], _fill(PARITY[case], lambda i: image_part(urls[i])))
+        assert status == 200, body
+        ids, ref = _hf_reference(vl_server["ckpt"], PARITY[case], images)
+        assert body["prompt_token_ids"] == ids
+        assert body["choices"][0]["token_ids"] == ref
 
-    blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
-    block = next(b for b in blocks if "image_url" in b and "curl" in b)
-    lines = block.splitlines()
-    assert "qwen4exp-serve" in lines[0] and "--limit-mm-per-prompt" in lines[0], lines[0]
-    photo = tmp_path / "photo.png"
-    test_image(40, 24, 1).save(photo)
-    script = "\n".join(lines[1:]).replace("http://127.0.0.1:8000", vl_server["base"]).replace('"vl"', '"tiny"')
-    assert shutil.which("curl"), "the README's example uses curl"
-    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
-    p = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
-    assert out["choices"][0]["message"]["content"], out
+    @pytest.mark.parametrize("case", list(BAD))
+    def test_bad_images_get_4xx_and_server_keeps_serving(self, vl_server, listener, case):
+        """A 400 whose message names the problem (and ``param`` the content part), then a normal request gets
+        200."""
+        parts, want = BAD[case]
+        status, body = chat(vl_server["base"], [{"role": "user", "content": parts()}])
+        msg = body.get("error", {}).get("message", "")
+        print(case, status, msg)
+        assert status == 400, body
+        for w in want:
+            assert w in msg, (case, w, msg)
+        if "image_url" in want:
+            assert body["error"]["param"] == "image_url", body
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing connected: the http URL was refused without a fetch
+        assert_still_serving(vl_server["base"])
+
+    def test_readme_image_request_runs(self, vl_server, tmp_path):
+        """The README's image chat request (the block after its ``qwen4exp-serve`` line) against this server, as
+        written but for the address, the model name and the image file."""
+        from vision_checkpoint import test_image
+
+        blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
+        block = next(b for b in blocks if "image_url" in b and "curl" in b)
+        lines = block.splitlines()
+        assert "qwen4exp-serve" in lines[0] and "--limit-mm-per-prompt" in lines[0], lines[0]
+        photo = tmp_path / "photo.png"
+        test_image(40, 24, 1).save(photo)
+        script = "\n".join(lines[1:]).replace("http://127.0.0.1:8000", vl_server["base"]).replace('"vl"', '"tiny"')
+        assert shutil.which("curl"), "the README's example uses curl"
+        env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+        p = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout)
+        assert out["choices"][0]["message"]["content"], out
 
 
 def test_image_to_text_only_checkpoint_gets_4xx(tmp_path_factory):
@@ -255,3 +265,76 @@ def test_composite_without_preprocessor_config(tmp_path_factory):
         assert status == 400, body
         assert "At most 0 image(s)" in body["error"]["message"], body
         assert_still_serving(s["base"])
+
+
+@pytest.fixture()
+def png_host(tmp_path):
+    """An HTTP server on 127.0.0.1:18654 serving one PNG at /cat.png; yields (url, image, list of paths requested)."""
+    import http.server
+    import threading
+
+    from vision_checkpoint import test_image
+
+    img = test_image(20, 12, 7)
+    data = io.BytesIO()
+    img.save(data, "PNG")
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(data.getvalue())))
+            self.end_headers()
+            self.wfile.write(data.getvalue())
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 18654), Handler)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    yield "http://127.0.0.1:18654/cat.png", img, seen
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_connector_fetches_only_where_allowed(png_host, tmp_path):
+    """The ``qwen4exp`` media connector: an http URL is refused without a request unless ``--allowed-media-domains``
+    names its host (then vLLM's connector fetches it); a file URL is read only under ``--allowed-local-media-path``;
+    data URLs decode."""
+    from vision_checkpoint import test_image
+    from vllm.exceptions import VLLMValidationError
+
+    from qwen4exp.vllm.media import LocalMediaConnector
+
+    url, img, seen = png_host
+    with pytest.raises(VLLMValidationError, match="remote URLs .* are not fetched by this server"):
+        LocalMediaConnector().fetch_image(url)
+    assert seen == []
+    got = LocalMediaConnector(allowed_media_domains=["127.0.0.1"]).fetch_image(url)
+    assert seen == ["/cat.png"] and got.size == img.size and got.tobytes() == img.tobytes()
+    path = tmp_path / "dog.png"
+    test_image(8, 8, 1).save(path)
+    with pytest.raises(VLLMValidationError, match="file URLs are not read"):
+        LocalMediaConnector().fetch_image(path.as_uri())
+    assert LocalMediaConnector(allowed_local_media_path=str(tmp_path)).fetch_image(path.as_uri()).size == (8, 8)
+    assert LocalMediaConnector().fetch_image(png_data_url(img)).size == img.size
+
+
+def test_image_processor_config_check(tmp_path):
+    """``check_image_processor_config``: a composite config needs preprocessor_config.json or a processor_config.json
+    with an ``image_processor`` entry; a text-only config needs neither."""
+    from qwen4exp import presets
+    from qwen4exp.checkpoint import CheckpointError, check_image_processor_config
+
+    cfg = presets.tiny()
+    with pytest.raises(CheckpointError, match="without preprocessor_config.json.*--language-model-only"):
+        check_image_processor_config(tmp_path, cfg)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen4ExpProcessor"}))
+    with pytest.raises(CheckpointError, match="preprocessor_config.json"):
+        check_image_processor_config(tmp_path, cfg)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_processor": {"patch_size": 4}}))
+    check_image_processor_config(tmp_path, cfg)
+    check_image_processor_config(tmp_path / "nowhere", presets.tiny_text())

@@ -42,7 +42,7 @@ def refusal(url: str, field: str, *, domains: list[str], local_path) -> str | No
         return f"{field}: not a valid URL; send the content inline as a base64 data URL (data:image/png;base64,...)"
     scheme = (spec.scheme or "").lower()
     if scheme in ("http", "https") and not domains:
-        return (f"{field}: remote URLs ({scheme}://{spec.host or ''}/...) are not fetched by this server (it may "
+        return (f"{field}: remote URLs ({scheme}://{spec.netloc or ''}/...) are not fetched by this server (it may "
                 f"have no network); send the content inline as a base64 data URL, e.g. "
                 f"data:image/png;base64,<base64 of the PNG bytes>")
     if scheme == "file" and local_path is None:
@@ -57,6 +57,8 @@ def data_url_error(field: str, what: str, e: Exception) -> VLLMValidationError:
         msg = f"{field}: the data URL's payload is not valid base64 ({e})"
     elif isinstance(e, NotImplementedError):  # e.g. data:image/png,<raw> (not base64)
         msg = f"{field}: only base64 data URLs are read (data:<media type>;base64,<data>)"
+    elif str(e).startswith("Invalid data URL"):  # no ',' after the header
+        msg = f"{field}: not a valid data URL (data:<media type>;base64,<data>): no ',' before the data"
     else:
         detail = re.sub(r"\s*<[^<>]* object at 0x[0-9a-f]+>|\s*<_io\.\w+ object>", "", str(e)).strip()
         if detail.startswith("Failed to load image: "):
@@ -81,20 +83,20 @@ class LocalMediaConnector(MediaConnector):
         field, what = self._check(url, media_io)
         try:
             return super().load_from_url(url, media_io, fetch_timeout=fetch_timeout)
-        except (VLLMClientError, OSError, RuntimeError):
+        except VLLMClientError:
             raise
         except Exception as e:
             if url[:5].lower() != "data:":
-                raise
+                raise  # (vLLM's fetch errors, with --allowed-media-domains / --allowed-local-media-path)
             raise data_url_error(field, what, e) from e
 
     async def load_from_url_async(self, url, media_io, *, fetch_timeout=None):
         field, what = self._check(url, media_io)
         try:
             return await super().load_from_url_async(url, media_io, fetch_timeout=fetch_timeout)
-        except (VLLMClientError, OSError, RuntimeError):
+        except VLLMClientError:
             raise
         except Exception as e:
             if url[:5].lower() != "data:":
-                raise
+                raise  # (vLLM's fetch errors, with --allowed-media-domains / --allowed-local-media-path)
             raise data_url_error(field, what, e) from e
