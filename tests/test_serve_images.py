@@ -243,12 +243,30 @@ def test_image_to_text_only_checkpoint_gets_4xx(tmp_path_factory):
             assert_still_serving(s["base"])
 
 
-def test_composite_without_preprocessor_config(tmp_path_factory):
-    """Refused at start (exit 1, one line naming the file and --language-model-only, before vLLM starts);
-    ``--language-model-only`` serves text, and an image then gets a 400."""
+@pytest.fixture(scope="module")
+def nopp_ckpt(tmp_path_factory):
+    """The composite checkpoint without preprocessor_config.json."""
+    return _build(str(tmp_path_factory.mktemp("nopp_ckpt")), preprocessor=False)
+
+
+def test_plugin_refuses_composite_without_preprocessor_config(nopp_ckpt, tmp_path):
+    """Plain vLLM (``LLM`` here; ``vllm serve`` takes the same config hook) with the plugin: refused while vLLM
+    builds its config, naming the file, instead of transformers' traceback from the processor."""
+    from vllm_offline import run_offline
+
+    spec = dict(model=nopp_ckpt, prompts=[[2, 3]], engine=dict(dtype="float32", enforce_eager=True, max_model_len=128),
+                sampling=dict(max_tokens=1))
+    with pytest.raises(RuntimeError) as e:
+        run_offline(spec, str(tmp_path / "run"))
+    assert "CheckpointRejected" in str(e.value) and "without preprocessor_config.json" in str(e.value), str(e.value)
+
+
+def test_composite_without_preprocessor_config(nopp_ckpt, tmp_path_factory):
+    """``qwen4exp-serve`` refuses it at start (exit 1, one line naming the file and --language-model-only, before
+    vLLM starts); with ``--language-model-only`` it serves text, and an image then gets a 400."""
     from vision_checkpoint import test_image
 
-    d = _build(str(tmp_path_factory.mktemp("nopp_ckpt")), preprocessor=False)
+    d = nopp_ckpt
     work = tmp_path_factory.mktemp("nopp_server")
     env = dict(os.environ, QWEN4EXP_CACHE_DIR=str(work / "cache"), TMPDIR=str(work))
     p = subprocess.run([sys.executable, "-m", "qwen4exp.serve", d, "--port", str(PORT_NOPP)], env=env,
