@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,31 @@ class TestCompositeServer:
             assert body["error"]["param"] == "image_url", body
         with pytest.raises(BlockingIOError):
             listener.accept()  # nothing connected: the http URL was refused without a fetch
+        assert_still_serving(vl_server["base"])
+
+    def test_streamed_chat_with_images(self, vl_server):
+        """``stream: true``: a data URL image streams the tokens of the same request unstreamed; a refused URL gets
+        the 400 before any stream starts."""
+        from vision_checkpoint import test_image
+
+        msgs = [{"role": "user", "content": [image_part(png_data_url(test_image(40, 24, 1))), text_part("what")]}]
+        status, body = chat(vl_server["base"], msgs)
+        assert status == 200, body
+        req = urllib.request.Request(vl_server["base"] + "/v1/chat/completions", headers={
+            "Content-Type": "application/json"}, data=json.dumps(dict(
+                model="tiny", messages=msgs, max_tokens=GEN, temperature=0, ignore_eos=True, stream=True,
+                return_token_ids=True)).encode())
+        toks = []
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for c in json.loads(line[6:])["choices"]:
+                        toks += c.get("token_ids") or []
+        assert len(toks) == GEN and toks == body["choices"][0]["token_ids"]
+        bad = [{"role": "user", "content": [image_part("https://images.example.com/cat.png")]}]
+        status, body = post(vl_server["base"] + "/v1/chat/completions",
+                            dict(model="tiny", messages=bad, max_tokens=GEN, stream=True))
+        assert status == 400 and "not fetched" in body["error"]["message"], body
         assert_still_serving(vl_server["base"])
 
     def test_readme_image_request_runs(self, vl_server, tmp_path):
