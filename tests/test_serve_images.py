@@ -164,7 +164,11 @@ BAD = {
     "data_url_not_base64": (lambda: [image_part("data:image/png,rawbytes")], ["image_url", "only base64 data URLs"]),
     "data_url_without_data": (lambda: [image_part("data:image/png;base64")], ["image_url", "not a valid data URL"]),
     "image_over_max_model_len": (lambda: [image_part(png_data_url(_test_image(128, 128, 5)))],
-                                 ["exceeds model's maximum context length", f"({MAX_LEN})"]),
+                                 ["image_url", f"too large for max_model_len {MAX_LEN}", "1 image(s) take 256 tokens",
+                                  f"at most {MAX_PIXELS} pixels", "--max-model-len"]),
+    "images_over_max_model_len": (lambda: [image_part(png_data_url(_test_image(96, 96, 6))),
+                                           image_part(png_data_url(_test_image(64, 64, 7)))],
+                                  ["image_url", "2 image(s) take 208 tokens (144, 64)"]),
     "too_many_images": (lambda: [image_part(png_data_url(_test_image(24, 24, i))) for i in range(3)],
                         ["At most 2 image(s)"]),
 }
