@@ -307,3 +307,31 @@ def validate_checkpoint(path, *, config=None, weights: bool = True, tokenizer: b
         raise CheckpointError(f"qwen4exp: tokenizer {tv[0]} has {tv[1]} token ids, more than the model's vocab_size "
                               f"{tc.vocab_size} (config.json): ids from {tc.vocab_size} on have no embedding row")
     return cfg
+
+
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+
+
+def check_image_processor_config(path, cfg) -> None:
+    """A composite checkpoint (``vision_config``: a vision tower) served with images needs its image processor's
+    config (patch and merge sizes, pixel limits, normalisation): ``preprocessor_config.json``, or
+    ``processor_config.json`` with an ``image_processor`` entry, as transformers reads them. vLLM builds the processor
+    at start-up and fails deep in a traceback without it; this raises CheckpointError with one line naming the file
+    and the way to serve text only (``--language-model-only``). Text-only configs pass."""
+    if getattr(cfg, "vision_config", None) is None:
+        return
+    path = str(path)
+    if os.path.isfile(os.path.join(path, IMAGE_PROCESSOR_FILE)):
+        return
+    proc = os.path.join(path, "processor_config.json")
+    if os.path.isfile(proc):
+        try:
+            with open(proc) as f:
+                if "image_processor" in json.load(f):
+                    return
+        except (OSError, ValueError):
+            pass  # (transformers fails on it as well: named below)
+    raise CheckpointError(
+        f"qwen4exp: {path} is a composite checkpoint (it has a vision tower) without {IMAGE_PROCESSOR_FILE}, the image "
+        f"processor's config that serving images needs; add the one the checkpoint's release ships, or serve it as "
+        f"text only with --language-model-only")

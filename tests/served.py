@@ -39,9 +39,10 @@ def post(url, body, timeout=120, headers=None):
 
 
 @contextlib.contextmanager
-def serve(ckpt: str, work, *args: str, name: str = "tiny", timeout: float = START_TIMEOUT):
-    """Yield {base, proc, log, startup, ckpt, work} for ``qwen4exp-serve ckpt --served-model-name name *args``."""
-    port = free_port()
+def serve(ckpt: str, work, *args: str, name: str = "tiny", timeout: float = START_TIMEOUT, port: int | None = None):
+    """Yield {base, proc, log, startup, ckpt, work} for ``qwen4exp-serve ckpt --served-model-name name *args`` (on
+    ``port``, default a free one)."""
+    port = port or free_port()
     exe = shutil.which("qwen4exp-serve", path=os.path.dirname(sys.executable))
     cmd = [exe] if exe else [sys.executable, "-m", "qwen4exp.serve"]
     from vllm_offline import shared_serve_args  # (tools/: the GPU suite's parts sharing one GPU)

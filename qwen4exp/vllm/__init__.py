@@ -13,6 +13,7 @@ from .. import envs
 
 ARCHITECTURES = ("Qwen4ExpForConditionalGeneration", "Qwen4ExpForCausalLM")
 DRAFT_ARCHITECTURES = {"Qwen4ExpMTP": "qwen4exp.vllm.mtp:Qwen4ExpMTP"}  # speculative_config method "mtp"
+MEDIA_CONNECTOR = "qwen4exp"  # VLLM_MEDIA_CONNECTOR value of ``qwen4exp.vllm.media.LocalMediaConnector``
 
 _registered: bool | None = None
 logger = logging.getLogger("qwen4exp.vllm")
@@ -32,6 +33,7 @@ def register() -> bool:
     global _registered
     if _registered is not None:
         return _registered
+    register_media_connector()
     if not envs.QWEN4EXP_VLLM:
         _registered = False
         _logger().info("Qwen4Exp is served by vLLM's in-tree implementation (QWEN4EXP_VLLM=0)")
@@ -50,6 +52,16 @@ def register() -> bool:
     # the INFO line naming the implementation is logged once, where the model is built (qwen4exp.vllm.model)
     _logger().debug("qwen4exp plugin registered %s", ", ".join(ARCHITECTURES))
     return True
+
+
+def register_media_connector() -> None:
+    """Register the ``qwen4exp`` media connector (``qwen4exp.vllm.media``) where ``VLLM_MEDIA_CONNECTOR`` selects
+    it (``qwen4exp-serve`` does by default); nothing is imported otherwise. Also under ``QWEN4EXP_VLLM=0``: the
+    connector is about requests, not about which model class serves them."""
+    import os
+
+    if os.environ.get("VLLM_MEDIA_CONNECTOR") == MEDIA_CONNECTOR:
+        from . import media  # noqa: F401  (registers at import)
 
 
 def _install_config_hooks() -> None:
@@ -131,20 +143,24 @@ def validate_token_ids_without_tokenizer() -> None:
 def validate_model_dir(vllm_config) -> None:
     """``qwen4exp.checkpoint.validate_checkpoint`` on a local model directory, while vLLM builds its config (in the
     API server / ``LLM`` process, before the engine starts or allocates anything): a bad config field, file or tensor
-    fails here with one message naming it. Dummy weights (``load_format="dummy"``): config and tokenizer only."""
+    fails here with one message naming it. Dummy weights (``load_format="dummy"``): config and tokenizer only. A
+    composite checkpoint served with images (not ``--language-model-only``) needs its image processor config."""
     import os
 
     mc = getattr(vllm_config, "model_config", None)
     model = getattr(mc, "model", None)
     if not isinstance(model, str) or not os.path.isdir(model):
         return
-    from ..checkpoint import validate_checkpoint
+    from ..checkpoint import check_image_processor_config, validate_checkpoint
 
     fmt = str(getattr(getattr(vllm_config, "load_config", None), "load_format", "auto"))
     has_st = any(f.endswith(".safetensors") for f in os.listdir(model))
+    mm = getattr(mc, "multimodal_config", None)
     try:
-        validate_checkpoint(model, weights=fmt != "dummy" and (has_st or fmt == "safetensors"),
-                            tokenizer=getattr(mc, "tokenizer", None) in (None, model))
+        cfg = validate_checkpoint(model, weights=fmt != "dummy" and (has_st or fmt == "safetensors"),
+                                  tokenizer=getattr(mc, "tokenizer", None) in (None, model))
+        if mm is not None and not mm.language_model_only:
+            check_image_processor_config(model, cfg)
     except ValueError as e:
         # not a ValueError past this point: pydantic would wrap it in a ValidationError with the whole config dump
         raise CheckpointRejected(f"{type(e).__name__}: {e}") from None

@@ -4,7 +4,8 @@
   load on a CPU machine without it): the HF processor is ``qwen4exp.hf.processing.Qwen4ExpProcessor`` (upstream's
   Qwen3-VL processor with the Pillow Qwen2-VL image processor); each image's ``<|image_pad|>`` expands to its
   t * h * w / m^2 placeholder tokens; fields ``pixel_values`` (patches of all images, split per image) and
-  ``image_grid_thw``. Video is not offered (transformers' video processor needs torchvision).
+  ``image_grid_thw``. Video is not offered (transformers' video processor needs torchvision). A processed prompt
+  with images longer than ``max_model_len`` gets a 400 counting the images' tokens (``check_images_fit``).
 * The tower: ``qwen4exp.layers.vision.VisionTower`` (the same math as the HF reference), weights ``model.visual.*``.
 * ``embed_multimodal``: one embedding tensor per image, in prompt order; ``embed_input_ids`` merges them over the
   placeholder tokens (vLLM's encoder cache keeps them across chunked-prefill steps).
@@ -78,7 +79,41 @@ class Qwen4ExpDummyInputsBuilder(BaseDummyInputsBuilder[Qwen4ExpProcessingInfo])
                                                 overrides=(mm_options or {}).get("image"))}
 
 
+def check_images_fit(mm_inputs, max_model_len: int, max_pixels: int | None = None) -> None:
+    """A processed prompt holding images that is longer than ``max_model_len``: a 400 (VLLMValidationError on
+    ``image_url``) saying how many of its tokens its images take, instead of the bare length message. Prompts without
+    images are left to vLLM's checks."""
+    n = len(mm_inputs["prompt_token_ids"])
+    sizes = [r.length for r in (mm_inputs.get("mm_placeholders") or {}).get("image", [])]
+    if n <= max_model_len or not sizes:
+        return
+    from vllm.exceptions import VLLMValidationError
+
+    each = f" ({', '.join(map(str, sizes))})" if len(sizes) > 1 else ""
+    limit = f" (this server resizes an image to at most {max_pixels} pixels)" if max_pixels else ""
+    raise VLLMValidationError(
+        f"image_url: too large for max_model_len {max_model_len}: the prompt's {len(sizes)} image(s) take "
+        f"{sum(sizes)} tokens{each} of its {n}; send smaller or fewer images{limit}, or serve with a larger "
+        f"--max-model-len", parameter="image_url")
+
+
 class Qwen4ExpMultiModalProcessor(BaseMultiModalProcessor[Qwen4ExpProcessingInfo]):
+    _profiling = 0  # inside get_dummy_mm_inputs (start-up profiling: its prompt may exceed max_model_len)
+
+    def get_dummy_mm_inputs(self, *args, **kwargs):
+        self._profiling += 1
+        try:
+            return super().get_dummy_mm_inputs(*args, **kwargs)
+        finally:
+            self._profiling -= 1
+
+    def apply(self, inputs, timing_ctx):
+        out = super().apply(inputs, timing_ctx)
+        if not self._profiling:
+            ip = self.info.get_hf_processor().image_processor
+            check_images_fit(out, self.info.ctx.model_config.max_model_len, (ip.size or {}).get("longest_edge"))
+        return out
+
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs: Mapping[str, object]
                               ) -> Mapping[str, MultiModalFieldConfig]:
         grid = hf_inputs.get("image_grid_thw", torch.empty((0, 3)))
