@@ -30,7 +30,8 @@ def _has_cuda() -> bool:
 
 # Test files that run on CPU and, where CUDA is available, on CUDA (e.g. vLLM with CUDA graphs): on a GPU machine they
 # belong to the GPU suite (``pytest -m gpu``), on CPU they stay in the CPU suite.
-ALSO_ON_CUDA = ("test_vllm_mtp.py", "test_vllm_server_prefix_cache.py", "test_vllm_scheduler.py")
+ALSO_ON_CUDA = ("test_vllm_mtp.py", "test_vllm_server_prefix_cache.py", "test_vllm_scheduler.py",
+                "test_vision_vllm.py")
 
 
 def pytest_collection_modifyitems(config, items):

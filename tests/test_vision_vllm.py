@@ -1,7 +1,8 @@
 """Images through the vLLM plugin (``vllm.LLM``, fp32, a tiny random composite checkpoint made by upstream with a
 tokenizer that has the vision tokens): greedy tokens equal our HF reference's, with chunked prefill whose chunks
 end inside the images, and one or two images of different sizes per prompt; vLLM's prompt token ids (its Qwen3-VL
-processor with our processing info) equal our HF processor's."""
+processor with our processing info) equal our HF processor's. On a CUDA machine the same test runs on the GPU (fp32,
+eager; ``tests/conftest.py`` ALSO_ON_CUDA puts it in the GPU suite)."""
 
 import json
 import os
@@ -71,8 +72,10 @@ def setup(tmp_path_factory):
 
     d = str(tmp_path_factory.mktemp("vision_ckpt"))
     build_vision_checkpoint(d, seed=11, dtype=torch.float32, indexer_n_heads=16)
-    eng = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
-               limit_mm_per_prompt={"image": 2}, enable_prefix_caching=False)
+    from vllm_offline import shared_engine
+
+    eng = shared_engine(dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
+                             limit_mm_per_prompt={"image": 2}, enable_prefix_caching=False))
     runs = {
         "whole": _run(d, dict(eng, enable_chunked_prefill=False, max_num_batched_tokens=512),
                       {"single": PROMPTS}, str(tmp_path_factory.mktemp("whole"))),

@@ -100,7 +100,8 @@ suite() {
     # part i on GPU i mod #GPUs (PART:N: on the N-th of them); parts of one GPU one after the other, or with
     # SUITE_SHARE=1 all at once (each test engine then takes a small share of the GPU: tools/vllm_offline.py)
     local lane_gpu=()
-    [ "${SUITE_SHARE:-0}" = 1 ] && export QWEN4EXP_TEST_GPU_SHARE=1
+    # sharing: each engine run of the NVFP4 check gets more than its 200 s alone (run 20: its HF reference took 169 s)
+    [ "${SUITE_SHARE:-0}" = 1 ] && export QWEN4EXP_TEST_GPU_SHARE=1 QWEN4EXP_CHECK_TIMEOUT=${QWEN4EXP_CHECK_TIMEOUT:-400}
     for i in "${!parts[@]}"; do
       p=${parts[i]%%:*}
       g=$([ "$p" != "${parts[i]}" ] && echo "${parts[i]#*:}" || echo $(( i % ${#gpus[@]} )))
