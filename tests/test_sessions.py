@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from qwen4exp.vllm.sessions import COUNTERS, EVICTION_REASONS, TRANSITIONS, Event, IllegalTransition, Sessions, State
+from qwen4exp.vllm.sessions import (COUNTERS, EVICTION_REASONS, TRANSITIONS, Event, IllegalTransition, Sessions, State,
+                                    close_flag)
 
 
 class Pool:
@@ -118,6 +119,40 @@ def test_bound_drops_least_recent_pins_not_running_turns():
         s.fire(sid, Event.FINISH, f"r{sid}", s.new_pin(pool.take(1), 0, f"r{sid}"))
     s.bound()
     assert set(s.sessions) == {"run", "y"} and s.counts["evicted_lru"] == 1
+
+
+@pytest.mark.parametrize("state", list(State), ids=lambda s: s.value)
+def test_explicit_close_releases_only_an_idle_sessions_pin(state):
+    """``Sessions.close`` (the close endpoint): RETAINED -> CLOSED with the pin released and counted as a close; a
+    session with a turn running or waiting (ACTIVE, HANDOFF) is left as it is; an unknown one answers "closed"."""
+    s, pool, _ = make()
+    drive_to(s, pool, state)
+    held = set(pool.held)
+    out = s.close("a")
+    assert out["state"] == state.value
+    if state is State.RETAINED:
+        assert out == {"state": "retained", "released": True, "released_blocks": 3, "turns_in_flight": 0}
+        assert s.state("a") is State.CLOSED and not pool.held and s.pinned_blocks() == 0
+        assert s.evictions["close"] == 1 and s.counts["closed"] == 1
+        assert s.fire("a", Event.ARRIVE, "r3") is State.ACTIVE  # the next turn is a first turn: no hand-off
+        assert s.counts["handed_off"] == 0
+        return
+    assert out["released"] is False and out["released_blocks"] == 0 and s.state("a") is state
+    assert out["turns_in_flight"] == (0 if state is State.CLOSED else 1) and pool.held == held
+    assert s.evictions["close"] == 0 and not s.counts["illegal_transitions"]
+
+
+@pytest.mark.parametrize("value,want", [(True, True), (False, False), (1, True), (0, False), (1.0, True),
+                                        ("true", True), ("TRUE", True), (" yes ", True), ("1", True),
+                                        ("false", False), ("No", False), ("0", False)])
+def test_close_flag_values(value, want):
+    assert close_flag(value) is want
+
+
+@pytest.mark.parametrize("value", ["", "maybe", "2", "on", 2, -1, None, [], {}])
+def test_close_flag_refuses_other_values(value):
+    with pytest.raises(ValueError, match="expected one of true/1/yes or false/0/no"):
+        close_flag(value)
 
 
 def test_negative_ttl_is_refused():

@@ -29,7 +29,8 @@ def runs(tmp_path_factory):
     out = {}
     for name, cls in (("default", "default"), ("agent", AGENT)):
         work = tmp_path_factory.mktemp(name)
-        env = dict(os.environ, TMPDIR=str(work), QWEN4EXP_CACHE_DIR=str(work / "cache"))
+        # a TTL no run reaches: on a loaded machine the default 10 s let pins expire before the pressure check
+        env = dict(os.environ, TMPDIR=str(work), QWEN4EXP_CACHE_DIR=str(work / "cache"), QWEN4EXP_SESSION_TTL="600")
         p = subprocess.run([sys.executable, os.path.join(HERE, "agent_turns.py"), cls, str(work / "r.json")],
                            env=env, capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stderr[-6000:]

@@ -11,11 +11,15 @@ the multi-GPU launch lines. ``agent``: the same with ``--scheduler-cls qwen4exp.
 and an ``X-Session-ID`` on every request (its scheduler runs in the engine-core process): each chat turn then finds
 the previous turn's prompt *and output* cached up to the last block boundary; its session numbers reach ``/metrics``
 (``qwen4exp.vllm.metrics``: the scheduler's stats, carried to the API server's stat-logger plugin), and without the
-scheduler no ``qwen4exp:`` series appears. On a GPU machine this file is part of the GPU suite (``tests/conftest.py``),
-TP=2 there with two GPUs.
+scheduler no ``qwen4exp:`` series appears. An explicit close (the ``X-Session-Close`` header on the last turn, or
+``POST /v1/sessions/{id}/close`` between turns: a utility call to the engine core) releases the retained state at
+once; without the scheduler the header changes nothing and the endpoint answers 404. On a GPU machine this file is
+part of the GPU suite (``tests/conftest.py``), TP=2 there with two GPUs.
 """
 
+import json
 import re
+import urllib.request
 
 import pytest
 import torch
@@ -57,11 +61,11 @@ def server(request, tmp_path_factory):
         yield s
 
 
-def complete(s, prompt, session="chat-1", out=OUT, close=False):
+def complete(s, prompt, session="chat-1", out=OUT, close=False, headers=None):
     body = dict(model="coder", prompt=prompt, max_tokens=out, temperature=0, ignore_eos=True, return_token_ids=True)
     if close:
         body["vllm_xargs"] = {"session_close": True}
-    code, r = post(s["base"] + "/v1/completions", body, headers={"X-Session-ID": session})
+    code, r = post(s["base"] + "/v1/completions", body, headers={"X-Session-ID": session, **(headers or {})})
     assert code == 200, r
     c = r["choices"][0]
     return r["usage"]["prompt_tokens_details"]["cached_tokens"], c["text"], c["token_ids"]
@@ -126,6 +130,79 @@ def test_session_numbers_on_metrics(server):
     assert two["qwen4exp:retained_blocks"] >= one["qwen4exp:retained_blocks"]  # turn 2 is longer
     assert three == dict(zero, **{"qwen4exp:retention_hits_total": 2}), three  # closed: handed off, never evicted
     assert "Traceback" not in log.read_text()
+
+
+def close(s, session):
+    return post(s["base"] + f"/v1/sessions/{session}/close", {})
+
+
+def test_close_by_header_then_a_plain_first_turn(server):
+    """(Second: starts and ends with nothing retained.) ``X-Session-Close: 1`` on a turn closes its session as the
+    body field does: nothing retained after it; the session's next turn is a first turn (no retention hit), retained
+    again, and the close endpoint then releases exactly what ``/metrics`` showed held, at once. A bad header value:
+    a 400 naming the header."""
+    prompt = [11] + PROMPT[1:200]
+    code, r = post(server["base"] + "/v1/completions", dict(model="coder", prompt=prompt, max_tokens=1),
+                   headers={"X-Session-ID": "hdr", "X-Session-Close": "maybe"})
+    assert code == 400 and r["error"]["param"] == "X-Session-Close", r
+    if not server["agent"]:
+        complete(server, prompt, session="hdr", headers={"X-Session-Close": "1"})  # accepted, changes nothing
+        assert not ours(scrape(server))
+        return
+    before = ours(scrape(server))
+    assert before["qwen4exp:retained_sessions"] == 0, before
+    _, _, out = complete(server, prompt, session="hdr")
+    one = ours(scrape(server))
+    assert one["qwen4exp:retained_sessions"] == 1 and one["qwen4exp:retained_blocks"] > 0, one
+    prompt = prompt + out + NEW[:40]
+    _, _, out = complete(server, prompt, session="hdr", headers={"X-Session-Close": "1"})
+    two = ours(scrape(server))
+    assert two["qwen4exp:retained_sessions"] == two["qwen4exp:retained_blocks"] == 0, two
+    assert two["qwen4exp:retention_hits_total"] == before["qwen4exp:retention_hits_total"] + 1  # turn 2 took it over
+    complete(server, prompt + out, session="hdr")  # after the close: a first turn again
+    three = ours(scrape(server))
+    assert three["qwen4exp:retention_hits_total"] == two["qwen4exp:retention_hits_total"], three
+    assert three["qwen4exp:retained_sessions"] == 1 and three["qwen4exp:num_sessions{state=retained}"] == 1
+    code, r = close(server, "hdr")
+    assert code == 200 and r == {"session_id": "hdr", "released": True, "previous_state": "retained",
+                                 "released_blocks": three["qwen4exp:retained_blocks"]}, r
+    four = ours(scrape(server))  # sent by the engine core with the close, not with a later step
+    assert four["qwen4exp:retained_sessions"] == four["qwen4exp:retained_blocks"] == 0, four
+    ev = "qwen4exp:retention_evictions_total{reason=close}"
+    assert four[ev] == three[ev] + 1 and four["qwen4exp:num_sessions{state=retained}"] == 0
+    assert "Traceback" not in server["log"].read_text()
+
+
+def test_close_endpoint_waits_for_a_running_turn(server):
+    """The close endpoint while a turn streams: 409, the turn goes on to its full length and its session is retained;
+    then the close releases it (200), a second close and an unknown session answer ``released: false``. Without
+    ``AgentScheduler``: 404 naming the flag."""
+    if not server["agent"]:
+        code, r = close(server, "any")
+        assert code == 404 and "--scheduler-cls " + AGENT in r["error"]["message"], r
+        return
+    n = 160
+    body = dict(model="coder", prompt=[13] + PROMPT[1:100], max_tokens=n, temperature=0, ignore_eos=True,
+                stream=True)
+    req = urllib.request.Request(server["base"] + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "X-Session-ID": "busy"})
+    with urllib.request.urlopen(req, timeout=120) as stream:
+        first = stream.readline()
+        while not first.startswith(b"data:"):
+            first = stream.readline()
+        code, r = close(server, "busy")  # the turn is running
+        rest = stream.read().decode()
+    assert code == 409 and "running or waiting" in r["error"]["message"], r
+    chunks = [json.loads(line[5:]) for line in [first.decode()] + rest.splitlines()
+              if line.startswith("data:") and line.strip() != "data: [DONE]"]
+    assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks if c["choices"]) > 1  # (it streamed)
+    assert ours(scrape(server))["qwen4exp:retained_sessions"] == 1
+    code, r = close(server, "busy")
+    assert code == 200 and r["released"] is True and r["released_blocks"] > 0, r
+    assert ours(scrape(server))["qwen4exp:retained_blocks"] == 0
+    for sid in ("busy", "never-seen"):
+        code, r = close(server, sid)
+        assert code == 200 and r["released"] is False and r["previous_state"] == "closed", r
 
 
 def test_same_prompt_hits_from_the_first_resend(server):

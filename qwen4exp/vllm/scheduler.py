@@ -10,10 +10,12 @@ field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) get:
 * **soft retention** (``QWEN4EXP_SESSION_TTL`` seconds, default 10): the blocks of a session's finished turn stay
   referenced, so a tool pause does not let other traffic evict them; they are the first to go under memory pressure
   (before any running request is preempted, after plain cached blocks), and go at once on ``session_close`` (body
-  ``"vllm_xargs": {"session_close": true}`` on the last turn), on an abort, or on a prefix-cache reset. The state
-  machine and its counters: ``qwen4exp.vllm.sessions``; on ``/metrics`` (when stats are on):
-  ``qwen4exp.vllm.metrics``. An event the state machine refuses is logged and counted, the session dropped, and
-  the engine goes on.
+  ``"vllm_xargs": {"session_close": true}`` or, through ``qwen4exp-serve``, the ``X-Session-Close: 1`` header on the
+  last turn), on an explicit close of an idle session (``close_session``: ``POST /v1/sessions/{id}/close`` on
+  ``qwen4exp-serve``, reaching the engine core as the utility call ``CLOSE_UTILITY``), on an abort, or on a
+  prefix-cache reset. The state machine and its counters: ``qwen4exp.vllm.sessions``; on ``/metrics`` (when stats
+  are on): ``qwen4exp.vllm.metrics``. An event the state machine refuses is logged and counted, the session
+  dropped, and the engine goes on.
 * **continuation first**: a waiting turn whose session's blocks are pinned goes ahead of first turns, at most
   ``CONTINUATIONS_PER_STEP`` a step and never past a head of the queue that has waited ``HEAD_WAIT_S``.
 
@@ -35,7 +37,7 @@ from vllm.v1.request import RequestStatus
 
 from qwen4exp import envs
 from qwen4exp.vllm import metrics
-from qwen4exp.vllm.sessions import Event, IllegalTransition, Sessions, State
+from qwen4exp.vllm.sessions import Event, IllegalTransition, Sessions, State, close_flag
 
 logger = init_logger("vllm.plugins.qwen4exp.scheduler")
 
@@ -43,11 +45,43 @@ SUPPORTED_VLLM = "0.32."
 CONTINUATIONS_PER_STEP = 4  # continuation turns moved ahead of the queue per step
 HEAD_WAIT_S = 2.0  # ... unless the head of the queue has waited this long (first turns are never starved)
 _RETAINABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+CLOSE_UTILITY = "qwen4exp_close_session"  # the EngineCore method the API server calls (qwen4exp.vllm.session_api)
 
 
 def _closes_session(request) -> bool:
     extra = getattr(request.sampling_params, "extra_args", None) or {}
-    return bool(extra.get("session_close"))
+    value = extra.get("session_close")
+    if value is None:
+        return False
+    try:
+        return close_flag(value)
+    except ValueError:  # (qwen4exp-serve answers these with a 400; plain `vllm serve` lets them through)
+        logger.warning("AgentScheduler: request %s: ignoring vllm_xargs.session_close=%r (want true/1/yes or "
+                       "false/0/no)", request.request_id, value)
+        return False
+
+
+def _close_session_utility(self, session_id: str, client_index: int = 0) -> dict:
+    """``EngineCore.qwen4exp_close_session`` (installed by ``AgentScheduler``): the scheduler's ``close_session``,
+    run by the engine core's busy loop between steps like any utility call. After a release the session numbers go
+    to the calling API server at once (a stats-only output, as vLLM's DP load stats), not with the next step."""
+    close = getattr(self.scheduler, "close_session", None)
+    if close is None:
+        return {"agent_scheduler": False}
+    out = close(session_id)
+    queue = getattr(self, "output_queue", None)  # (EngineCoreProc: the output socket thread's queue)
+    if out.get("released") and queue is not None and (stats := self.scheduler.make_stats()) is not None:
+        from vllm.v1.engine import EngineCoreOutputs
+
+        queue.put_nowait((client_index, EngineCoreOutputs(scheduler_stats=stats)))
+    return out
+
+
+def _install_close_utility() -> None:
+    from vllm.v1.engine.core import EngineCore
+
+    if getattr(EngineCore, CLOSE_UTILITY, None) is not _close_session_utility:
+        setattr(EngineCore, CLOSE_UTILITY, _close_session_utility)
 
 
 class AgentScheduler(Scheduler):
@@ -76,6 +110,7 @@ class AgentScheduler(Scheduler):
         coordinator.cache_blocks = self._cache_blocks_with_turn_checkpoint
         self._allocate_slots = self.kv_cache_manager.allocate_slots
         self.kv_cache_manager.allocate_slots = self._allocate_slots_releasing_pins
+        _install_close_utility()
         logger.info("%s: session TTL %.1f s, end-of-turn checkpoint in %d hybrid-state group(s)",
                     type(self).__name__, self.sessions.ttl, len(self._mamba_groups))
 
@@ -179,6 +214,11 @@ class AgentScheduler(Scheduler):
             logger.error("AgentScheduler: %s; the session's retention is dropped", e)
             self.sessions.forget(sid)
             return None
+
+    def close_session(self, session_id: str) -> dict:
+        """An explicit close (``Sessions.close``): a retained session's pin released now; a session with turns in
+        flight is left alone (``turns_in_flight``); an unknown one is answered ``state: "closed"``."""
+        return self.sessions.close(session_id)
 
     # --- admission -----------------------------------------------------------------------------------------------
     def _continuations_first(self) -> None:

@@ -7,8 +7,9 @@ A session is what the requests of one ``session_id`` share. When its last runnin
 KV blocks and hybrid-state blocks stay referenced (a *pin*) for ``ttl`` seconds, so the prefix cache cannot evict
 them while the agent runs a tool; the session's next turn finds them cached. A pin is soft: it is the first thing
 given back under memory pressure (before any running request is preempted), at TTL, on an explicit close
-(``session_close`` on a turn), on an abort, and on a prefix-cache reset. It never blocks admission (SGLang's pinned
-streaming sessions wedged workers under concurrent multi-turn load; this is the evictable kind).
+(``session_close`` on the last turn, or ``Sessions.close`` once no turn runs), on an abort, and on a prefix-cache
+reset. It never blocks admission (SGLang's pinned streaming sessions wedged workers under concurrent multi-turn
+load; this is the evictable kind).
 
 States and the events that move them (any other pair raises ``IllegalTransition``):
 
@@ -36,6 +37,24 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+
+
+CLOSE_TRUE = ("true", "1", "yes")
+CLOSE_FALSE = ("false", "0", "no")
+
+
+def close_flag(value: Any) -> bool:
+    """A ``session_close`` value (``vllm_xargs`` field or ``X-Session-Close`` header) as a bool: true/1/yes or
+    false/0/no (any case), a JSON bool, or the numbers 1/0; anything else raises ``ValueError``."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in CLOSE_TRUE or v in CLOSE_FALSE:
+            return v in CLOSE_TRUE
+    raise ValueError(f"expected one of {'/'.join(CLOSE_TRUE)} or {'/'.join(CLOSE_FALSE)}, got {value!r}")
 
 
 class State(enum.Enum):
@@ -206,6 +225,20 @@ class Sessions:
         if s is not None:
             self._count_state(s.state, -1)
             self._drop_pin(s, "error")
+
+    def close(self, session_id: str) -> dict[str, Any]:
+        """An explicit close of a session with no turn in flight: its pin released at once. Returns ``state`` (the
+        session's state before), ``released`` (a pin was released), ``released_blocks`` and ``turns_in_flight``
+        (running or waiting turns: then nothing is done; the close belongs on the last turn)."""
+        s = self.sessions.get(session_id)
+        state = s.state if s is not None else State.CLOSED
+        out = {"state": state.value, "released": False, "released_blocks": 0,
+               "turns_in_flight": len(s.active) if s is not None else 0}
+        if state is State.RETAINED:
+            out["released_blocks"] = s.pin.size
+            self.fire(session_id, Event.CLOSE)
+            out["released"] = True
+        return out
 
     # --- what the scheduler asks -------------------------------------------------------------------------------
     def state(self, session_id: str) -> State:

@@ -1,0 +1,84 @@
+"""``POST /v1/sessions/{session_id}/close`` on ``qwen4exp-serve``: release an idle agent session's retained state now.
+
+``AgentScheduler`` (``qwen4exp.vllm.scheduler``) runs in the engine-core process; this route runs in the API server.
+The close travels as a vLLM engine-core *utility call* (``call_utility_all_async``, the channel of
+``/reset_prefix_cache``): the engine core runs it in its busy loop between steps, so it never races a step and leaves
+running requests alone. Every engine core is asked (several with ``--data-parallel-size``, whose load balancer may
+have put a session's turns on any of them); their answers are summed.
+
+Answers (JSON):
+
+* 200 ``{"session_id", "released": true, "released_blocks": N, "previous_state": "retained"}``: the session's pin
+  was released (its blocks go back to the pool as plain cached blocks; the next turn is a first turn);
+* 200 ``{..., "released": false, "previous_state": "closed", "message"}``: nothing held (an unknown session, one
+  already closed, or one whose pin went at TTL or under memory pressure);
+* 409 (vLLM's error shape): the session has a turn running or waiting; nothing is done (put ``X-Session-Close: 1``
+  on the last turn, or close after it ends);
+* 404: the server does not run ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``.
+
+The route is added to vLLM's FastAPI app by ``qwen4exp.serve.RequestGuard`` (the middleware ``qwen4exp-serve``
+installs in every API-server process), behind vLLM's own middleware: ``--api-key`` guards it like any ``/v1/`` route.
+"""
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+AGENT_SCHEDULER = "qwen4exp.vllm.scheduler.AgentScheduler"
+CLOSE_PATH = "/v1/sessions/{session_id:path}/close"
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": None,
+                                                               "code": status}})
+
+
+def combine(session_id: str, results: list[dict]) -> tuple[int, dict]:
+    """(HTTP status, body) from the engines' ``close_session`` answers (``Sessions.close``)."""
+    if not results or any("state" not in r for r in results):
+        return 404, {"message": f"no agent sessions on this server: session close needs --scheduler-cls "
+                                f"{AGENT_SCHEDULER}", "type": "NotFoundError"}
+    released = sum(r["released_blocks"] for r in results)
+    in_flight = sum(r["turns_in_flight"] for r in results)
+    if in_flight:
+        return 409, {"message": f"session {session_id!r} has {in_flight} turn(s) running or waiting; its state is "
+                                f"kept for them: send X-Session-Close: 1 on the last turn, or close it after the turn "
+                                f"ends" + (f" (retained state released on other engines: {released} blocks)"
+                                           if released else ""),
+                     "type": "ConflictError"}
+    body = {"session_id": session_id, "released": any(r["released"] for r in results), "released_blocks": released,
+            "previous_state": "retained" if any(r["released"] for r in results) else results[0]["state"]}
+    if not body["released"]:
+        body["message"] = (f"session {session_id!r} holds no retained state (unknown, already closed, or released "
+                           f"at its TTL or under memory pressure)")
+    return 200, body
+
+
+async def close_session(session_id: str, raw_request: Request) -> JSONResponse:
+    """The route's handler (module docstring)."""
+    from qwen4exp.vllm.metrics import uses_agent_scheduler
+
+    engine = getattr(raw_request.app.state, "engine_client", None)
+    config = getattr(engine, "vllm_config", None)
+    core = getattr(engine, "engine_core", None)
+    if core is None or config is None or not uses_agent_scheduler(config):
+        status, body = combine(session_id, [])
+        return _error(status, body["message"], body["type"])
+    from qwen4exp.vllm.scheduler import CLOSE_UTILITY as UTILITY
+
+    args = (session_id, getattr(core, "client_index", 0))
+    call_all = getattr(core, "call_utility_all_async", None)
+    results = await call_all(UTILITY, *args) if call_all else [await core.call_utility_async(UTILITY, *args)]
+    status, body = combine(session_id, list(results))
+    if status != 200:
+        return _error(status, body["message"], body["type"])
+    return JSONResponse(body)
+
+
+def install(app) -> bool:
+    """Add the route to vLLM's FastAPI ``app`` once (False if it was there already)."""
+    if getattr(app.state, "qwen4exp_session_routes", False):
+        return False
+    app.add_api_route(CLOSE_PATH, close_session, methods=["POST"], name="qwen4exp_close_session",
+                      summary="Release an idle agent session's retained KV blocks and hybrid states now (qwen4exp)")
+    app.state.qwen4exp_session_routes = True
+    return True
