@@ -1,0 +1,48 @@
+"""``qwen4exp.vllm.memory``: the CPU worker's idle heap trim calls ``malloc_trim(0)`` once per idle spell, never
+under load, and not at all with ``QWEN4EXP_IDLE_TRIM=0`` (recipes/soak_cpu.py measures what it does to RSS)."""
+
+import sys
+
+import pytest
+
+from qwen4exp import envs
+from qwen4exp.vllm import memory
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_trims_once_per_idle_spell():
+    clock, calls = Clock(), []
+    it = memory.IdleTrim(0.5, calls.append, clock)
+    assert not it.poll()  # nothing ran yet: nothing to trim
+    it.step()
+    clock.t += 0.4
+    assert not it.poll()  # not idle long enough
+    it.step()
+    clock.t += 0.4
+    assert not it.poll()  # under load: a step every 0.4 s never trims
+    clock.t += 0.2
+    assert it.poll() and calls == [0]
+    clock.t += 5
+    assert not it.poll() and it.count == 1  # still idle: once per spell
+    it.step()
+    clock.t += 0.6
+    assert it.poll() and it.count == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc")
+def test_malloc_trim_found_and_switch_off(monkeypatch):
+    assert memory._malloc_trim()(0) in (0, 1)
+    monkeypatch.setattr(memory, "_idle", None)
+    monkeypatch.setenv("QWEN4EXP_IDLE_TRIM", "0")
+    envs.reset()
+    try:
+        assert memory.start_idle_trim() is None and memory._idle is None
+        memory.step()  # no thread: a no-op
+    finally:
+        envs.reset()
