@@ -16,21 +16,31 @@ class Clock:
         return self.t
 
 
+def forward(it, clock, seconds):
+    it.begin()
+    clock.t += seconds
+    it.end()
+
+
 def test_trims_once_per_idle_spell():
     clock, calls = Clock(), []
     it = memory.IdleTrim(0.5, calls.append, clock)
+    clock.t += 1
     assert not it.poll()  # nothing ran yet: nothing to trim
-    it.step()
+    forward(it, clock, 0.1)
     clock.t += 0.4
     assert not it.poll()  # not idle long enough
-    it.step()
+    forward(it, clock, 0.1)
     clock.t += 0.4
-    assert not it.poll()  # under load: a step every 0.4 s never trims
-    clock.t += 0.2
+    assert not it.poll()  # under load: a forward every 0.5 s never trims
+    clock.t += 0.1
     assert it.poll() and calls == [0]
     clock.t += 5
     assert not it.poll() and it.count == 1  # still idle: once per spell
-    it.step()
+    it.begin()
+    clock.t += 3
+    assert not it.poll()  # never during a forward, however long
+    it.end()
     clock.t += 0.6
     assert it.poll() and it.count == 2
 
@@ -43,6 +53,6 @@ def test_malloc_trim_found_and_switch_off(monkeypatch):
     envs.reset()
     try:
         assert memory.start_idle_trim() is None and memory._idle is None
-        memory.step()  # no thread: a no-op
+        memory.begin(), memory.end()  # no thread: no-ops
     finally:
         envs.reset()

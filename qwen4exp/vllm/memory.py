@@ -8,8 +8,9 @@ the worker's RSS grows round after round of requests (measured, tiny-coder fp32 
 532 MiB: free memory, not live objects). A fixed ``MALLOC_MMAP_THRESHOLD_`` keeps it flat but costs 20-60% of the
 throughput (fresh zeroed pages for every large tensor); ``malloc_trim(0)`` when idle costs nothing under load.
 
-``QWEN4EXP_IDLE_TRIM`` seconds (default 0.5; 0: off) without a forward, a daemon thread calls ``malloc_trim(0)``
-once (again only after the next forward). The first step after an idle spell faults the pages back in (a few ms).
+``QWEN4EXP_IDLE_TRIM`` seconds (default 0.5; 0: off) after the last forward ended, with none running, a daemon
+thread calls ``malloc_trim(0)`` once (again only after the next forward; never during one, however long it takes).
+The first step after an idle spell faults the pages back in (a few ms).
 """
 
 from __future__ import annotations
@@ -23,21 +24,27 @@ from .. import envs
 
 
 class IdleTrim:
-    """Calls ``trim(0)`` once per idle spell: after ``idle_s`` seconds without a ``step()``."""
+    """Calls ``trim(0)`` once per idle spell: ``idle_s`` seconds after the last forward ended (``end()``), with no
+    forward running (between ``begin()`` and ``end()``)."""
 
     def __init__(self, idle_s: float, trim: Callable[[int], int], clock: Callable[[], float] = time.monotonic):
         self.idle_s, self.trim, self.clock = idle_s, trim, clock
-        self.last_step = clock()
-        self.pending = False  # a step ran since the last trim
+        self.last_end = clock()
+        self.busy = False  # a forward is running
+        self.pending = False  # a forward ran since the last trim
         self.count = 0
 
-    def step(self) -> None:
-        self.last_step = self.clock()
-        self.pending = True
+    def begin(self) -> None:
+        self.busy = self.pending = True
+
+    def end(self) -> None:
+        self.last_end = self.clock()
+        self.busy = False
 
     def poll(self) -> bool:
-        """Trim if a step ran since the last trim and none for ``idle_s``; whether it trimmed."""
-        if not self.pending or self.clock() - self.last_step < self.idle_s:
+        """Trim if a forward ran since the last trim, none runs, and the last ended ``idle_s`` ago; whether it
+        trimmed."""
+        if self.busy or not self.pending or self.clock() - self.last_end < self.idle_s:
             return False
         self.pending = False
         self.trim(0)
@@ -74,7 +81,13 @@ def start_idle_trim() -> Optional[IdleTrim]:
     return _idle
 
 
-def step() -> None:
-    """Mark a forward (cheap: a clock read), for the idle trim."""
+def begin() -> None:
+    """A forward starts (for the idle trim; a no-op when it is off)."""
     if _idle is not None:
-        _idle.step()
+        _idle.begin()
+
+
+def end() -> None:
+    """A forward ended (a clock read)."""
+    if _idle is not None:
+        _idle.end()

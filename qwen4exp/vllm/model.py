@@ -322,8 +322,11 @@ class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         if input_ids is None:
             raise ValueError("qwen4exp: PLE needs the raw token ids (input_ids)")
-        memory.step()
-        return self.model(input_ids, positions, inputs_embeds)
+        memory.begin()
+        try:
+            return self.model(input_ids, positions, inputs_embeds)
+        finally:
+            memory.end()
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
