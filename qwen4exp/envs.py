@@ -77,6 +77,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "AgentScheduler (--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler): seconds a session's finished "
            "turn keeps its KV blocks pinned for the next turn (0: no pins; agent traces: ~86% of next turns within "
            "1 s, ~95% within 10 s)"),
+    Switch("QWEN4EXP_IDLE_TRIM", "float", 0.5,
+           "vLLM plugin on CPU: seconds without a model forward after which the worker hands its freed heap memory "
+           "back to the OS (glibc malloc_trim; without it RSS grows with served requests); 0: never"),
     Switch("QWEN4EXP_FAULT_INJECT", "int", None,
            "tests only: a token id; the vLLM plugin's model forward raises (RuntimeError naming it) in every step "
            "whose input holds that token, to test how the server handles an engine fault; unset: off"),

@@ -5,8 +5,9 @@
 
 Phases, each bounded by a request count and by ``--time-limit`` (the whole run; a phase started late gets fewer
 requests, never more time):
-  a. steady: ``--requests`` requests at ``--concurrency`` 32 of mixed kinds: short chats, completions with prompts
-     near max_model_len, streaming and not, n=2 (seeded sampling), logprobs, stop strings;
+  a. steady: ``--requests`` requests at ``--concurrency`` 32 of mixed kinds, sent in ``--steady-rounds`` rounds:
+     short chats, completions with prompts near max_model_len, streaming and not, n=2 (seeded sampling), logprobs,
+     stop strings;
   b. cancel storms: ``--storm-rounds`` rounds of ``--concurrency`` streaming clients that disconnect after 0-3
      chunks, beside greedy requests that run to the end;
   c. preemption pressure: a server whose KV cache holds far fewer blocks than the concurrent requests need
@@ -16,14 +17,19 @@ requests, never more time):
 After each phase, from the server's ``/metrics``: no request running or waiting, KV-cache usage back to its idle
 level (the plugin's per-request GDN/PLE state slots and the QSA K/V + index cache are all blocks of vLLM's one KV
 block pool, so usage back to idle means every one was freed), the preemption counter (phase c must preempt); server
-RSS (API server + engine core + workers, from /proc) within ``--rss-bound-mb`` of the post-warm-up value; and at
-the end of each server every distinct greedy request that completed is sent again alone: its text must be identical
-(also every repeat of it within the phase). Servers run in fp32 (``--dtype``): batch composition then cannot move a
+RSS (API server + engine core + workers, from /proc; sampled after every round, once the server is idle) within
+``--rss-bound-mb`` of the post-warm-up value, the workers' peak RSS (VmHWM: under load) within ``--peak-bound-mb``
+of its post-warm-up value, and, in a phase of 4 rounds or more, a leak check: RSS growth over the phase's second half
+(its last sample minus the one after half its rounds) at most ``--rss-leak-mb``; and at the end
+of each server every distinct greedy request that completed is sent again alone: its text must be identical (also
+every repeat of it within the phase). Servers run in fp32 (``--dtype``): batch composition then cannot move a
 greedy token (tests/test_determinism.py measures bf16). Exit status 1 when any check fails (a "leak").
 
 Prints one table (requests sent / completed / cancelled / 4xx / 5xx / other errors, p50/p99 TTFT and TPOT of the
-streamed requests, preemptions, KV usage after, RSS before/after, greedy requests checked / mismatched, leaks) and
-writes it as ``<out>/soak.csv`` (``<out>/soak.json`` with every failed check; server logs beside them).
+streamed requests, preemptions, KV usage after, RSS before/after, worker after/peak, second-half growth, greedy
+requests checked / mismatched, leaks) and writes it as ``<out>/soak.csv``; every RSS sample, per process (API
+server, engine core, worker), as ``<out>/soak_rss.csv`` (``<out>/soak.json`` with every failed check; server logs
+beside them).
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ KV_BLOCKS = {"preempt-prefix": 10, "preempt-noprefix": 10, "preempt-mtp": 36}
 MTP = '{"method": "mtp", "num_speculative_tokens": 3}'  # as tests/test_vllm_mtp.py
 IDLE_EPS = 1e-6  # KV usage is a fraction of blocks; idle is 0 (cached-but-free prefix blocks count as free)
 SETTLE_S = 30.0  # how long the server may take to reach idle after a phase's last response
+# RSS is sampled this long after the server went idle: its CPU worker gives freed heap back to the OS after
+# QWEN4EXP_IDLE_TRIM (0.5 s) without a forward (qwen4exp/vllm/memory.py)
+RSS_WAIT_S = 1.0
 
 
 # -- workload ---------------------------------------------------------------------------------------------------
@@ -258,34 +267,64 @@ def settle(base: str, idle_kv: float, timeout: float = SETTLE_S) -> tuple[dict, 
         time.sleep(0.5)
 
 
-def rss_by_process(pid: int) -> str:
-    """``name pid: MiB`` of ``pid`` and each descendant (which process grew, for a failed RSS check)."""
-    import psutil
+RSS_PARTS = ("api", "engine", "worker", "other")
 
+
+def _peak_mb(pid: int) -> float:
+    """The process's peak RSS so far (VmHWM), MiB; 0 if unreadable."""
     try:
-        p = psutil.Process(pid)
-        return ", ".join(f"{q.name()} {q.pid}: {q.memory_info().rss / 2 ** 20:.0f}"
-                         for q in [p, *p.children(recursive=True)])
-    except psutil.NoSuchProcess:
-        return "gone"
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(ln.split()[1]) / 1024 for ln in f if ln.startswith("VmHWM:")), 0.0)
+    except OSError:
+        return 0.0
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of ``pid`` and all its descendants (API server, engine core, workers), MiB."""
+def rss_sample(pid: int) -> dict[str, float]:
+    """Resident memory, MiB, of the server ``pid`` and its descendants: ``total`` and per part: ``api`` (``pid``,
+    the API server), ``engine`` (VLLM::EngineCore), ``worker`` (VLLM::Worker*), ``other`` (e.g. the resource
+    tracker); ``worker_peak``: the workers' peak RSS so far (VmHWM, under load); NaN total when the server is gone."""
     import psutil
 
+    out = dict.fromkeys(RSS_PARTS, 0.0)
+    peak = 0.0
     try:
         p = psutil.Process(pid)
         procs = [p, *p.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return float("nan")
-    total = 0
+        return dict(out, total=float("nan"), worker_peak=float("nan"))
     for q in procs:
         try:
-            total += q.memory_info().rss
+            name, mb = q.name(), q.memory_info().rss / 2 ** 20
         except psutil.NoSuchProcess:
-            pass
-    return total / 2 ** 20
+            continue
+        part = ("api" if q.pid == pid else "engine" if "EngineCore" in name else "worker" if "Worker" in name
+                else "other")
+        out[part] += mb
+        if part == "worker":
+            peak += _peak_mb(q.pid)
+    return dict(out, total=sum(out.values()), worker_peak=peak)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of ``pid`` and all its descendants (API server, engine core, workers), MiB."""
+    return rss_sample(pid)["total"]
+
+
+def rss_checks(totals: list[float], rss0: float, bound_mb: float, leak_mb: float) -> tuple[float | None, list[str]]:
+    """The RSS checks of one phase whose rounds left ``totals`` (MiB, one sample a round): every sample within
+    ``bound_mb`` of the post-warm-up ``rss0``; with 4 samples or more, growth over the second half (last sample
+    minus the one after half the rounds) at most ``leak_mb``. (that growth or None, failed checks)."""
+    fails = []
+    worst = max(totals, default=rss0)
+    if worst > rss0 + bound_mb:
+        fails.append(f"RSS {worst:.0f} MiB > post-warm-up {rss0:.0f} + {bound_mb:g} MiB")
+    late = None
+    if len(totals) >= 4:
+        late = totals[-1] - totals[len(totals) // 2 - 1]
+        if late > leak_mb:
+            fails.append(f"RSS grew {late:.0f} MiB over the phase's last {len(totals) - len(totals) // 2} of "
+                         f"{len(totals)} rounds (> {leak_mb:g} MiB: a leak, not a settling allocator)")
+    return late, fails
 
 
 # -- phases -----------------------------------------------------------------------------------------------------
@@ -293,7 +332,9 @@ COLUMNS = [("phase", "phase"), ("sent", "sent"), ("completed", "completed"), ("c
            ("4xx", "4xx"), ("5xx", "5xx"), ("errors", "other err"), ("ttft_p50_ms", "TTFT p50 ms"),
            ("ttft_p99_ms", "TTFT p99 ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
            ("preemptions", "preempt"), ("kv_after", "KV after"), ("rss_before_mb", "RSS before MiB"),
-           ("rss_after_mb", "RSS after MiB"), ("greedy_checked", "greedy checked"),
+           ("rss_after_mb", "RSS after MiB"), ("rss_worker_mb", "worker after MiB"),
+           ("rss_worker_peak_mb", "worker peak MiB"),
+           ("rss_late_mb", "2nd-half growth MiB"), ("greedy_checked", "greedy checked"),
            ("greedy_mismatch", "mismatch"), ("leaks", "leaks")]
 
 
@@ -306,6 +347,7 @@ class Soak:
         self.pool = token_pool(Tokenizer.from_file(str(Path(args.model) / "tokenizer.json")))
         self.t_end = time.perf_counter() + args.time_limit
         self.rows: list[dict] = []
+        self.rss_rows: list[dict] = []  # every RSS sample: server, phase, round, requests so far, MiB per part
         self.failures: list[str] = []
 
     def left(self) -> float:
@@ -333,12 +375,14 @@ class Soak:
             # phase at full concurrency (the allocators' high-water mark), before idle KV and RSS are taken
             warm = [wl.request(k, st) for k in ("chat", "logprobs", "long", "n2", "stop") for st in (False, True)]
             asyncio.run(drive(base, [(q, None) for q in warm], 4, float("inf")))
-            asyncio.run(drive(base, phases[0][1](wl)[0][:a.concurrency], a.concurrency, float("inf")))
+            first = [j for jobs in phases[0][1](wl) for j in jobs][:a.concurrency]
+            asyncio.run(drive(base, first, a.concurrency, float("inf")))
             m, idle = settle(base, 0.0)
             idle_kv = m.get("vllm:kv_cache_usage_perc", 0.0)
             if not idle:
                 self.fail(name, f"not idle after warm-up: {_state(m)}")
-            rss0 = rss_mb(pid)
+            x0 = self.sample_rss(name, "warm-up", 0, 0, pid)
+            rss0 = x0["total"]
             print(f"  KV block {wl.block} tokens; post-warm-up RSS {rss0:.0f} MiB, idle KV usage {idle_kv:.4f}",
                   flush=True)
             greedy: dict[str, tuple[list, dict]] = {}  # key -> (texts, request) of its first completion
@@ -347,17 +391,30 @@ class Soak:
                     print(f"  {phase}: skipped (--time-limit reached)", flush=True)
                     continue
                 pre0, rss_b, t0 = m.get("vllm:num_preemptions", 0), rss_mb(pid), time.perf_counter()
-                res, reqs = [], []
-                for jobs in rounds(wl):
+                res, reqs, totals, idle = [], [], [], True
+                for i, jobs in enumerate(rounds(wl)):
                     if self.left() <= 0:
                         break
                     reqs += [q for q, _ in jobs]
                     res += asyncio.run(drive(base, jobs, a.concurrency, time.perf_counter() + self.left()))
-                m, idle = settle(base, idle_kv)
-                row = self.row(f"{name}/{phase}", res, m, rss_b, rss_mb(pid))
+                    m, idle = settle(base, idle_kv)  # RSS of an idle server: what the round left behind
+                    last = self.sample_rss(name, phase, i + 1, len(res), pid)
+                    totals.append(last["total"])
+                    if not idle or s["proc"].poll() is not None:
+                        break
+                if not totals:
+                    m, idle = settle(base, idle_kv)
+                    last = rss_sample(pid)
+                    totals.append(last["total"])
+                row = self.row(f"{name}/{phase}", res, m, rss_b, last["total"])
+                row.update(rss_worker_mb=last["worker"], rss_worker_peak_mb=last["worker_peak"], rounds=len(totals))
+                row["rss_late_mb"], rss_fails = rss_checks(totals, rss0, a.rss_bound_mb, a.rss_leak_mb)
+                if last["worker_peak"] > x0["worker_peak"] + a.peak_bound_mb:
+                    rss_fails.append(f"worker peak RSS {last['worker_peak']:.0f} MiB > post-warm-up peak "
+                                     f"{x0['worker_peak']:.0f} + {a.peak_bound_mb:g} MiB")
                 row["preemptions"] = m.get("vllm:num_preemptions", 0) - pre0
                 row["wall_s"] = time.perf_counter() - t0
-                self.check(row, res, idle, m, rss0, s["proc"], phase)
+                self.check(row, res, idle, m, rss_fails, s["proc"], phase)
                 byreq = {request_key(q): q for q in reqs}
                 mism = 0
                 for x in res:
@@ -374,15 +431,22 @@ class Soak:
                     return
             self.replay_alone(name, base, greedy)
 
-    def check(self, row, res, idle, m, rss0, proc, phase) -> None:
+    def sample_rss(self, server: str, phase: str, rnd: int, done: int, pid: int) -> dict:
+        time.sleep(RSS_WAIT_S)
+        x = rss_sample(pid)
+        self.rss_rows.append(dict(server=server, phase=phase, round=rnd, requests=done, **x))
+        return x
+
+    def check(self, row, res, idle, m, rss_fails, proc, phase) -> None:
         p = row["phase"]
         if not idle:
             self.fail(p, f"not idle {SETTLE_S:.0f} s after the phase: {_state(m)}")
         if phase == "preempt" and row["preemptions"] <= 0:
             self.fail(p, "vLLM did not preempt (the KV cache is not small enough)")
-        if row["rss_after_mb"] > rss0 + self.a.rss_bound_mb:
-            self.fail(p, f"RSS {row['rss_after_mb']:.0f} MiB > post-warm-up {rss0:.0f} + {self.a.rss_bound_mb:g} MiB "
-                         f"({rss_by_process(proc.pid)} MiB)")
+        for f in rss_fails:
+            by = [r for r in self.rss_rows if r["server"] == p.split("/")[0]]
+            self.fail(p, f"{f} (per process, post-warm-up -> now: "
+                         + ", ".join(f"{k} {by[0][k]:.0f} -> {by[-1][k]:.0f}" for k in RSS_PARTS) + " MiB)")
         if row["5xx"] or row["4xx"]:
             self.fail(p, f"{row['4xx']} responses 4xx, {row['5xx']} 5xx: "
                          f"{[x.error for x in res if x.status and x.status >= 400][:3]}")
@@ -430,7 +494,8 @@ class Soak:
 
     # phases: workload -> rounds of jobs (request, disconnect after that many chunks or None)
     def steady(self, wl: Workload):
-        return [[(q, None) for q in wl.mixed(self.a.requests, STEADY)]]
+        reqs, k = wl.mixed(self.a.requests, STEADY), max(1, self.a.steady_rounds)
+        return [[(q, None) for q in reqs[i * len(reqs) // k:(i + 1) * len(reqs) // k]] for i in range(k)]
 
     def storm(self, wl: Workload):
         c = self.a.concurrency
@@ -470,10 +535,16 @@ class Soak:
         write_text_table(sys.stdout, COLUMNS, self.rows)
         out = Path(self.a.out)
         with open(out / "soak.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=[k for k, _ in COLUMNS] + ["wall_s"], extrasaction="ignore")
+            w = csv.DictWriter(f, fieldnames=[k for k, _ in COLUMNS] + ["rounds", "wall_s"], extrasaction="ignore")
             w.writeheader()
             w.writerows(self.rows)
-        (out / "soak.json").write_text(json.dumps(dict(rows=self.rows, failures=self.failures), indent=1))
+        with open(out / "soak_rss.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["server", "phase", "round", "requests", "total", *RSS_PARTS,
+                                              "worker_peak"])
+            w.writeheader()
+            w.writerows({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()} for r in self.rss_rows)
+        (out / "soak.json").write_text(json.dumps(dict(rows=self.rows, rss=self.rss_rows, failures=self.failures),
+                                                  indent=1))
         print(f"\n{len(self.failures)} failed checks; CSV: {out / 'soak.csv'}")
         for f in self.failures:
             print("  " + f)
@@ -499,6 +570,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(CKPT))
     ap.add_argument("--requests", type=int, default=400, help="phase a: requests of the steady load")
+    ap.add_argument("--steady-rounds", type=int, default=8,
+                    help="phase a: rounds the steady requests are split into (RSS sampled after each)")
     ap.add_argument("--storm-rounds", type=int, default=6, help="phase b: rounds of disconnecting clients")
     ap.add_argument("--preempt-requests", type=int, default=96, help="phase c: requests per server")
     ap.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS,
@@ -508,18 +581,24 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=1800, help="seconds for the whole run (phases stop early)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--replay", type=int, default=48, help="greedy requests per server replayed alone")
-    ap.add_argument("--rss-bound-mb", type=float, default=768,
-                    help="allowed RSS growth of the server processes over the post-warm-up value (measured on the "
-                         "main server: +590 MiB over the first 400 steady requests, then flat through the storms)")
+    ap.add_argument("--rss-bound-mb", type=float, default=384,
+                    help="allowed growth of the server processes' RSS (idle, after each round) over the post-warm-up "
+                         "value")
+    ap.add_argument("--rss-leak-mb", type=float, default=64,
+                    help="allowed RSS growth over the second half of a phase of 4 rounds or more")
+    ap.add_argument("--peak-bound-mb", type=float, default=1024,
+                    help="allowed growth of the workers' peak RSS (VmHWM, under load) over the post-warm-up value "
+                         "(it creeps as the heap fragments: measured +643 and +775 MiB over this soak's 800 steady "
+                         "requests, +863 MiB over 2,048)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="soak_out")
     ap.add_argument("--quick", action="store_true",
-                    help="CI size: 64 steady requests, 2 storm rounds, 48 requests on the MTP preemption server "
-                         "only, 24 replays")
+                    help="CI size: 64 steady requests in 4 rounds, 2 storm rounds, 48 requests on the MTP "
+                         "preemption server only, 24 replays")
     a = ap.parse_args(argv)
     if a.quick:
-        a.requests, a.storm_rounds, a.preempt_requests, a.replay = 64, 2, 48, 24
+        a.requests, a.steady_rounds, a.storm_rounds, a.preempt_requests, a.replay = 64, 4, 2, 48, 24
         a.servers = [n for n in a.servers if n in ("main", "preempt-mtp")]
     Path(a.out).mkdir(parents=True, exist_ok=True)
     return Soak(a).run()

@@ -40,6 +40,7 @@ from ..layers.hyper_connection import HyperConnection
 from ..modeling import DecoderLayer, embed_streams, next_mixer
 from .layers import (FusedMoEBlock, StateSlots, check_cudagraph_mode, colocate_projections, eager_segment,
                      gdn_mixer, ngram_table_factory, our_gdn, ple_state_shapes, rotary_embedding, vllm_linear)
+from . import memory
 from . import multimodal as mm
 from .qsa import QSAMixer
 from .weights import load_qwen4exp_weights
@@ -303,6 +304,11 @@ class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         colocate_projections(self.model)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and memory.start_idle_trim():
+            logger.info("qwen4exp: freed heap memory goes back to the OS after %g s idle (QWEN4EXP_IDLE_TRIM)",
+                        envs.QWEN4EXP_IDLE_TRIM)
         logger.info("%s is served by the qwen4exp plugin (qwen4exp.vllm; GDN: %s, QSA: paged K/V + index cache, "
                     "PLE: per-request state, table in %s memory), not vLLM's in-tree qwen4_exp", type(self).__name__,
                     gdn_impl(config), "pinned host" if ple_table_on_host() else "device")
@@ -316,7 +322,11 @@ class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         if input_ids is None:
             raise ValueError("qwen4exp: PLE needs the raw token ids (input_ids)")
-        return self.model(input_ids, positions, inputs_embeds)
+        memory.begin()
+        try:
+            return self.model(input_ids, positions, inputs_embeds)
+        finally:
+            memory.end()
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
