@@ -156,10 +156,9 @@ def media_env(env: dict | None = None) -> dict:
     return env
 
 
-def _error(status: int, message: str, param: str | None) -> bytes:
+def _error(status: int, message: str, param: str | None, kind: str = "BadRequestError") -> bytes:
     """vLLM's OpenAI error body (``ErrorResponse``)."""
-    return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": param,
-                                 "code": status}}).encode()
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
 
 
 def check_request_body(path: str, body: bytes) -> tuple[str, str] | None:

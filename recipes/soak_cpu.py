@@ -588,8 +588,8 @@ def main(argv=None) -> int:
                     help="allowed RSS growth over the second half of a phase of 4 rounds or more")
     ap.add_argument("--peak-bound-mb", type=float, default=1024,
                     help="allowed growth of the workers' peak RSS (VmHWM, under load) over the post-warm-up value "
-                         "(it creeps as the heap fragments: measured +643 and +775 MiB over this soak's 800 steady "
-                         "requests, +863 MiB over 2,048)")
+                         "(it creeps as the heap fragments; set from measured runs of 800 steady requests: "
+                         "docs/performance.md, Server memory over a soak)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="soak_out")

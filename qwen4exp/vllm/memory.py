@@ -3,10 +3,9 @@
 Why: serving on CPU, every step allocates and frees activations whose sizes change with the batch. glibc's malloc
 keeps freed heap memory for reuse, and raises its mmap threshold after the first large frees (up to 32 MiB), so the
 activations come from the heap, whose free space it can only give back from the top; with live chunks above it,
-the worker's RSS grows round after round of requests (measured, tiny-coder fp32 at concurrency 32: +1.0 GiB over
-800 requests, still +50-150 MiB every 64; one ``malloc_trim(0)`` after 640 requests dropped its heap from 1,328 to
-532 MiB: free memory, not live objects). A fixed ``MALLOC_MMAP_THRESHOLD_`` keeps it flat but costs 20-60% of the
-throughput (fresh zeroed pages for every large tensor); ``malloc_trim(0)`` when idle costs nothing under load.
+the worker's RSS grows with served requests although the memory is free. A fixed ``MALLOC_MMAP_THRESHOLD_`` keeps it
+flat but slows every step (fresh zeroed pages for every large tensor); ``malloc_trim(0)`` when idle costs nothing
+under load. Measurements: docs/performance.md, "Server memory over a soak (CPU)".
 
 ``QWEN4EXP_IDLE_TRIM`` seconds (default 0.5; 0: off) after the last forward ended, with none running, a daemon
 thread calls ``malloc_trim(0)`` once (again only after the next forward; never during one, however long it takes).
@@ -33,9 +32,11 @@ class IdleTrim:
         self.busy = False  # a forward is running
         self.pending = False  # a forward ran since the last trim
         self.count = 0
+        self.lock = threading.Lock()  # a trim in progress holds a starting forward back (and no trim starts in one)
 
     def begin(self) -> None:
-        self.busy = self.pending = True
+        with self.lock:
+            self.busy = self.pending = True
 
     def end(self) -> None:
         self.last_end = self.clock()
@@ -44,12 +45,13 @@ class IdleTrim:
     def poll(self) -> bool:
         """Trim if a forward ran since the last trim, none runs, and the last ended ``idle_s`` ago; whether it
         trimmed."""
-        if self.busy or not self.pending or self.clock() - self.last_end < self.idle_s:
-            return False
-        self.pending = False
-        self.trim(0)
-        self.count += 1
-        return True
+        with self.lock:
+            if self.busy or not self.pending or self.clock() - self.last_end < self.idle_s:
+                return False
+            self.pending = False
+            self.trim(0)
+            self.count += 1
+            return True
 
     def run(self) -> None:  # the daemon thread's loop
         while True:

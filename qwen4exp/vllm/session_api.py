@@ -21,15 +21,16 @@ installs in every API-server process), behind vLLM's own middleware: ``--api-key
 """
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+
+from qwen4exp.serve import _error as error_body
 
 AGENT_SCHEDULER = "qwen4exp.vllm.scheduler.AgentScheduler"
 CLOSE_PATH = "/v1/sessions/{session_id:path}/close"
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": None,
-                                                               "code": status}})
+def _error(status: int, message: str, kind: str) -> Response:
+    return Response(error_body(status, message, None, kind), status_code=status, media_type="application/json")
 
 
 def combine(session_id: str, results: list[dict]) -> tuple[int, dict]:
@@ -45,9 +46,10 @@ def combine(session_id: str, results: list[dict]) -> tuple[int, dict]:
                                 f"ends" + (f" (retained state released on other engines: {released} blocks)"
                                            if released else ""),
                      "type": "ConflictError"}
-    body = {"session_id": session_id, "released": any(r["released"] for r in results), "released_blocks": released,
-            "previous_state": "retained" if any(r["released"] for r in results) else results[0]["state"]}
-    if not body["released"]:
+    any_released = any(r["released"] for r in results)
+    body = {"session_id": session_id, "released": any_released, "released_blocks": released,
+            "previous_state": "retained" if any_released else results[0]["state"]}
+    if not any_released:
         body["message"] = (f"session {session_id!r} holds no retained state (unknown, already closed, or released "
                            f"at its TTL or under memory pressure)")
     return 200, body
