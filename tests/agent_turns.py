@@ -105,6 +105,7 @@ def main(sched: str, out_path: str) -> None:
     res["pinned_after_close"] = snap.pinned_blocks() if snap else 0
     run([(ids(300), 64, "s-abort", None)], abort_after=3)
     res["sessions"] = snap.snapshot() if snap else None
+    res["exact_resumes"] = getattr(scheduler, "exact_resumes", 0)
     res["states"] = {sid: s.state.value for sid, s in snap.sessions.items()} if snap else {}
     pinned = snap.pinned_blocks() if snap else 0
     res["free_at_end"], res["pinned_at_end"] = pool.get_num_free_blocks(), pinned

@@ -192,3 +192,24 @@ def test_a_stats_only_output_reaches_the_stat_loggers():
     assert out.outputs == [] and out.utility_output is None and hasattr(out, "scheduler_stats")
     handler = inspect.getsource(AsyncLLM._run_output_handler)
     assert "num_outputs = len(outputs.outputs)" in handler and "scheduler_stats=outputs.scheduler_stats" in handler
+
+
+def test_the_exact_resume_point_rides_on_the_partial_hit_path():
+    """``AgentScheduler._get_local_prefix_cache_hit`` hands vLLM a finished turn's blocks up to its exact end; vLLM
+    copies the partly filled blocks on write (attention and "align" hybrid state), and the worker runs the copies
+    with ``copy_kv_cache_blocks_inplace``, which ``qwen4exp.vllm.block_copy`` replaces where the runners call it."""
+    import vllm.v1.worker.gpu_model_runner as runner
+
+    assert params(Scheduler._get_local_prefix_cache_hit) == ["self", "request"]
+    assert "self._get_local_prefix_cache_hit(request)" in inspect.getsource(Scheduler.schedule)
+    assert "return blocks, num_local, shared_prefix_boundary, False" in inspect.getsource(
+        Scheduler._get_local_prefix_cache_hit)
+    assert callable(KVCacheManager.create_kv_cache_blocks) and callable(KVCacheManager.prefix_cache_lookup_enabled)
+    assert "_partial_hit_reqs" in inspect.getsource(SingleTypeKVCacheManager.add_local_computed_blocks)
+    assert "partial_hit" in inspect.getsource(MambaManager.allocate_new_blocks)
+    for attr in ("self.mamba_cache_mode", "self.num_speculative_blocks"):
+        assert attr in inspect.getsource(MambaManager.__init__), attr
+    assert "copy_kv_cache_blocks_inplace(" in inspect.getsource(runner.GPUModelRunner._update_states)
+    assert hasattr(runner, "copy_kv_cache_blocks_inplace")
+    for attr in ("block_hashes", "cache_salt", "mm_features", "lora_request", "all_token_ids"):
+        assert hasattr(Request, attr) or f"self.{attr}" in inspect.getsource(Request.__init__), attr

@@ -1,8 +1,9 @@
 """``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler`` against vLLM's default scheduler, the same script
 (``tests/agent_turns.py``: tiny-coder, float32, CPU, a 48-block KV cache) through each:
 
-* a 3-turn session: turn N+1 finds turn N's prompt *and output* cached up to the last block boundary (the default
-  only turn N's prompt), and every turn's greedy output is the same with either scheduler and with a forced miss;
+* a 3-turn session: turn N+1 finds every token turn N computed cached (its prompt *and output*, exactly: the
+  default only turn N's prompt, to its last block boundary), and every turn's greedy output is the same with either
+  scheduler and with a forced miss;
 * other traffic between a session's turns evicts the session's blocks under the default; the pin keeps them;
 * a request that needs more than is free while a pin is held gets the pin's blocks (no deadlock, no preemption);
 * a pinned session's next turn goes ahead of first turns queued before it;
@@ -57,11 +58,14 @@ def test_next_turn_reuses_the_previous_output(runs):
     B = runs["agent"]["block_size"]
     assert B == runs["default"]["block_size"]
     for k in (1, 2):
-        done = a[k - 1]["prompt"] + len(a[k - 1]["output"])  # what turn k-1 processed
-        assert a[k]["cached"] == checkpoint(done, B), (k, a[k]["cached"], done, B)
+        done = a[k - 1]["prompt"] + len(a[k - 1]["output"])  # turn k-1's tokens; its last output was never fed
+        # the exact resume point: everything turn k-1 computed (not a block multiple: vLLM copies the partly filled
+        # blocks on write); where async scheduling already fed the last sampled token, that one too
+        assert done - 1 <= a[k]["cached"] <= done, (k, a[k]["cached"], done, B)
+        assert a[k]["cached"] % B, (k, a[k]["cached"], B)  # (the partial-block path ran)
         assert d[k]["cached"] == checkpoint(a[k - 1]["prompt"], B), (k, d[k]["cached"])
         assert a[k]["cached"] > d[k]["cached"]
-        assert a[k]["cached"] >= 0.9 * done  # the issue's goal: >= 0.9 of (prompt N + output N)
+    assert runs["agent"]["exact_resumes"] >= 3  # turns 2 and 3, the pressure run's next turn
     for t_a, t_d in zip(a, d):
         assert t_a["output"] == t_d["output"] == t_a["output_on_a_miss"]  # greedy unchanged by scheduler and hit
 
@@ -70,7 +74,7 @@ def test_pin_survives_traffic_between_turns(runs):
     a, d = runs["agent"]["pressure"], runs["default"]["pressure"]
     B = runs["agent"]["block_size"]
     assert d["next_turn_cached"] == 0  # the default let the other traffic evict the session's blocks
-    assert a["next_turn_cached"] == checkpoint(970 + 120, B)
+    assert 970 + 120 - 1 <= a["next_turn_cached"] <= 970 + 120  # the exact resume point (see above)
 
 
 def test_pins_yield_to_a_request_that_needs_their_blocks(runs):

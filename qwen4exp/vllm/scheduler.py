@@ -7,6 +7,11 @@ field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) get:
   only at the prompt's last block boundary, so turn N+1 re-prefills turn N's output. Here a session request's decode
   also keeps its state at the last block boundary it crossed (one checkpoint a request: each newer one evicts the
   one before), so turn N+1 resumes from within one block of where turn N stopped.
+* **the exact resume point**: where every KV-cache group allows it (full attention, and hybrid-state groups in "align"
+  mode without speculative blocks: not under MTP), the pin also records the blocks holding turn N's K/V and state
+  after exactly the tokens it computed (``Resume``), and turn N+1, when its prompt starts with those tokens, takes
+  them as its cached prefix: vLLM's partial-hit path copies the partly filled blocks on write
+  (``qwen4exp.vllm.block_copy`` makes that copy whole), so only the new tokens are prefilled.
 * **soft retention** (``QWEN4EXP_SESSION_TTL`` seconds, default 10): the blocks of a session's finished turn stay
   referenced, so a tool pause does not let other traffic evict them; they are the first to go under memory pressure
   (before any running request is preempted, after plain cached blocks), and go at once on ``session_close`` (body
@@ -27,12 +32,13 @@ The class is vLLM's ``Scheduler`` on CPU and ``AsyncScheduler`` where async sche
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import vllm
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 from vllm.v1.request import RequestStatus
 
 from qwen4exp import envs
@@ -46,6 +52,34 @@ CONTINUATIONS_PER_STEP = 4  # continuation turns moved ahead of the queue per st
 HEAD_WAIT_S = 2.0  # ... unless the head of the queue has waited this long (first turns are never starved)
 _RETAINABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 CLOSE_UTILITY = "qwen4exp_close_session"  # the EngineCore method the API server calls (qwen4exp.vllm.session_api)
+
+
+@dataclass
+class Resume:
+    """Where a session's finished turn stopped, kept with its pin: the exact resume point of the next turn.
+    ``tokens`` tokens were computed (prompt + output, less the last sampled token unless a step already fed it);
+    ``groups`` has, per KV-cache group, the blocks a next turn takes over as its computed prefix: an attention group
+    its first ceil(tokens / block) blocks (the last one partly filled), a hybrid-state group vLLM's null placeholders
+    and the block holding the state after exactly ``tokens`` tokens. The rest identifies what was computed, so a
+    next turn resumes only if its prompt starts with the same tokens under the same salt, LoRA and images."""
+
+    tokens: int
+    token_ids: list
+    block_hashes: list
+    groups: tuple
+    cache_salt: object
+    lora_id: object
+    mm: tuple
+
+
+def _mm_before(request, n: int) -> tuple:
+    """The request's multimodal items that start before token ``n``: (offset, length, identifier)."""
+    return tuple((f.mm_position.offset, f.mm_position.length, f.identifier) for f in (request.mm_features or ())
+                 if f.mm_position.offset < n)
+
+
+def _lora_id(request):
+    return request.lora_request.lora_int_id if request.lora_request is not None else None
 
 
 def _closes_session(request) -> bool:
@@ -103,16 +137,25 @@ class AgentScheduler(Scheduler):
         self.sessions = Sessions(self._release_blocks, ttl=envs.QWEN4EXP_SESSION_TTL)
         self._metrics_sent: dict[str, int] = {}  # what the last stats carried (qwen4exp.vllm.metrics.payload)
         self._checkpoints: dict[str, list] = {}  # request id -> (block, hash, from decode) per hybrid group
+        self.exact_resumes = 0  # next turns that resumed at their previous turn's exact end
         coordinator = self.kv_cache_manager.coordinator
         self._mamba_groups = [(g, m) for g, m in enumerate(coordinator.single_type_managers)
                               if isinstance(m, MambaManager) and m.enable_caching]
+        # the exact resume point needs every group to be plain full attention or a hybrid-state group in "align"
+        # mode without speculative blocks (MTP: the state of the last accepted token moves between slots)
+        managers = coordinator.single_type_managers
+        self._exact_resume = bool(self._mamba_groups) and self.connector is None and all(
+            type(m) is FullAttentionManager and m.enable_caching
+            or isinstance(m, MambaManager) and m.enable_caching and m.mamba_cache_mode == "align"
+            and m.num_speculative_blocks == 0 for m in managers)
         self._cache_blocks = coordinator.cache_blocks
         coordinator.cache_blocks = self._cache_blocks_with_turn_checkpoint
         self._allocate_slots = self.kv_cache_manager.allocate_slots
         self.kv_cache_manager.allocate_slots = self._allocate_slots_releasing_pins
         _install_close_utility()
-        logger.info("%s: session TTL %.1f s, end-of-turn checkpoint in %d hybrid-state group(s)",
-                    type(self).__name__, self.sessions.ttl, len(self._mamba_groups))
+        logger.info("%s: session TTL %.1f s, end-of-turn checkpoint in %d hybrid-state group(s), exact resume %s",
+                    type(self).__name__, self.sessions.ttl, len(self._mamba_groups),
+                    "on" if self._exact_resume else "off")
 
     # --- the end-of-turn hybrid checkpoint ----------------------------------------------------------------------
     def _cache_blocks_with_turn_checkpoint(self, request, num_computed_tokens: int):
@@ -162,6 +205,51 @@ class AgentScheduler(Scheduler):
             self.kv_cache_manager.block_pool.touch(extra)
         return extra
 
+    # --- the exact resume point ------------------------------------------------------------------------------
+    def _resume_record(self, request) -> Resume | None:
+        """Before a finished turn's blocks are popped: the blocks that hold its KV and its hybrid state after exactly
+        ``num_computed_tokens`` tokens (None when they are not all there)."""
+        n = request.num_computed_tokens
+        if not self._exact_resume or not 0 < n <= request.num_tokens:
+            return None
+        groups = []
+        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+            blocks = manager.req_to_blocks.get(request.request_id, ())
+            k = -(-n // manager.block_size)
+            if len(blocks) < k:
+                return None
+            if isinstance(manager, MambaManager):
+                state = blocks[k - 1]
+                if state.is_null:
+                    return None
+                groups.append((manager.block_pool.null_block,) * (k - 1) + (state,))
+            else:
+                if any(b.is_null for b in blocks[:k]):
+                    return None
+                groups.append(tuple(blocks[:k]))
+        ids = request.all_token_ids
+        return Resume(n, list(ids)[:n], list(request.block_hashes[: n // self.hash_block_size]), tuple(groups),
+                      request.cache_salt, _lora_id(request), _mm_before(request, n))
+
+    def _get_local_prefix_cache_hit(self, request):
+        """vLLM's prefix-cache lookup, or, for a session's next turn whose prompt starts with everything the previous
+        turn computed, that turn's blocks up to its exact end (the attention tail block and the hybrid state are
+        copied on write by vLLM's partial-hit path): the next turn prefills only its new tokens."""
+        hit = super()._get_local_prefix_cache_hit(request)
+        if request.session_id is None or request.num_computed_tokens:
+            return hit
+        r = self.sessions.resume_point(request.session_id)
+        if (r is None or r.tokens <= hit[1] or r.tokens > request.num_tokens - 1
+                or not self.kv_cache_manager.prefix_cache_lookup_enabled(request)
+                or request.cache_salt != r.cache_salt or _lora_id(request) != r.lora_id
+                or request.block_hashes[: len(r.block_hashes)] != r.block_hashes
+                or request.prompt_token_ids[: r.tokens] != r.token_ids
+                or _mm_before(request, r.tokens) != r.mm):
+            return hit
+        self.exact_resumes += 1
+        blocks = self.kv_cache_manager.create_kv_cache_blocks(tuple(list(g) for g in r.groups))
+        return blocks, r.tokens, 0, False
+
     # --- soft retention ----------------------------------------------------------------------------------------
     def _release_blocks(self, blocks: list, fence: int) -> None:
         """Give pinned blocks back to the pool (tail first), after the step that wrote them if it may still run."""
@@ -190,9 +278,10 @@ class AgentScheduler(Scheduler):
             pin = None
             if self.sessions.ttl > 0 and self.sessions.sessions[sid].active == {request.request_id}:
                 fence = request.last_sched_seq if self.defer_block_free else 0
+                resume = self._resume_record(request)
                 blocks = self.kv_cache_manager.pop_blocks_for_free(request)
                 pin = self.sessions.new_pin(blocks + self._checkpoint_blocks(request, blocks), fence,
-                                            request.request_id)
+                                            request.request_id, resume)
             state = self._fire(sid, Event.FINISH, request.request_id, pin)
             if pin is None:
                 self._checkpoints.pop(request.request_id, None)

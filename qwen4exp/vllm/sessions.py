@@ -88,6 +88,7 @@ class Pin:
     expires_at: float
     request_id: str
     size: int = 0  # blocks held, vLLM's placeholder null blocks not counted
+    resume: Any = None  # the scheduler's record of where the turn stopped (an exact resume point), if it kept one
 
 
 @dataclass
@@ -245,9 +246,14 @@ class Sessions:
         s = self.sessions.get(session_id)
         return s.state if s is not None else State.CLOSED
 
-    def new_pin(self, blocks: list, fence: int, request_id: str) -> Pin:
+    def new_pin(self, blocks: list, fence: int, request_id: str, resume: Any = None) -> Pin:
         return Pin(list(blocks), fence, self.clock() + self.ttl, request_id,
-                   sum(not getattr(b, "is_null", False) for b in blocks))
+                   sum(not getattr(b, "is_null", False) for b in blocks), resume)
+
+    def resume_point(self, session_id: str) -> Any:
+        """The pin's resume record while the session's next turn waits for it (HANDOFF), else None."""
+        s = self.sessions.get(session_id)
+        return s.pin.resume if s is not None and s.state is State.HANDOFF and s.pin is not None else None
 
     def expire(self) -> int:
         """Release every pin past its TTL; the number released."""
