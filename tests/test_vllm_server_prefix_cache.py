@@ -213,16 +213,28 @@ def test_same_prompt_hits_from_the_first_resend(server):
 
 
 def test_each_chat_turn_hits_the_previous_prompt(server):
-    """A 3-turn chat (each turn: the previous prompt, its output, new tokens): turn k reuses turn k-1's prompt up to
-    its last block boundary. (Turn k-1's output is re-prefilled: keeping the end-of-decode state is issue 27.)"""
-    prompt, hits, want = [5] + PROMPT[1:], [], [0]
+    """A 3-turn chat (each turn: the previous prompt, its output, new tokens): under vLLM's scheduler turn k reuses
+    turn k-1's prompt up to its last block boundary (turn k-1's output is re-prefilled); under AgentScheduler every
+    token turn k-1 computed (its prompt and output but the last sampled token, which no step fed; under async
+    scheduling a step may have fed it), and the greedy output is the same as on a cache miss."""
+    prompt, hits, outs = [5] + PROMPT[1:], [], []
     n = OUT_AGENT if server["agent"] else OUT
+    want = [(0, 0)]
     for turn in range(3):
         cached, _, out = complete(server, prompt, out=n)
         hits.append(cached)
-        # AgentScheduler: the previous turn's prompt and output; vLLM's: its prompt
-        want.append(checkpoint(len(prompt) + (len(out) if server["agent"] else 0), server["block"]))
-        prompt = prompt + out + NEW
-    assert hits == want[:3], (server["block"], hits, want[:3])
+        outs.append(out)
+        if server["agent"]:
+            want.append((len(prompt) + len(out) - 1, len(prompt) + len(out)))
+        else:
+            want.append((checkpoint(len(prompt), server["block"]),) * 2)
+        last, prompt = prompt, prompt + out + NEW
+    assert all(lo <= h <= hi for h, (lo, hi) in zip(hits, want)), (server["block"], hits, want[:3])
+    if server["agent"]:
+        code, r = post(server["base"] + "/v1/completions",
+                       dict(model="coder", prompt=last, max_tokens=n, temperature=0, ignore_eos=True,
+                            return_token_ids=True, cache_salt="miss"))
+        assert code == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, r
+        assert r["choices"][0]["token_ids"] == outs[-1]  # the resumed turn decodes as a fresh prefill does
     if server["agent"]:
         assert hits[1] > checkpoint(len(PROMPT), server["block"])  # more than the default scheduler finds
