@@ -18,10 +18,13 @@ def Copy(src, dst):  # vLLM's KVCacheBlockCopy is a named (src_block_id, dst_blo
     return (src, dst)
 
 
-def hybrid_layout(kernel_blocks: int = 1):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # (gpu: skipped without CUDA, run by the GPU suite)
+
+
+def hybrid_layout(kernel_blocks: int = 1, device: str = "cpu"):
     """One byte storage of two page slots; per slot the views the layers bind (block-major, stride PAGE); 4-byte views as int32:
     random bytes as float32 hold NaNs, which never compare equal)."""
-    raw = torch.randint(0, 256, (2 * NB * PAGE,), dtype=torch.uint8)
+    raw = torch.randint(0, 256, (2 * NB * PAGE,), dtype=torch.uint8).to(device)
     storage = raw.untyped_storage()
     views = []
     for slot in range(2):
@@ -31,7 +34,7 @@ def hybrid_layout(kernel_blocks: int = 1):
         def view(offset, dtype, shape):
             es = torch.empty(0, dtype=dtype).element_size()
             inner = torch.empty(shape, dtype=dtype).stride()
-            t = torch.empty(0, dtype=dtype).set_(storage, (base + offset) // es, (NB * kernel_blocks, *shape),
+            t = torch.empty(0, dtype=dtype, device=device).set_(storage, (base + offset) // es, (NB * kernel_blocks, *shape),
                                                   (stride // es, *inner))
             return t
 
@@ -52,18 +55,20 @@ def check(views, before, pairs):
                 assert torch.equal(v[r], b[r]), (tuple(v.shape), r)
 
 
-def test_every_view_gets_its_whole_block():
-    raw, views = hybrid_layout()
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_view_gets_its_whole_block(device):
+    raw, views = hybrid_layout(device=device)
     before = [v.clone() for v in views]
     pairs = [(1, 4), (2, 9), (7, 0)]
     copy_blocks(views, NB, [Copy(s, d) for s, d in pairs])
     check(views, before, pairs)
 
 
-def test_kernel_blocks_inside_a_scheduler_block():
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_blocks_inside_a_scheduler_block(device):
     """A backend that splits each scheduler block into kernel blocks (dim 0 = NB * k): a scheduler block is k rows."""
     k = 2
-    raw, views = hybrid_layout(kernel_blocks=k)
+    raw, views = hybrid_layout(kernel_blocks=k, device=device)
     before = [v.clone() for v in views]
     copy_blocks(views, NB, [Copy(3, 5)])
     check(views, before, [(3 * k + i, 5 * k + i) for i in range(k)])

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import vllm
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 from vllm.v1.request import RequestStatus
@@ -138,6 +139,7 @@ class AgentScheduler(Scheduler):
         self._metrics_sent: dict[str, int] = {}  # what the last stats carried (qwen4exp.vllm.metrics.payload)
         self._checkpoints: dict[str, list] = {}  # request id -> (block, hash, from decode) per hybrid group
         self.exact_resumes = 0  # next turns that resumed at their previous turn's exact end
+        self.preempted_tokens = 0  # computed tokens thrown away by preemptions (recomputed on readmission)
         coordinator = self.kv_cache_manager.coordinator
         self._mamba_groups = [(g, m) for g, m in enumerate(coordinator.single_type_managers)
                               if isinstance(m, MambaManager) and m.enable_caching]
@@ -262,7 +264,39 @@ class AgentScheduler(Scheduler):
         new_blocks = self._allocate_slots(*args, **kwargs)
         while new_blocks is None and self.sessions.release_one(Event.PRESSURE):
             new_blocks = self._allocate_slots(*args, **kwargs)
+        if new_blocks is None:  # vLLM preempts next (a running request) or stops admitting (a waiting one)
+            self._order_victims(args[0] if args else kwargs["request"])
         return new_blocks
+
+    # --- preemption ----------------------------------------------------------------------------------------------
+    def _order_victims(self, request) -> None:
+        """vLLM is about to preempt ``self.running[-1]`` (its FCFS rule: the last admitted) to make room for the
+        running ``request``; only the requests after it, not yet scheduled this step, can be taken. Order those so
+        the last is the one ``victim_order`` picks. Under ``--scheduling-policy priority`` vLLM's own choice (the
+        lowest priority, then the latest arrival) stands."""
+        if self.policy != SchedulingPolicy.FCFS:
+            return
+        running = self.running
+        try:
+            i = running.index(request)
+        except ValueError:  # a waiting request: no preemption follows
+            return
+        if len(running) - i > 2:
+            running[i + 1:] = sorted(running[i + 1:], key=self._victim_order)
+
+    def _victim_order(self, r) -> tuple:
+        """Sort key of preemption candidates, the victim last: one whose blocks cannot be freed now (an async step in
+        flight) is kept; a request preempted before is kept over one never preempted (no ping-pong: a readmitted
+        request keeps its place); an unfinished prefill goes before any decode, the largest remaining prefill first
+        (its blocks are the largest demand still to come); among decodes the least computed first (the least work
+        to redo); the latest arrival last."""
+        prefilling = r.num_computed_tokens < r.num_prompt_tokens
+        return (self._request_blocks_can_be_freed(r), -r.num_preemptions, prefilling,
+                r.num_prompt_tokens - r.num_computed_tokens if prefilling else -r.num_computed_tokens, r.arrival_time)
+
+    def _preempt_request(self, request, *args, **kwargs):
+        self.preempted_tokens += request.num_computed_tokens  # computed work the preemption throws away
+        return super()._preempt_request(request, *args, **kwargs)
 
     def add_request(self, request) -> None:
         super().add_request(request)
