@@ -83,8 +83,9 @@ suite_part() {  # PART GPU SECONDS PYTEST-ARGS...: one shard of the GPU suite (G
   [ -n "$gpu" ] && vars+=(CUDA_VISIBLE_DEVICES="$gpu")
   # fla only for the kernel tests: the engine tests' HF references run as they always have
   [ "$part" = ops ] && vars+=(PYTHONPATH="$FLA${PYTHONPATH:+:$PYTHONPATH}")
-  env "${vars[@]}" timeout "$secs" python -m pytest -q -rs -p no:cacheprovider -m gpu \
-    --junitxml "$OUT/suite-$part.xml" "$@" > "$OUT/suite-$part.log" 2>&1
+  # -v, unbuffered: one line per finished test as it finishes, so a run cut off by the lease still says what passed
+  env "${vars[@]}" PYTHONUNBUFFERED=1 timeout "$secs" python -m pytest -v -rs --durations=15 -p no:cacheprovider \
+    -m gpu --junitxml "$OUT/suite-$part.xml" "$@" > "$OUT/suite-$part.log" 2>&1
   echo "rc=$?" >> "$OUT/suite-$part.log"
 }
 
