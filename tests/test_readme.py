@@ -36,8 +36,21 @@ def test_readme_names_no_removed_switch():
         assert gone not in text, gone
 
 
+def anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # (a '# comment' in a code block is no heading)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
 def test_doc_links_resolve():
-    for doc in (README, ROOT / "docs" / "performance.md", ROOT / "qwen4exp" / "vllm" / "README.md"):
-        for link in re.findall(r"\]\(([^)#]+)\)", doc.read_text()):
-            if "://" not in link:
-                assert (doc.parent / link).exists(), f"{doc.relative_to(ROOT)}: {link}"
+    """Every relative link of the docs names a file that exists, and a #fragment a heading of that file."""
+    for doc in (README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "qwen4exp" / "vllm" / "README.md"):
+        for link in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if "://" in link:
+                continue
+            path, _, frag = link.partition("#")
+            target = doc.parent / path if path else doc
+            assert target.exists(), f"{doc.relative_to(ROOT)}: {link}"
+            if frag and target.suffix == ".md":
+                assert frag in anchors(target.read_text()), f"{doc.relative_to(ROOT)}: {link} (no such heading)"
