@@ -62,6 +62,11 @@ def test_payload_sends_changes_and_counter_increases(sessions):
     s.fire("a", Event.FINISH, "r2", s.new_pin([7], 0, "r2"))
     s.fire("a", Event.CLOSE)
     assert metrics.payload(s, sent) == {"qwen4exp:num_sessions:active": 0, "qwen4exp:retention_evictions:close": 1}
+    # the scheduler's own totals (exact resumes, preempted tokens): increases too
+    assert metrics.payload(s, sent, {"exact_resumes": 2, "preempted_tokens": 300}) == {
+        "qwen4exp:exact_resumes": 2, "qwen4exp:preempted_tokens": 300}
+    assert metrics.payload(s, sent, {"exact_resumes": 2, "preempted_tokens": 420}) == {
+        "qwen4exp:preempted_tokens": 120}
 
 
 def test_payload_survives_the_trip_to_the_api_server(sessions):

@@ -113,7 +113,8 @@ def test_session_numbers_on_metrics(server):
     zero = {"qwen4exp:num_sessions{state=active}": 0, "qwen4exp:num_sessions{state=retained}": 0,
             "qwen4exp:num_sessions{state=handoff}": 0, "qwen4exp:retained_sessions": 0,
             "qwen4exp:retained_blocks": 0, "qwen4exp:retention_hits_total": 0,
-            "qwen4exp:illegal_transitions_total": 0}
+            "qwen4exp:illegal_transitions_total": 0, "qwen4exp:exact_resumes_total": 0,
+            "qwen4exp:preempted_tokens_total": 0}
     zero.update({f"qwen4exp:retention_evictions_total{{reason={r}}}": 0
                  for r in ("ttl", "pressure", "close", "abort", "reset", "error")})
     assert ours(scrape(server)) == zero  # every series there from the start
@@ -127,8 +128,10 @@ def test_session_numbers_on_metrics(server):
     assert one["qwen4exp:retained_blocks"] >= (len(PROMPT) + OUT_AGENT) // server["block"], one
     assert one["qwen4exp:retention_hits_total"] == 0
     assert two["qwen4exp:retention_hits_total"] == 1 and two["qwen4exp:retained_sessions"] == 1, two
+    assert two["qwen4exp:exact_resumes_total"] == 1, two  # turn 2 prefilled only its new tokens
     assert two["qwen4exp:retained_blocks"] >= one["qwen4exp:retained_blocks"]  # turn 2 is longer
-    assert three == dict(zero, **{"qwen4exp:retention_hits_total": 2}), three  # closed: handed off, never evicted
+    # closed: handed off twice (both at the exact end), never evicted
+    assert three == dict(zero, **{"qwen4exp:retention_hits_total": 2, "qwen4exp:exact_resumes_total": 2}), three
     assert "Traceback" not in log.read_text()
 
 

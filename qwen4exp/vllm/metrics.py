@@ -21,7 +21,11 @@ multiprocess mode picks the newest value. Series (labels ``model_name`` and ``en
 * ``qwen4exp:retention_evictions_total{reason}``: pins released without a hand-off (ttl, pressure, close, abort,
   reset, error);
 * ``qwen4exp:illegal_transitions_total``: session events refused by the state machine (the session is then dropped,
-  the engine goes on).
+  the engine goes on);
+* ``qwen4exp:exact_resumes_total``: next turns that resumed at the exact end of their previous turn (prefilling only
+  their new tokens);
+* ``qwen4exp:preempted_tokens_total``: computed tokens thrown away by preemptions (all requests; recomputed when the
+  request is readmitted).
 
 Without ``--scheduler-cls`` naming ``AgentScheduler`` (or a subclass) the logger registers nothing (a subclass outside
 this package: its series appear with its first numbers). vLLM turns its
@@ -49,6 +53,9 @@ COUNTERS = {
     "retention_evictions": ("Held session blocks released without a next turn taking them over, by reason.",
                             "reason", EVICTION_REASONS),
     "illegal_transitions": ("Session events refused by AgentScheduler's state machine.", None, ()),
+    "exact_resumes": ("Next turns of an agent session that resumed at the exact end of their previous turn.", None,
+                      ()),
+    "preempted_tokens": ("Computed tokens thrown away by preemptions under AgentScheduler.", None, ()),
 }
 
 
@@ -56,9 +63,10 @@ def _key(name: str, label: str | None = None) -> str:
     return PREFIX + name + ("" if label is None else ":" + label)
 
 
-def payload(sessions, sent: dict[str, int]) -> dict[str, int]:
+def payload(sessions, sent: dict[str, int], counters: dict[str, int] | None = None) -> dict[str, int]:
     """What changed since the last payload of ``sessions`` (a ``qwen4exp.vllm.sessions.Sessions``): gauges as they
-    are now, counters as increases. ``sent`` holds what was sent before (the scheduler keeps it; updated here)."""
+    are now, counters as increases. ``counters``: the scheduler's own totals by ``COUNTERS`` name (exact resumes,
+    preempted tokens). ``sent`` holds what was sent before (the scheduler keeps it; updated here)."""
     by_state = sessions.by_state()
     now = {_key("num_sessions", s): n for s, n in by_state.items()}
     now[_key("retained_sessions")] = by_state[State.RETAINED.value] + by_state[State.HANDOFF.value]
@@ -67,6 +75,7 @@ def payload(sessions, sent: dict[str, int]) -> dict[str, int]:
     totals = {_key("retention_hits"): sessions.counts["handed_off"],
               _key("illegal_transitions"): sessions.counts["illegal_transitions"]}
     totals.update({_key("retention_evictions", r): n for r, n in sessions.evictions.items()})
+    totals.update({_key(name): n for name, n in (counters or {}).items()})
     out.update({k: v - sent.get(k, 0) for k, v in totals.items() if v != sent.get(k, 0)})
     sent.update(now)
     sent.update(totals)

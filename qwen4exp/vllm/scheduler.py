@@ -139,6 +139,7 @@ class AgentScheduler(Scheduler):
         self._metrics_sent: dict[str, int] = {}  # what the last stats carried (qwen4exp.vllm.metrics.payload)
         self._checkpoints: dict[str, list] = {}  # request id -> (block, hash, from decode) per hybrid group
         self.exact_resumes = 0  # next turns that resumed at their previous turn's exact end
+        self._resume_offered: set[str] = set()  # requests handed a resume point, not yet allocated
         self.preempted_tokens = 0  # computed tokens thrown away by preemptions (recomputed on readmission)
         coordinator = self.kv_cache_manager.coordinator
         self._mamba_groups = [(g, m) for g, m in enumerate(coordinator.single_type_managers)
@@ -240,6 +241,7 @@ class AgentScheduler(Scheduler):
         hit = super()._get_local_prefix_cache_hit(request)
         if request.session_id is None or request.num_computed_tokens:
             return hit
+        self._resume_offered.discard(request.request_id)  # (offered at an earlier try that did not fit)
         r = self.sessions.resume_point(request.session_id)
         if (r is None or r.tokens <= hit[1] or r.tokens > request.num_tokens - 1
                 or not self.kv_cache_manager.prefix_cache_lookup_enabled(request)
@@ -248,7 +250,7 @@ class AgentScheduler(Scheduler):
                 or request.prompt_token_ids[: r.tokens] != r.token_ids
                 or _mm_before(request, r.tokens) != r.mm):
             return hit
-        self.exact_resumes += 1
+        self._resume_offered.add(request.request_id)  # counted once it is allocated (schedule)
         blocks = self.kv_cache_manager.create_kv_cache_blocks(tuple(list(g) for g in r.groups))
         return blocks, r.tokens, 0, False
 
@@ -366,12 +368,20 @@ class AgentScheduler(Scheduler):
             if any((r := self.requests.get(rid)) is not None and r.status != RequestStatus.WAITING
                    for rid in self.sessions.sessions[sid].active):
                 self._fire(sid, Event.ALLOCATED)
+        if self._resume_offered:
+            for rid in list(self._resume_offered):
+                r = self.requests.get(rid)
+                if r is None or r.status != RequestStatus.WAITING:  # allocated with the hit (or gone)
+                    self._resume_offered.discard(rid)
+                    self.exact_resumes += r is not None
         return out
 
     def make_stats(self, *args, **kwargs):
         stats = super().make_stats(*args, **kwargs)
         if stats is not None:  # carried to the API server's AgentStatLogger (qwen4exp.vllm.metrics)
-            stats.running_lora_adapters.update(metrics.payload(self.sessions, self._metrics_sent))
+            stats.running_lora_adapters.update(metrics.payload(
+                self.sessions, self._metrics_sent,
+                {"exact_resumes": self.exact_resumes, "preempted_tokens": self.preempted_tokens}))
         return stats
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:
