@@ -62,11 +62,12 @@ class Resume:
     ``groups`` has, per KV-cache group, the blocks a next turn takes over as its computed prefix: an attention group
     its first ceil(tokens / block) blocks (the last one partly filled), a hybrid-state group vLLM's null placeholders
     and the block holding the state after exactly ``tokens`` tokens. The rest identifies what was computed, so a
-    next turn resumes only if its prompt starts with the same tokens under the same salt, LoRA and images."""
+    next turn resumes only if its prompt starts with the same tokens under the same salt, LoRA and images: vLLM's
+    hashes of the full hash blocks (they cover tokens, salt, LoRA and images), the ids of the tokens after them."""
 
     tokens: int
-    token_ids: list
     block_hashes: list
+    tail_ids: list
     groups: tuple
     cache_salt: object
     lora_id: object
@@ -230,8 +231,8 @@ class AgentScheduler(Scheduler):
                 if any(b.is_null for b in blocks[:k]):
                     return None
                 groups.append(tuple(blocks[:k]))
-        ids = request.all_token_ids
-        return Resume(n, list(ids)[:n], list(request.block_hashes[: n // self.hash_block_size]), tuple(groups),
+        hashes = list(request.block_hashes[: n // self.hash_block_size])
+        return Resume(n, hashes, list(request.all_token_ids[len(hashes) * self.hash_block_size: n]), tuple(groups),
                       request.cache_salt, _lora_id(request), _mm_before(request, n))
 
     def _get_local_prefix_cache_hit(self, request):
@@ -239,7 +240,7 @@ class AgentScheduler(Scheduler):
         turn computed, that turn's blocks up to its exact end (the attention tail block and the hybrid state are
         copied on write by vLLM's partial-hit path): the next turn prefills only its new tokens."""
         hit = super()._get_local_prefix_cache_hit(request)
-        if request.session_id is None or request.num_computed_tokens:
+        if request.session_id is None or request.num_computed_tokens or request.prompt_token_ids is None:
             return hit
         self._resume_offered.discard(request.request_id)  # (offered at an earlier try that did not fit)
         r = self.sessions.resume_point(request.session_id)
@@ -247,7 +248,7 @@ class AgentScheduler(Scheduler):
                 or not self.kv_cache_manager.prefix_cache_lookup_enabled(request)
                 or request.cache_salt != r.cache_salt or _lora_id(request) != r.lora_id
                 or request.block_hashes[: len(r.block_hashes)] != r.block_hashes
-                or request.prompt_token_ids[: r.tokens] != r.token_ids
+                or request.prompt_token_ids[len(r.block_hashes) * self.hash_block_size: r.tokens] != r.tail_ids
                 or _mm_before(request, r.tokens) != r.mm):
             return hit
         self._resume_offered.add(request.request_id)  # counted once it is allocated (schedule)
