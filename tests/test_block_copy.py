@@ -22,8 +22,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # (gpu: skipped 
 
 
 def hybrid_layout(kernel_blocks: int = 1, device: str = "cpu"):
-    """One byte storage of two page slots; per slot the views the layers bind (block-major, stride PAGE); 4-byte views as int32:
-    random bytes as float32 hold NaNs, which never compare equal)."""
+    """One byte storage of two page slots; per slot the views the layers bind (block-major, stride PAGE). The 4-byte
+    views are int32: random bytes as float32 hold NaNs, which never compare equal."""
     raw = torch.randint(0, 256, (2 * NB * PAGE,), dtype=torch.uint8).to(device)
     storage = raw.untyped_storage()
     views = []
@@ -34,12 +34,11 @@ def hybrid_layout(kernel_blocks: int = 1, device: str = "cpu"):
         def view(offset, dtype, shape):
             es = torch.empty(0, dtype=dtype).element_size()
             inner = torch.empty(shape, dtype=dtype).stride()
-            t = torch.empty(0, dtype=dtype, device=device).set_(storage, (base + offset) // es, (NB * kernel_blocks, *shape),
-                                                  (stride // es, *inner))
-            return t
+            return torch.empty(0, dtype=dtype, device=device).set_(
+                storage, (base + offset) // es, (NB * kernel_blocks, *shape), (stride // es, *inner))
 
         views.append(view(0, torch.int8, (1, 1, 700)))  # PLE state: the first view at the slot's address
-        views.append(view(0, torch.int32, (2, 8, 16)))  # attention K/V: the whole page (1,024 bytes ... 4,096)
+        views.append(view(0, torch.int32, (2, 8, 16)))  # attention K/V: the widest view (1,024 bytes a block)
         views.append(view(0, torch.int32, (3, 40)))  # GDN conv state
         views.append(view(480, torch.int32, (2, 8, 8)))  # GDN SSM state behind the conv state
     return raw, views

