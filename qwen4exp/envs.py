@@ -73,6 +73,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("QWEN4EXP_PLE_PREFETCH", "bool", False,
            "vLLM plugin on GPUs: the PLE layer's table gather and key/value projections start on a side CUDA "
            "stream at the top of the forward, overlapping the layers before it"),
+    Switch("QWEN4EXP_QSA_WARMUP", "bool", True,
+           "vLLM plugin on GPUs: compile every QSA prefill kernel variant at start-up (after the KV caches are "
+           "allocated), so a server's first long prompts do not wait on Triton compiles; 0: compile on first use"),
     Switch("QWEN4EXP_SESSION_TTL", "float", 10.0,
            "AgentScheduler (--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler): seconds a session's finished "
            "turn keeps its KV blocks pinned for the next turn (0: no pins; agent traces: ~86% of next turns within "

@@ -24,15 +24,18 @@ import torch
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 
+from .. import envs
 from ..layers.qsa import QSAAttention
 from ..ops.qsa import (block_mean, index_update_decode, paged_rows, qsa_attend_paged, qsa_decode_paged,
-                       qsa_prefill_paged, qsa_select_paged, reused_block_ids, write_paged)
+                       qsa_prefill_paged, qsa_select_paged, reused_block_ids, warm_up_prefill, write_paged)
 from .layers import eager_segment, vllm_linear
 
 # Requests of a mixed step with up to this many queries (decodes, MTP verifications, short prefill chunks) are
 # served together, one row per query (``qsa_decode_paged``); longer chunks one by one (``qsa_prefill_paged``).
 BATCHED_MAX_QUERIES = 8
 
+
+_WARMED: set = set()  # the cache layouts whose prefill kernels this process compiled at start-up (``_warm_up``)
 
 _FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -162,6 +165,7 @@ class QSAMixer(QSAAttention):
         self._kept_fresh = False  # _kept holds a selection of the current drafting round (not a stale one)
         self._kept_rows = vllm_config.scheduler_config.max_num_batched_tokens
         self.eager_name = prefix
+        self._max_len = vllm_config.model_config.max_model_len
         self.rotary = [rotary]  # shared module, kept out of this module's parameters
         d_i = self.indexer.head_dim
         if d_i > self.head_dim:
@@ -197,8 +201,9 @@ class QSAMixer(QSAAttention):
         """Cache writes, block keys, selection + attention for this step's tokens (an eager graph segment: reads the
         step's attention metadata on the host). Rows past the step's real tokens (graph padding) are zero."""
         md = get_forward_context().attn_metadata
-        if md is None or self.attn.layer_name not in md:  # profiling / warm-up run: no caches bound
+        if md is None or self.attn.layer_name not in md:  # profiling / warm-up run: no metadata
             out.zero_()
+            self._warm_up(q)
             return
         m = md[self.attn.layer_name]  # main K/V and index rows: one cache layer, one metadata and block table
         if not self._scales_checked:
@@ -247,6 +252,37 @@ class QSAMixer(QSAAttention):
                 self._keep(qsa_select_paged(pos1[e - 1:e], index_q[e - 1:e], ikv, m.block_table[b:b + 1],
                                             max(1, seq_lens[b] // r), r, self.budget, self.index_scale),
                            slice(e - 1, e))
+
+    def _warm_up(self, q) -> None:
+        """At the first dummy run after vLLM allocated the KV caches (its warm-up and CUDA-graph capture runs carry
+        no attention metadata): compile the paged prefill's kernel variants on this layer's real cache views, once
+        a process per cache layout (``QWEN4EXP_QSA_WARMUP``). vLLM's own warm-ups run there too; ours would
+        otherwise compile while serving the first long prompts (seconds at the real widths)."""
+        if not (q.is_cuda and envs.QWEN4EXP_QSA_WARMUP) or torch.cuda.is_current_stream_capturing():
+            return
+        kv = self.attn.kv_cache
+        kv = kv[get_forward_context().virtual_engine] if isinstance(kv, (list, tuple)) else kv
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.numel() == 0:
+            return  # the profiling run, before the caches exist
+        kv, ikv = _kv_cache(self.attn), _kv_cache(self.index_cache)
+        key = (str(kv.device), kv.dtype, q.dtype, tuple(kv.shape[1:]), kv.stride(), tuple(ikv.shape[1:]),
+               ikv.stride(), self.n_heads, self.indexer.n_heads, self.r, self.budget, self._max_len)
+        if key in _WARMED:
+            return
+        _WARMED.add(key)
+        import time
+
+        from . import _logger
+        t0 = time.perf_counter()
+        cases = warm_up_prefill(kv, ikv, self.n_heads, self.indexer.n_heads, self._max_len, self.r, self.budget,
+                                self.scale, self.index_scale, q.dtype)
+        # the block keys a prefill step completes (its index-key norm kernel), as ``_completed_block_keys`` builds them
+        cb, sb = self.rotary[0](torch.arange(0, 16 * self.r, self.r, device=q.device), q.dtype)
+        self.block_keys(block_mean(torch.zeros(16 * self.r, ikv.shape[-1] // 2, dtype=q.dtype, device=q.device),
+                                   self.r), cb, sb)
+        torch.cuda.synchronize(q.device)
+        _logger().info("qwen4exp QSA: prefill kernels warmed up for prompts up to %d tokens (%d cases) in %.1f s",
+                       self._max_len, len(cases), time.perf_counter() - t0)
 
     def _completed_block_keys(self, raw, qsl, seq_lens, m, ikv, d_i: int, pos3=None) -> torch.Tensor:
         """Index-cache block-key column of this step's rows [n, d_i]: at the row of each block's last position, the

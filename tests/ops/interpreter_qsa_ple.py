@@ -173,6 +173,45 @@ def check_qsa_prefill():
                                            f"slots={sb}")
 
 
+@check("qsa_prefill_warmup")
+def check_qsa_prefill_warmup():
+    """``prefill_warmup_cases``: every kernel variant a prefill call of any length (and any chunking) can launch is
+    launched by one of its cases, at the real sizes (m = 512) and at small settings where every select and both
+    attentions appear within 120 blocks; ``warm_up_prefill`` runs those cases on the given caches (and none where
+    the kernels do not cover the queries' dtype)."""
+    import random
+
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    rng = random.Random(0)
+
+    def covered(max_blocks, m, Hkv, n=3000):
+        cases = tk.prefill_warmup_cases(max_blocks, m, 4, Hkv)
+        have = set().union(*(tk.prefill_variants(t, nb, m, 4, Hkv) for t, nb in cases))
+        for _ in range(n):
+            t = rng.choice((rng.randint(1, 300), rng.randint(1, 40_000)))
+            nb = rng.randint(1, max_blocks)
+            missing = tk.prefill_variants(t, nb, m, 4, Hkv) - have
+            assert not missing, (max_blocks, m, t, nb, missing)
+        return cases, have
+
+    for max_blocks in (100, 12_500, 65_536, 200_000):
+        cases, have = covered(max_blocks, 512, 2)
+        assert len(cases) <= 20, cases
+    assert {("topk", "radix"), ("attn_loop",)} <= have and any(v[:2] == ("topk", "split") for v in have)
+    small = dict(LOOP_MIN_QUERIES=6, TOPK_SMALL_MIN=16, TOPK_SMALL_MAX=64, TOPK_SPLIT=32, TOPK_SPLIT_MAX_ROWS=3,
+                 ATTN_MANY_QUERIES=3)
+    _, (kv, _, ikv, _) = _paged([150], 900, True)
+    with settings(tk, **small):
+        cases, have = covered(120, 8, 2, 1500)
+        assert {("topk", "radix"), ("topk", "split-chunks"), ("attn_loop",), ("attn", True), ("attn", False)} <= have
+        tk.LAUNCHED.clear()
+        got = tk.warm_up_prefill(kv, ikv, 6, 4, 4 * 120, 4, 32, 0.3, 0.4)
+        assert got == cases, (got, cases)
+        assert {"qsa_score_prefill", "qsa_topk", "qsa_topk_split", "qsa_attn_loop", "qsa_attn",
+                "qsa_merge"} <= set(tk.LAUNCHED), sorted(tk.LAUNCHED)
+        assert tk.warm_up_prefill(kv, ikv, 6, 4, 4 * 120, 4, 32, 0.3, 0.4, dtype=torch.float32) == []
+
+
 @check("qsa_fp8_caches")
 def check_qsa_fp8_caches():
     from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk

@@ -895,6 +895,45 @@ def test_qsa_prefill_paged_matches_reference(monkeypatch, L, n_q, bs, keys_mib):
     assert err.max() < 1e-2, (err.argmax().item(), err.max().item())
 
 
+@pytest.mark.gpu
+def test_warm_up_prefill_leaves_nothing_to_compile(monkeypatch):
+    """After ``warm_up_prefill`` on a cache layout (a block size no other test uses, so its kernels are new to this
+    process), prefills of any length up to its ``max_len`` compile no Triton kernel: a 50k prompt in vLLM-sized
+    chunks, ragged chunks and their one-query remainders, an MTP-sized verification, a prompt past the dense regime;
+    and each still matches the reference."""
+    import triton
+
+    tk = _tk()
+    bs, max_len = 48, 131_072
+    _, _, _, kv, row, ikv = paged_prefill_case(6_000, 16, bs, seed=5)
+    compiled = []
+
+    def hook(**kw):  # Triton calls it after each compile of a kernel variant new to this process
+        compiled.append(kw["fn"].name)
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", hook)
+    cases = qsa_ops.warm_up_prefill(kv, ikv, 24, 4, max_len, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5, BF)
+    assert cases and compiled, "the warm-up ran no new kernel variant"
+    assert {("attn_loop",), ("score_prefill",), ("topk", "radix")} <= set().union(
+        *(tk.prefill_variants(t, n, BUDGET // R_QSA, R_QSA, 2) for t, n in cases))
+    compiled.clear()
+    g = torch.Generator().manual_seed(3)
+    for L, n_q in ((50_000, 16_384), (50_000, 3_617), (9_001, 2_689), (2_600, 2_600), (70_001, 300), (12_000, 4),
+                   (100_000, 129)):
+        q = torch.randn(n_q, 24, 256, generator=g).to(BF).cuda()
+        iq = torch.randn(n_q, 4, 128, generator=g).to(BF).cuda()
+        pos = torch.arange(L - n_q, L, device="cuda")
+        brow = torch.zeros(triton.cdiv(L, bs), dtype=torch.int32, device="cuda")  # every block: the case's block 0
+        brow[: row.shape[0]] = row[: brow.shape[0]]
+        out = qsa_ops.qsa_prefill_paged(q, pos, iq, kv, brow, ikv, L, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5)
+        torch.cuda.synchronize()
+        assert not compiled, f"L={L} n_q={n_q} compiled {compiled}"
+        if L <= 12_000:
+            want = qsa_ref.qsa_prefill_paged(q, pos, iq, kv, brow, ikv, L, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5)
+            err = (out.float() - want.float()).norm(dim=(1, 2)) / want.float().norm(dim=(1, 2))
+            assert err.max() < 1e-2, (L, n_q, err.max().item())
+
+
 # ------------------------------------------------------------------------------------------- cache writes
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF, torch.float32])
@@ -948,7 +987,8 @@ def test_index_update_decode_matches_reference():
 # the Triton checks without a GPU (``interpreter_qsa_ple.py``): under the CPU interpreter, then compiled for sm_90
 # =====================================================================================================================
 QSA_CHECKS = ("qsa_topk", "qsa_decode", "qsa_score_logits", "qsa_select_attend_halves", "qsa_unpaged",
-              "qsa_prefill", "qsa_fp8_caches", "qsa_write_paged", "qsa_index_update", "qsa_real_widths",
+              "qsa_prefill", "qsa_prefill_warmup", "qsa_fp8_caches", "qsa_write_paged", "qsa_index_update",
+              "qsa_real_widths",
               "qsa_registration")
 QSA_KERNELS = ("_qsa_score_kernel", "_qsa_score_paged_kernel", "_qsa_score_prefill_kernel", "_qsa_topk_kernel",
                "_qsa_topk_small_kernel", "_qsa_attn_kernel", "_qsa_attn_loop_kernel", "_qsa_merge_kernel",

@@ -50,8 +50,16 @@ def qsa_prefill_paged(q, q_pos, index_q, kv, block_row, index_kv, seq_len, r, bu
     return fn(q, q_pos, index_q, kv, block_row, index_kv, seq_len, r, budget, scale, index_scale)
 
 
+def warm_up_prefill(kv, index_kv, n_heads, index_heads, max_len, r, budget, scale, index_scale, dtype):
+    """Compile every kernel variant ``qsa_prefill_paged`` may launch on these caches for prompts of up to
+    ``max_len`` tokens (a server's start-up, so that no request waits on a compile); the (queries, blocks) cases
+    run. Nothing where the device has no QSA kernels (the reference compiles nothing)."""
+    fn = pick("qsa_warm_up_prefill", kv.device, lambda *a, **k: [])
+    return fn(kv, index_kv, n_heads, index_heads, max_len, r, budget, scale, index_scale, dtype=dtype)
+
+
 __all__ = ["qsa_attention", "qsa_decode_paged", "qsa_select_paged", "qsa_attend_paged", "qsa_prefill_paged",
-           "paged_rows", "write_paged", "index_update_decode",
+           "warm_up_prefill", "paged_rows", "write_paged", "index_update_decode",
            "qsa_attention_gathered", "qsa_decode_batched", "reused_block_ids", "block_mean", "indexer_scores",
            "num_complete_blocks",
            "select_blocks", "selected_token_indices", "selection_mask", "sparse_attention", "reference"]

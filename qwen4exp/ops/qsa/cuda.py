@@ -195,4 +195,5 @@ KERNELS = {
     "qsa_prefill_paged": qsa_prefill_paged,
     "qsa_write_paged": write_paged,
     "qsa_index_update_decode": index_update_decode,
+    "qsa_warm_up_prefill": tk.warm_up_prefill,
 }

@@ -513,29 +513,39 @@ def top_keys(keys, m: int):
     return torch.topk(keys, m, dim=1, largest=True, sorted=True).values
 
 
+def topk_plan(Tq: int, Nb: int, m: int) -> tuple:
+    """The select ``top_ids`` runs for Tq rows of Nb keys: ("split", n_chunks, N_P of the merge launch), ("small",
+    N_P) or ("radix",). Shared with ``prefill_variants`` (what a warm-up must compile)."""
+    n_chunks = triton.cdiv(Nb, TOPK_SPLIT) if TOPK_SPLIT else 0
+    if n_chunks > 1 and Tq <= TOPK_SPLIT_MAX_ROWS and 2 * m <= TOPK_SPLIT and n_chunks * m <= TOPK_SMALL_MAX:
+        return ("split", n_chunks, max(TOPK_SMALL_MIN, triton.next_power_of_2(n_chunks * m)))
+    if Nb <= TOPK_SMALL_MAX:  # keys in registers, the threshold by TOPK_SMALL_BITS a step
+        return ("small", min(max(TOPK_SMALL_MIN, triton.next_power_of_2(max(Nb, 1))), TOPK_SMALL_MAX))
+    return ("radix",)  # radix select over chunks of keys
+
+
 def top_ids(keys, m: int):
     """The reference's top-m block ids per row (as a set, in id order; -1 pad), by the Triton radix select."""
     Tq, Nb = keys.shape
     out = torch.empty(Tq, m, dtype=torch.int32, device=keys.device)
-    n_chunks = triton.cdiv(Nb, TOPK_SPLIT) if TOPK_SPLIT else 0
-    if n_chunks > 1 and Tq <= TOPK_SPLIT_MAX_ROWS and 2 * m <= TOPK_SPLIT and n_chunks * m <= TOPK_SMALL_MAX:
-        M_P = triton.next_power_of_2(m)
+    plan = topk_plan(Tq, Nb, m)
+    M_P = triton.next_power_of_2(m)
+    if plan[0] == "split":
+        n_chunks, N_P = plan[1], plan[2]
         cand = torch.empty(Tq, n_chunks * m, dtype=torch.int64, device=keys.device)
         LAUNCHED["qsa_topk_split"] = _qsa_topk_small_kernel[(Tq, n_chunks)](
             keys, cand, Nb, m, keys.stride(0), cand.stride(0), N_P=TOPK_SPLIT, M_P=M_P, BITS=TOPK_SPLIT_BITS,
             MODE=1, num_warps=TOPK_SPLIT_WARPS)
-        N_P = max(TOPK_SMALL_MIN, triton.next_power_of_2(n_chunks * m))
         LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
             cand, out, n_chunks * m, m, cand.stride(0), out.stride(0), N_P=N_P, M_P=M_P, BITS=TOPK_SPLIT_BITS,
             MODE=2, num_warps=TOPK_SPLIT_WARPS)
-    elif Nb <= TOPK_SMALL_MAX:  # keys in registers, the threshold by TOPK_SMALL_BITS a step
-        N_P = min(max(TOPK_SMALL_MIN, triton.next_power_of_2(max(Nb, 1))), TOPK_SMALL_MAX)
+    elif plan[0] == "small":
         LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
-            keys, out, Nb, m, keys.stride(0), out.stride(0), N_P=N_P, M_P=triton.next_power_of_2(m),
-            BITS=TOPK_SMALL_BITS, num_warps=TOPK_SMALL_WARPS)
-    else:  # radix select over chunks of keys
+            keys, out, Nb, m, keys.stride(0), out.stride(0), N_P=plan[1], M_P=M_P, BITS=TOPK_SMALL_BITS,
+            num_warps=TOPK_SMALL_WARPS)
+    else:
         LAUNCHED["qsa_topk"] = _qsa_topk_kernel[(Tq,)](keys, out, Nb, m, keys.stride(0), out.stride(0),
-                                                       CH=TOPK_CHUNK, M_P=triton.next_power_of_2(m), num_warps=16)
+                                                       CH=TOPK_CHUNK, M_P=M_P, num_warps=16)
     return out
 
 
@@ -581,6 +591,16 @@ def select_block_ids(q_pos, index_q, block_keys, r: int, budget: int, index_scal
     return torch.where(top == INT64_MIN, -1, 4294967295 - (top & 4294967295))
 
 
+def attn_split(Tq: int, Hkv: int, n_slots: int) -> tuple:
+    """The split attention's launch for Tq queries over n_slots slots: (many-query settings, slots a loop step,
+    warps, slot chunks, chunks a program, programs a (query, KV head))."""
+    many = Tq >= ATTN_MANY_QUERIES
+    SB, warps = (ATTN_SLOT_BLOCK_MANY, ATTN_WARPS_MANY) if many else (ATTN_SLOT_BLOCK, ATTN_WARPS)
+    n_chunks = triton.cdiv(max(n_slots, 1), SB)
+    cpp = triton.cdiv(n_chunks, min(n_chunks, max(1, triton.cdiv(ATTN_PROGRAMS, Tq * Hkv))))  # chunks a program
+    return many, SB, warps, n_chunks, cpp, triton.cdiv(n_chunks, cpp)
+
+
 def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool, block_table=None,
                            loop: bool = False):
     """Attention of q [Tq, Hq, d] over the tokens of the selected blocks plus each query's tail.  ``sel`` [Tq, m]:
@@ -615,11 +635,7 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
             G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
             num_warps=LOOP_WARPS, num_stages=LOOP_STAGES)
         return out
-    many = Tq >= ATTN_MANY_QUERIES
-    SB, warps = (ATTN_SLOT_BLOCK_MANY, ATTN_WARPS_MANY) if many else (ATTN_SLOT_BLOCK, ATTN_WARPS)
-    n_chunks = triton.cdiv(max(n_slots, 1), SB)
-    cpp = triton.cdiv(n_chunks, min(n_chunks, max(1, triton.cdiv(ATTN_PROGRAMS, Tq * Hkv))))  # chunks a program
-    n_split = triton.cdiv(n_chunks, cpp)
+    many, SB, warps, n_chunks, cpp, n_split = attn_split(Tq, Hkv, n_slots)
     op = torch.empty(Tq * Hkv * n_split * G_P * HD, dtype=torch.float32, device=dev)
     mp = torch.empty(Tq * Hkv * n_split * G_P, dtype=torch.float32, device=dev)
     lp = torch.empty_like(mp)
@@ -709,6 +725,86 @@ def prefill_score_keys(q_pos, index_q, index_kv, block_row, n_blocks: int, r: in
     return keys
 
 
+def prefill_step(Tq: int, n_blocks: int, m: int) -> tuple[bool, int]:
+    """(whether the indexer selects, queries a chunk) of ``qsa_prefill_paged_triton``: chunks whose int64 sort keys
+    stay below PREFILL_KEYS_BYTES, at most PREFILL_MAX_QUERIES (the attention grids put queries on an axis limited
+    to 65,535)."""
+    indexed = n_blocks > m and m > 0
+    step = max(1, min(Tq, PREFILL_KEYS_BYTES // (8 * n_blocks))) if indexed else max(Tq, 1)
+    return indexed, min(step, PREFILL_MAX_QUERIES)
+
+
+def prefill_variants(Tq: int, n_blocks: int, m: int, r: int, Hkv: int) -> set:
+    """The kernel variants (kernel, what its compiled code depends on) that ``qsa_prefill_paged_triton`` launches
+    for Tq queries over n_blocks blocks: its integer sizes are not specialised, so these are what a first use
+    compiles."""
+    indexed, step = prefill_step(Tq, n_blocks, m)
+    n_slots = m * r + (r - 1)
+    out = set()
+    for c0 in range(0, Tq, step):
+        t = min(step, Tq - c0)
+        if indexed:
+            out.add(("score_prefill",))
+            plan = topk_plan(t, n_blocks, m)
+            if plan[0] == "split":  # (the chunk count is a runtime size)
+                out.update({("topk", "split-chunks"), ("topk", "split", plan[2])})
+            else:
+                out.add(("topk",) + plan)
+        if t >= LOOP_MIN_QUERIES:
+            out.add(("attn_loop",))
+        else:
+            many, *_, n_split = attn_split(t, Hkv, n_slots)
+            out.add(("attn", many))
+            out.add(("merge", triton.next_power_of_2(n_split)))
+    return out
+
+
+def prefill_warmup_cases(max_blocks: int, m: int, r: int, Hkv: int) -> list:
+    """(queries, blocks) cases whose ``qsa_prefill_paged_triton`` calls together launch every kernel variant that a
+    call over at most ``max_blocks`` blocks can launch (``prefill_variants``; any number of queries: a call's last
+    chunk may hold a single one); cheapest first, each adding a variant the ones before did not."""
+    nbs = {min(m, max_blocks), max_blocks}
+    p = TOPK_SMALL_MIN // 2
+    while p <= 4 * max(TOPK_SMALL_MAX, TOPK_SPLIT * TOPK_SMALL_MAX // max(m, 1)):
+        nbs.update((p, p + 1))
+        p *= 2
+    nbs.update((m + 1, TOPK_SPLIT, TOPK_SPLIT + 1, TOPK_SMALL_MAX, TOPK_SMALL_MAX + 1))
+    nbs = sorted(n for n in nbs if 1 <= n <= max_blocks)
+    tqs = sorted({*range(1, LOOP_MIN_QUERIES + 1), TOPK_SPLIT_MAX_ROWS + 1})
+    cands = sorted(((t, n) for t in tqs for n in nbs), key=lambda c: (c[0] * c[1], c))
+    seen, cases = set(), []
+    for t, n in cands:
+        v = prefill_variants(t, n, m, r, Hkv)
+        if not v <= seen:
+            seen |= v
+            cases.append((t, n))
+    return cases
+
+
+def warm_up_prefill(kv, index_kv, n_heads: int, index_heads: int, max_len: int, r: int, budget: int, scale: float,
+                    index_scale: float, dtype=torch.bfloat16) -> list:
+    """Compile every kernel variant of ``qsa_prefill_paged_triton`` for these caches (``prefill_warmup_cases`` up to
+    ``max_len`` tokens) before serving, so no prefill stalls on a Triton compile. It only reads the caches (block
+    0 for every block: vLLM's null block) and its outputs are discarded. ``dtype``: the queries' (the model's).
+    Returns the cases run."""
+    HD, Hkv, bs = kv.shape[-1] // 2, kv.shape[1], kv.shape[2]
+    DI = index_kv.shape[-1] // 2
+    m = budget // r
+    cases = prefill_warmup_cases(max(1, max_len // r), m, r, Hkv)
+    dev = kv.device
+    g = torch.Generator(device=dev).manual_seed(0)
+    for i, (Tq, n_blocks) in enumerate(cases):
+        seq_len = n_blocks * r + (r - 1)  # the open tail too
+        q = torch.randn(Tq, n_heads, HD, generator=g, device=dev).to(dtype)
+        iq = torch.randn(Tq, index_heads, DI, generator=g, device=dev).to(dtype)
+        pos = torch.arange(seq_len - Tq, seq_len, device=dev)
+        row = torch.zeros(triton.cdiv(seq_len, bs), dtype=torch.int32, device=dev)
+        if i == 0 and not host.prefill_paged_covers(q, pos, iq, kv, row, index_kv, r, budget):
+            return []  # prefills of these caches run the torch reference: nothing to compile
+        qsa_prefill_paged_triton(q, pos, iq, kv, row, index_kv, seq_len, r, budget, scale, index_scale)
+    return cases
+
+
 def qsa_prefill_paged_triton(q, q_pos, index_q, kv, block_row, index_kv, seq_len: int, r: int, budget: int,
                              scale: float, index_scale: float):
     """Queries of ONE sequence over its paged caches (``qwen4exp.ops.qsa.reference.qsa_prefill_paged`` is the
@@ -721,9 +817,7 @@ def qsa_prefill_paged_triton(q, q_pos, index_q, kv, block_row, index_kv, seq_len
     if Tq == 0:
         return out
     k_cache, v_cache = kv[..., :HD], kv[..., HD:]
-    indexed = n_blocks > m and m > 0
-    step = max(1, min(Tq, PREFILL_KEYS_BYTES // (8 * n_blocks))) if indexed else Tq
-    step = min(step, PREFILL_MAX_QUERIES)  # the attention grids put queries on an axis limited to 65,535
+    indexed, step = prefill_step(Tq, n_blocks, m)
     for c0 in range(0, Tq, step):
         qc, pc, iqc = q[c0: c0 + step], q_pos[c0: c0 + step], index_q[c0: c0 + step]
         if indexed:
