@@ -1,0 +1,66 @@
+"""``benchmarks/agent_ab_gpu.py`` without a GPU: the KV bytes a token read from a vLLM server log, and the two A/B
+phases it asks for (the model folder, the context length, the sampling restriction, the pressure phase's KV size
+from the free phase's default server), with the A/B runs themselves stubbed out."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from script_loader import load_script
+
+
+@pytest.fixture(scope="module")
+def ab():
+    return load_script("agent_ab_gpu")
+
+
+def _log(path, gib: str, tokens: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("INFO [gpu_worker.py] Available KV cache memory: 9.00 GiB\n"  # an earlier start: the last one counts
+                "INFO [kv_cache_utils.py] GPU KV cache size: 1,000 tokens\n"
+                f"INFO [gpu_worker.py] Available KV cache memory: {gib} GiB\n"
+                f"INFO [kv_cache_utils.py] GPU KV cache size: {tokens} tokens\n")
+
+
+def test_kv_bytes_per_token(ab, tmp_path):
+    log = tmp_path / "server.log"
+    _log(str(log), "63.74", "9,990,740")
+    assert ab.kv_bytes_per_token(str(log)) == pytest.approx(63.74 * 2**30 / 9_990_740)
+    log.write_text("no KV lines here\n")
+    assert ab.kv_bytes_per_token(str(log)) is None
+    assert ab.kv_bytes_per_token(str(tmp_path / "missing.log")) is None
+
+
+def test_phases_and_pressure_size(ab, tmp_path, monkeypatch):
+    calls = []
+
+    def run_ab(args, phase, model, model_len, extra_serve, body):
+        calls.append(dict(phase=phase, model=model, model_len=model_len, extra=extra_serve, body=body))
+        if phase == "free":  # what the free phase's default server would have logged
+            _log(os.path.join(args.out, "free", "default", "server.log"), "10.00", "400,000")
+        return 0
+
+    monkeypatch.setattr(ab, "run_ab", run_ab)
+    out = str(tmp_path / "out")
+    assert ab.main(["--out", out, "--first-turn-tokens", "5000", "--turn-tokens", "300", "--turns", "3",
+                    "--max-output-tokens", "64", "--concurrency", "2", "--pressure-factor", "1.5"]) == 0
+    assert [c["phase"] for c in calls] == ["free", "pressure"]
+    longest = 5000 + 2 * (300 + 64) + 64 + 256
+    assert all(c["model_len"] == 1024 * -(-longest // 1024) == 6144 for c in calls)
+    cfg = json.load(open(os.path.join(calls[0]["model"], "config.json")))
+    assert cfg["num_hidden_layers"] == 12 and cfg["hidden_size"] == 2560  # FN-12L: the real widths, 12 layers
+    ids = calls[0]["body"]["allowed_token_ids"]  # the tokenizer is much smaller than FN's vocabulary
+    assert 0 < len(ids) <= 1000 and calls[1]["body"] == calls[0]["body"]
+    assert calls[0]["extra"] == ""
+    bpt = 10.0 * 2**30 / 400_000
+    assert calls[1]["extra"] == f"--kv-cache-memory-bytes {int(bpt * 1.5 * 2 * longest)}"
+
+
+def test_pressure_needs_the_free_log(ab, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ab, "run_ab", lambda *a: 0)
+    assert ab.main(["--out", str(tmp_path), "--first-turn-tokens", "2000"]) == 1
+    assert "pressure phase skipped" in capsys.readouterr().out
+    assert ab.main(["--out", str(tmp_path), "--first-turn-tokens", "2000", "--no-pressure"]) == 0
