@@ -73,6 +73,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("QWEN4EXP_PLE_PREFETCH", "bool", False,
            "vLLM plugin on GPUs: the PLE layer's table gather and key/value projections start on a side CUDA "
            "stream at the top of the forward, overlapping the layers before it"),
+    Switch("QWEN4EXP_HC_DECODE", "choice", "fused",
+           "HC mixer on CUDA at decode sizes (an open A/B at full depth): fused (two Triton launches, chained by "
+           "programmatic dependent launch) or cublas (the many-token path: cuBLAS projections around the norm, "
+           "activation and gated-mean kernels, as upstream's)", ("fused", "cublas")),
     Switch("QWEN4EXP_QSA_WARMUP", "bool", True,
            "vLLM plugin on GPUs: compile every QSA prefill kernel variant at start-up (after the KV caches are "
            "allocated), so a server's first long prompts do not wait on Triton compiles; 0: compile on first use"),

@@ -293,6 +293,26 @@ def test_hc_mix_path_by_token_count(T, hn, norm_first, path):
     assert host.mix_path(*args, after) == path
 
 
+@pytest.mark.parametrize("T,hn", [(1, False), (1, True), (4, False), (16, False), (32, True)])
+def test_hc_mix_path_cublas_switch(monkeypatch, T, hn):
+    """``QWEN4EXP_HC_DECODE=cublas`` (an A/B of the decode path): decode sizes take the many-token path (cuBLAS
+    projections), with no norm kernel before it (the many-token path normalises itself); unset, the decode
+    launches."""
+    from qwen4exp import envs
+
+    args = mixer(T)
+    Hn = meta(*args[0].shape) if hn else None
+    monkeypatch.setenv("QWEN4EXP_HC_DECODE", "cublas")
+    envs.reset()
+    try:
+        assert host.mix_path(*args, Hn) == "many_tokens"
+        assert host.norm_first(*args, Hn) is False
+    finally:
+        monkeypatch.delenv("QWEN4EXP_HC_DECODE")
+        envs.reset()
+    assert host.mix_path(*args, Hn) == "decode"
+
+
 @pytest.mark.parametrize("args,hn_dtype,path", [
     (mixer(2, lead=(2,)), None, "decode"),                                  # lead dims: 4 tokens
     (mixer(3, inj=False), None, "decode"),                                  # the final mixer
@@ -496,6 +516,36 @@ def test_hc_ops_in_cuda_graph_and_compile(T):
     compiled = torch.compile(step, fullgraph=True)
     assert torch.equal(compiled(H), ref_out)
     assert torch.equal(hc_cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6)[0], x0)  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,hn", [(1, False), (1, True), (8, True)])
+def test_hc_mix_cublas_decode_switch(monkeypatch, T, hn):
+    """``QWEN4EXP_HC_DECODE=cublas`` (the decode-size A/B): ``hc_mix`` at decode sizes runs the many-token path (its
+    norm kernel, cuBLAS), as close to the reference as the decode launches, and captures in a CUDA graph."""
+    from qwen4exp import envs
+    from qwen4exp.ops.hyper_connection import cuda as hc_cuda
+    from qwen4exp.ops.hyper_connection import triton_kernel as tk
+    H, nw, Wd, Wu, Wi = hc_case(T, 4, 2560, 320, True, seed=T + 40)
+    Hn = hc_ref.grouped_rms_norm(H, nw, 2560, 1e-6) if hn else None
+    monkeypatch.setenv("QWEN4EXP_HC_DECODE", "cublas")
+    envs.reset()
+    try:
+        poison()
+        tk.LAUNCHED.clear()
+        with expect_kernel("hc_mix"):
+            x, c = hc_cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6, Hn)
+        assert "hc_finish" in tk.LAUNCHED and "hc_down" not in tk.LAUNCHED, sorted(tk.LAUNCHED)
+        xr, cr = hc_ref.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6, Hn)
+        bf16_close(x, xr, 0.95)
+        bf16_close(c, cr, 0.5)
+        graph, out = capture(lambda: hc_cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6, Hn)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, x)
+    finally:
+        monkeypatch.delenv("QWEN4EXP_HC_DECODE")
+        envs.reset()
 
 
 # ======================================================================================= Triton checks (no GPU)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ... import envs
 from ..layout import stacked_weight
 from ..norm.host import MAX_GROUP
 
@@ -48,6 +49,8 @@ def decode_covers(H, norm_weight, down, up, inj, n, Hn=None) -> bool:
         return False
     NK, R = H.shape[-1], down.shape[0]
     D = NK // n if n else 0
+    if envs.QWEN4EXP_HC_DECODE == "cublas":  # (A/B: decode sizes on the many-token path too)
+        return False
     max_t = MAX_T if Hn is None else max(MAX_T, MAX_T_HN)
     return (0 < _tokens(H) <= max_t and n in (1, 2, 4, 8) and D * n == NK and D % 16 == 0 and R <= 1024
             and down.shape == (R, NK) and up.shape == (NK, R) and (inj is None or inj.shape == (n, NK))
