@@ -27,7 +27,8 @@ from vllm.model_executor.layers.attention import Attention
 from .. import envs
 from ..layers.qsa import QSAAttention
 from ..ops.qsa import (block_mean, index_update_decode, paged_rows, qsa_attend_paged, qsa_decode_paged,
-                       qsa_prefill_paged, qsa_select_paged, reused_block_ids, warm_up_prefill, write_paged)
+                       qsa_prefill_paged, qsa_select_paged, reused_block_ids, warm_up_decode, warm_up_prefill,
+                       write_paged)
 from .layers import eager_segment, vllm_linear
 
 # Requests of a mixed step with up to this many queries (decodes, MTP verifications, short prefill chunks) are
@@ -166,6 +167,8 @@ class QSAMixer(QSAAttention):
         self._kept_rows = vllm_config.scheduler_config.max_num_batched_tokens
         self.eager_name = prefix
         self._max_len = vllm_config.model_config.max_model_len
+        sc = vllm_config.scheduler_config  # the most single-query rows an eager step batches (``_decode_batch``)
+        self._max_rows = min(sc.max_num_batched_tokens or 1 << 30, BATCHED_MAX_QUERIES * sc.max_num_seqs)
         self.rotary = [rotary]  # shared module, kept out of this module's parameters
         d_i = self.indexer.head_dim
         if d_i > self.head_dim:
@@ -255,9 +258,10 @@ class QSAMixer(QSAAttention):
 
     def _warm_up(self, q) -> None:
         """At the first dummy run after vLLM allocated the KV caches (its warm-up and CUDA-graph capture runs carry
-        no attention metadata): compile the paged prefill's kernel variants on this layer's real cache views, once
-        a process per cache layout (``QWEN4EXP_QSA_WARMUP``). vLLM's own warm-ups run there too; ours would
-        otherwise compile while serving the first long prompts (seconds at the real widths)."""
+        no attention metadata): compile the paged prefill's and the eager decode rows' kernel variants on this
+        layer's real cache views, once a process per cache layout (``QWEN4EXP_QSA_WARMUP``). vLLM's own warm-ups
+        run there too; ours would otherwise compile while serving (the first long prompts: seconds at the real
+        widths; the first MTP verifications and mixed steps as contexts grow)."""
         if not (q.is_cuda and envs.QWEN4EXP_QSA_WARMUP) or torch.cuda.is_current_stream_capturing():
             return
         kv = self.attn.kv_cache
@@ -266,7 +270,7 @@ class QSAMixer(QSAAttention):
             return  # the profiling run, before the caches exist
         kv, ikv = _kv_cache(self.attn), _kv_cache(self.index_cache)
         key = (str(kv.device), kv.dtype, q.dtype, tuple(kv.shape[1:]), kv.stride(), tuple(ikv.shape[1:]),
-               ikv.stride(), self.n_heads, self.indexer.n_heads, self.r, self.budget, self._max_len)
+               ikv.stride(), self.n_heads, self.indexer.n_heads, self.r, self.budget, self._max_len, self._max_rows)
         if key in _WARMED:
             return
         _WARMED.add(key)
@@ -276,13 +280,15 @@ class QSAMixer(QSAAttention):
         t0 = time.perf_counter()
         cases = warm_up_prefill(kv, ikv, self.n_heads, self.indexer.n_heads, self._max_len, self.r, self.budget,
                                 self.scale, self.index_scale, q.dtype)
+        cases += warm_up_decode(kv, ikv, self.n_heads, self.indexer.n_heads, self._max_len, self._max_rows, self.r,
+                                self.budget, self.scale, self.index_scale, q.dtype)
         # the block keys a prefill step completes (its index-key norm kernel), as ``_completed_block_keys`` builds them
         cb, sb = self.rotary[0](torch.arange(0, 16 * self.r, self.r, device=q.device), q.dtype)
         self.block_keys(block_mean(torch.zeros(16 * self.r, ikv.shape[-1] // 2, dtype=q.dtype, device=q.device),
                                    self.r), cb, sb)
         torch.cuda.synchronize(q.device)
-        _logger().info("qwen4exp QSA: prefill kernels warmed up for prompts up to %d tokens (%d cases) in %.1f s",
-                       self._max_len, len(cases), time.perf_counter() - t0)
+        _logger().info("qwen4exp QSA: prefill and eager decode kernels warmed up for up to %d tokens (%d cases) in "
+                       "%.1f s", self._max_len, len(cases), time.perf_counter() - t0)
 
     def _completed_block_keys(self, raw, qsl, seq_lens, m, ikv, d_i: int, pos3=None) -> torch.Tensor:
         """Index-cache block-key column of this step's rows [n, d_i]: at the row of each block's last position, the

@@ -212,6 +212,46 @@ def check_qsa_prefill_warmup():
         assert tk.warm_up_prefill(kv, ikv, 6, 4, 4 * 120, 4, 32, 0.3, 0.4, dtype=torch.float32) == []
 
 
+@check("qsa_decode_warmup")
+def check_qsa_decode_warmup():
+    """``decode_warmup_cases``: every kernel variant a paged decode of up to ``max_rows`` single queries can launch
+    (``decode_variants``: with vLLM's select loaded or not) is launched by one of its cases, at m = 512 and at small
+    settings; ``warm_up_decode`` runs them (and none for fp32 queries)."""
+    import random
+
+    from qwen4exp.ops.qsa import host, triton_kernel as tk
+    rng = random.Random(1)
+    loaded = host.vllm_topk_loaded
+
+    def covered(max_rows, max_blocks, m, Hkv, n=3000):
+        cases = tk.decode_warmup_cases(max_rows, max_blocks, m, 4, Hkv)
+        have = set().union(*(tk.decode_variants(b, nb, m, 4, Hkv) for b, nb in cases))
+        for _ in range(n):
+            b, nb = rng.randint(1, max_rows), rng.randint(1, max_blocks)
+            missing = tk.decode_variants(b, nb, m, 4, Hkv) - have
+            assert not missing, (max_rows, max_blocks, m, b, nb, missing)
+        return cases, have
+
+    try:
+        for vllm_select in (False, True):
+            host.vllm_topk_loaded = lambda v=vllm_select: v
+            for max_rows, max_blocks, Hkv in ((8, 100, 2), (256, 12_500, 2), (2048, 65_536, 2), (8192, 65_536, 1)):
+                cases, have = covered(max_rows, max_blocks, 512, Hkv)
+                assert len(cases) <= 24, cases
+            assert (("score_paged", True) in have) == vllm_select and ("topk", "radix") in have
+    finally:
+        host.vllm_topk_loaded = loaded
+    small = dict(TOPK_SMALL_MIN=16, TOPK_SMALL_MAX=64, TOPK_SPLIT=32, TOPK_SPLIT_MAX_ROWS=3, ATTN_MANY_QUERIES=3)
+    _, (kv, _, ikv, _) = _paged([150], 901, True)
+    with settings(tk, **small), settings(host, VLLM_TOPK=False):
+        cases, have = covered(12, 120, 8, 2, 1500)
+        assert {("topk", "radix"), ("topk", "split-chunks"), ("attn", True), ("attn", False)} <= have
+        tk.LAUNCHED.clear()
+        assert tk.warm_up_decode(kv, ikv, 6, 4, 4 * 120, 12, 4, 32, 0.3, 0.4) == cases
+        assert {"qsa_score_paged", "qsa_topk", "qsa_topk_split", "qsa_attn", "qsa_merge"} <= set(tk.LAUNCHED)
+        assert tk.warm_up_decode(kv, ikv, 6, 4, 4 * 120, 12, 4, 32, 0.3, 0.4, dtype=torch.float32) == []
+
+
 @check("qsa_fp8_caches")
 def check_qsa_fp8_caches():
     from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk

@@ -934,6 +934,52 @@ def test_warm_up_prefill_leaves_nothing_to_compile(monkeypatch):
             assert err.max() < 1e-2, (L, n_q, err.max().item())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("vllm_select", [False, True])
+def test_warm_up_decode_leaves_nothing_to_compile(monkeypatch, vllm_select):
+    """After ``warm_up_decode`` (block size 40 or 56: layouts no other test compiles for), paged decodes of any row
+    count up to its ``max_rows`` (mixed-step decode rows, MTP verifications of batch 32, a 256-row batch) over
+    contexts up to its ``max_len`` compile no Triton kernel, with our select and with vLLM's where it is loaded;
+    and match the reference on the case's real rows."""
+    import triton
+
+    if vllm_select and not host.load_vllm_kernels():
+        pytest.skip("vLLM's CUDA build is not installed (its select)")
+    monkeypatch.setattr(host, "VLLM_TOPK", vllm_select)
+    bs, max_len, max_rows = 40 + 16 * vllm_select, 131_072, 256
+    lens = [12_100, 9_001]
+    _, _, _, kv, bt, ikv, ibt = paged_decode_case(lens, bs, bs, seed=6, Hq=2)  # (its queries unused)
+    compiled = []
+
+    def hook(**kw):
+        compiled.append(kw["fn"].name)
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", hook)
+    cases = qsa_ops.warm_up_decode(kv, ikv, 24, 4, max_len, max_rows, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5, BF)
+    assert cases and compiled, "the warm-up ran no new kernel variant"
+    compiled.clear()
+    g = torch.Generator().manual_seed(4)
+    for B, L in ((1, 50_000), (3, 2_000), (4, 9_001), (12, 12_100), (33, 70_001), (65, 12_100), (128, 50_000),
+                 (129, 100_000), (256, 3_000), (200, 20_000)):
+        q = torch.randn(B, 24, 256, generator=g).to(BF).cuda()
+        iq = torch.randn(B, 4, 128, generator=g).to(BF).cuda()
+        pos = torch.full((B,), L - 1, device="cuda")
+        tables = []
+        for t in (bt, ibt):  # rows of the case's two sequences in turn; past their rows block 0
+            row = torch.zeros(B, triton.cdiv(L, bs), dtype=torch.int32, device="cuda")
+            n = min(row.shape[1], t.shape[1])
+            row[:, :n] = t[torch.arange(B) % len(lens), :n]
+            tables.append(row)
+        args = (L // R_QSA, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5)
+        out = qsa_ops.qsa_decode_paged(q, pos, iq, kv, tables[0], ikv, tables[1], *args)
+        torch.cuda.synchronize()
+        assert not compiled, f"B={B} L={L} compiled {compiled}"
+        if L <= 9_001 and not vllm_select:  # (the real rows of both sequences; vLLM's select breaks ties its way)
+            want = qsa_ref.qsa_decode_paged(q, pos, iq, kv, tables[0], ikv, tables[1], *args)
+            err = (out.float() - want.float()).norm(dim=(1, 2)) / want.float().norm(dim=(1, 2))
+            assert err.max() < 1e-2, (B, L, err.max().item())
+
+
 # ------------------------------------------------------------------------------------------- cache writes
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF, torch.float32])
@@ -987,9 +1033,8 @@ def test_index_update_decode_matches_reference():
 # the Triton checks without a GPU (``interpreter_qsa_ple.py``): under the CPU interpreter, then compiled for sm_90
 # =====================================================================================================================
 QSA_CHECKS = ("qsa_topk", "qsa_decode", "qsa_score_logits", "qsa_select_attend_halves", "qsa_unpaged",
-              "qsa_prefill", "qsa_prefill_warmup", "qsa_fp8_caches", "qsa_write_paged", "qsa_index_update",
-              "qsa_real_widths",
-              "qsa_registration")
+              "qsa_prefill", "qsa_prefill_warmup", "qsa_decode_warmup", "qsa_fp8_caches", "qsa_write_paged",
+              "qsa_index_update", "qsa_real_widths", "qsa_registration")
 QSA_KERNELS = ("_qsa_score_kernel", "_qsa_score_paged_kernel", "_qsa_score_prefill_kernel", "_qsa_topk_kernel",
                "_qsa_topk_small_kernel", "_qsa_attn_kernel", "_qsa_attn_loop_kernel", "_qsa_merge_kernel",
                "_write_paged_kernel", "_index_update_kernel")

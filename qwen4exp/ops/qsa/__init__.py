@@ -58,8 +58,16 @@ def warm_up_prefill(kv, index_kv, n_heads, index_heads, max_len, r, budget, scal
     return fn(kv, index_kv, n_heads, index_heads, max_len, r, budget, scale, index_scale, dtype=dtype)
 
 
+def warm_up_decode(kv, index_kv, n_heads, index_heads, max_len, max_rows, r, budget, scale, index_scale, dtype):
+    """``warm_up_prefill`` for ``qsa_decode_paged``: every kernel variant for up to ``max_rows`` single queries
+    over up to ``max_len`` tokens (decode rows of mixed steps and MTP verifications run eagerly, outside the CUDA
+    graphs whose capture compiles the pure-decode ones)."""
+    fn = pick("qsa_warm_up_decode", kv.device, lambda *a, **k: [])
+    return fn(kv, index_kv, n_heads, index_heads, max_len, max_rows, r, budget, scale, index_scale, dtype=dtype)
+
+
 __all__ = ["qsa_attention", "qsa_decode_paged", "qsa_select_paged", "qsa_attend_paged", "qsa_prefill_paged",
-           "warm_up_prefill", "paged_rows", "write_paged", "index_update_decode",
+           "warm_up_prefill", "warm_up_decode", "paged_rows", "write_paged", "index_update_decode",
            "qsa_attention_gathered", "qsa_decode_batched", "reused_block_ids", "block_mean", "indexer_scores",
            "num_complete_blocks",
            "select_blocks", "selected_token_indices", "selection_mask", "sparse_attention", "reference"]

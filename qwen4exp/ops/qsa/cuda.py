@@ -196,4 +196,5 @@ KERNELS = {
     "qsa_write_paged": write_paged,
     "qsa_index_update_decode": index_update_decode,
     "qsa_warm_up_prefill": tk.warm_up_prefill,
+    "qsa_warm_up_decode": tk.warm_up_decode,
 }

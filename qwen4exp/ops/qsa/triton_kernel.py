@@ -681,6 +681,72 @@ def paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks: int,
     return (keys, vis) if logits else keys
 
 
+def decode_variants(B: int, n_blocks: int, m: int, r: int, Hkv: int) -> set:
+    """The kernel variants ``qsa_decode_paged_triton`` launches for B single queries over up to n_blocks blocks
+    (``prefill_variants``' keys; the select as ``host.decode_select`` picks it: vLLM's, compiled ahead, or ours)."""
+    out = set()
+    select = host.decode_select(B, n_blocks, m)
+    if select != "dense":
+        out.add(("score_paged", select == "vllm"))
+    if select == "triton":
+        plan = topk_plan(B, n_blocks, m)
+        if plan[0] == "split":
+            out.update({("topk", "split-chunks"), ("topk", "split", plan[2])})
+        else:
+            out.add(("topk",) + plan)
+    many, *_, n_split = attn_split(B, Hkv, m * r + (r - 1))
+    out.update({("attn", many), ("merge", triton.next_power_of_2(n_split))})
+    return out
+
+
+def decode_warmup_cases(max_rows: int, max_blocks: int, m: int, r: int, Hkv: int) -> list:
+    """(rows, blocks) cases whose ``qsa_decode_paged_triton`` calls together launch every kernel variant that a call
+    of up to ``max_rows`` queries over up to ``max_blocks`` blocks can (``decode_variants``): the decode rows of
+    mixed steps and MTP verifications run eagerly, outside the CUDA graphs that compile the pure-decode ones."""
+    nbs = {min(m, max_blocks), max_blocks, m + 1}
+    p = TOPK_SMALL_MIN // 2
+    while p <= 4 * max(TOPK_SMALL_MAX, TOPK_SPLIT * TOPK_SMALL_MAX // max(m, 1)):
+        nbs.update((p, p + 1))
+        p *= 2
+    nbs.update((TOPK_SPLIT, TOPK_SPLIT + 1, TOPK_SMALL_MAX, TOPK_SMALL_MAX + 1))
+    nbs = sorted(n for n in nbs if 1 <= n <= max_blocks)
+    seen, cases = set(), []
+    # the attention's variants change with the rows alone, the select's with rows and blocks: every row count over
+    # the cheapest block count, then the block counts over the few row counts where the select changes
+    # (past ATTN_PROGRAMS rows the split no longer changes: each (query, KV head) is one program)
+    rows_b = sorted({*range(1, min(max_rows, ATTN_PROGRAMS) + 1), max_rows})
+    for cand in [(b, nbs[0]) for b in rows_b] + sorted(((b, n) for b in sorted({1, 64, 65, TOPK_SPLIT_MAX_ROWS,
+                                                                                 TOPK_SPLIT_MAX_ROWS + 1, max_rows})
+                                                         if b <= max_rows for n in nbs), key=lambda c: c[0] * c[1]):
+        v = decode_variants(*cand, m, r, Hkv)
+        if not v <= seen:
+            seen |= v
+            cases.append(cand)
+    return cases
+
+
+def warm_up_decode(kv, index_kv, n_heads: int, index_heads: int, max_len: int, max_rows: int, r: int, budget: int,
+                   scale: float, index_scale: float, dtype=torch.bfloat16) -> list:
+    """``warm_up_prefill`` for ``qsa_decode_paged_triton``: every variant for up to ``max_rows`` single queries
+    (``decode_warmup_cases``) on these caches, reading block 0 only. Returns the cases run."""
+    HD, Hkv, bs = kv.shape[-1] // 2, kv.shape[1], kv.shape[2]
+    DI = index_kv.shape[-1] // 2
+    m = budget // r
+    cases = decode_warmup_cases(max(1, max_rows), max(1, max_len // r), m, r, Hkv)
+    dev = kv.device
+    g = torch.Generator(device=dev).manual_seed(1)
+    for i, (B, n_blocks) in enumerate(cases):
+        seq_len = n_blocks * r + (r - 1)
+        q = torch.randn(B, n_heads, HD, generator=g, device=dev).to(dtype)
+        iq = torch.randn(B, index_heads, DI, generator=g, device=dev).to(dtype)
+        pos = torch.full((B,), seq_len - 1, dtype=torch.long, device=dev)
+        bt = torch.zeros(B, triton.cdiv(seq_len, bs), dtype=torch.int32, device=dev)
+        if i == 0 and not host.paged_covers(q, pos, iq, kv, bt, index_kv, bt, r, budget):
+            return []  # decodes of these caches run the torch reference: nothing to compile
+        qsa_decode_paged_triton(q, pos, iq, kv, bt, index_kv, bt, n_blocks, r, budget, scale, index_scale)
+    return cases
+
+
 def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks: int, r: int,
                             budget: int, scale: float, index_scale: float):
     """One query per sequence, caches read through the block tables (``qwen4exp.ops.qsa.reference.
