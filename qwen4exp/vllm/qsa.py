@@ -278,15 +278,20 @@ class QSAMixer(QSAAttention):
 
         from . import _logger
         t0 = time.perf_counter()
-        cases = warm_up_prefill(kv, ikv, self.n_heads, self.indexer.n_heads, self._max_len, self.r, self.budget,
-                                self.scale, self.index_scale, q.dtype)
-        cases += warm_up_decode(kv, ikv, self.n_heads, self.indexer.n_heads, self._max_len, self._max_rows, self.r,
-                                self.budget, self.scale, self.index_scale, q.dtype)
-        # the block keys a prefill step completes (its index-key norm kernel), as ``_completed_block_keys`` builds them
-        cb, sb = self.rotary[0](torch.arange(0, 16 * self.r, self.r, device=q.device), q.dtype)
-        self.block_keys(block_mean(torch.zeros(16 * self.r, ikv.shape[-1] // 2, dtype=q.dtype, device=q.device),
-                                   self.r), cb, sb)
-        torch.cuda.synchronize(q.device)
+        try:
+            cases = warm_up_prefill(kv, ikv, self.n_heads, self.indexer.n_heads, self._max_len, self.r, self.budget,
+                                    self.scale, self.index_scale, q.dtype)
+            cases += warm_up_decode(kv, ikv, self.n_heads, self.indexer.n_heads, self._max_len, self._max_rows,
+                                    self.r, self.budget, self.scale, self.index_scale, q.dtype)
+            # the block keys a prefill step completes (its index-key norm kernel), as ``_completed_block_keys``
+            cb, sb = self.rotary[0](torch.arange(0, 16 * self.r, self.r, device=q.device), q.dtype)
+            self.block_keys(block_mean(torch.zeros(16 * self.r, ikv.shape[-1] // 2, dtype=q.dtype, device=q.device),
+                                       self.r), cb, sb)
+            torch.cuda.synchronize(q.device)
+        except Exception as e:  # (e.g. out of memory): the kernels then compile on first use, as without it
+            _logger().warning("qwen4exp QSA: the kernel warm-up stopped (%s: %s); kernels compile on first use",
+                              type(e).__name__, e)
+            return
         _logger().info("qwen4exp QSA: prefill and eager decode kernels warmed up for up to %d tokens (%d cases) in "
                        "%.1f s", self._max_len, len(cases), time.perf_counter() - t0)
 
