@@ -78,8 +78,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "programmatic dependent launch) or cublas (the many-token path: cuBLAS projections around the norm, "
            "activation and gated-mean kernels, as upstream's)", ("fused", "cublas")),
     Switch("QWEN4EXP_QSA_WARMUP", "bool", True,
-           "vLLM plugin on GPUs: compile every QSA prefill kernel variant at start-up (after the KV caches are "
-           "allocated), so a server's first long prompts do not wait on Triton compiles; 0: compile on first use"),
+           "vLLM plugin on GPUs: compile every QSA kernel variant of prefills and eager decode rows at start-up "
+           "(after the KV caches are allocated), so no request waits on a Triton compile; 0: compile on first use"),
     Switch("QWEN4EXP_SESSION_TTL", "float", 10.0,
            "AgentScheduler (--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler): seconds a session's finished "
            "turn keeps its KV blocks pinned for the next turn (0: no pins; agent traces: ~86% of next turns within "
