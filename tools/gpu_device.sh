@@ -119,8 +119,13 @@ suite() {
             ops)  suite_part ops "${lane_gpu[l]}" $left tests/ops ;;
             gpu)  suite_part gpu "${lane_gpu[l]}" $left tests/gpu --ignore=tests/gpu/test_vllm_nvfp4_gpu.py ;;
             nvfp4) suite_part nvfp4 "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py ;;
+            # nvfp4 in two lanes (SUITE_SHARE=1 on one GPU: ~half its wall time): the FN-4 model's two tests (one
+            # build and HF reference), then the tiny-coder and the anchor config
+            nvfp4a) suite_part nvfp4a "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py -k "fn_shaped" ;;
+            nvfp4b) suite_part nvfp4b "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py -k "not fn_shaped" ;;
             rest) suite_part rest "${lane_gpu[l]}" $left tests --ignore=tests/ops --ignore=tests/gpu ;;
-            *)    echo "rc=2 (unknown part $p: want ops, gpu, nvfp4 or rest)" > "$OUT/suite-$p.log" ;;
+            *)    echo "rc=2 (unknown part $p: want ops, gpu, nvfp4 (or nvfp4a and nvfp4b) or rest)" \
+                    > "$OUT/suite-$p.log" ;;
           esac
         done ) &
     done
