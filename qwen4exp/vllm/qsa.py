@@ -264,11 +264,10 @@ class QSAMixer(QSAAttention):
         widths; the first MTP verifications and mixed steps as contexts grow)."""
         if not (q.is_cuda and envs.QWEN4EXP_QSA_WARMUP) or torch.cuda.is_current_stream_capturing():
             return
-        kv = self.attn.kv_cache
-        kv = kv[get_forward_context().virtual_engine] if isinstance(kv, (list, tuple)) else kv
-        if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.numel() == 0:
+        kv = _kv_cache(self.attn)
+        if kv.dim() != 4 or kv.numel() == 0:
             return  # the profiling run, before the caches exist
-        kv, ikv = _kv_cache(self.attn), _kv_cache(self.index_cache)
+        ikv = _kv_cache(self.index_cache)
         key = (str(kv.device), kv.dtype, q.dtype, tuple(kv.shape[1:]), kv.stride(), tuple(ikv.shape[1:]),
                ikv.stride(), self.n_heads, self.indexer.n_heads, self.r, self.budget, self._max_len, self._max_rows)
         if key in _WARMED:

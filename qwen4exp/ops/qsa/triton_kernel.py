@@ -681,21 +681,59 @@ def paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks: int,
     return (keys, vis) if logits else keys
 
 
+def _topk_variants(plan: tuple) -> set:
+    """``topk_plan``'s launches as variant keys (the split's chunk count is a runtime size, not a variant)."""
+    if plan[0] == "split":
+        return {("topk", "split-chunks"), ("topk", "split", plan[2])}
+    return {("topk",) + plan}
+
+
+def _split_attn_variants(Tq: int, Hkv: int, n_slots: int) -> set:
+    """The split attention's two launches (``attn_split``) as variant keys."""
+    many, *_, n_split = attn_split(Tq, Hkv, n_slots)
+    return {("attn", many), ("merge", triton.next_power_of_2(n_split))}
+
+
+def _warmup_block_counts(max_blocks: int, m: int) -> list:
+    """Block counts up to ``max_blocks`` on both sides of every point where a select's launch changes: the dense
+    regime's end (m), the powers of two that set the in-register select's width, the split and radix thresholds."""
+    nbs = {min(m, max_blocks), max_blocks, m + 1, TOPK_SPLIT, TOPK_SPLIT + 1, TOPK_SMALL_MAX, TOPK_SMALL_MAX + 1}
+    p = TOPK_SMALL_MIN // 2
+    while p <= 4 * max(TOPK_SMALL_MAX, TOPK_SPLIT * TOPK_SMALL_MAX // max(m, 1)):
+        nbs.update((p, p + 1))
+        p *= 2
+    return sorted(n for n in nbs if 1 <= n <= max_blocks)
+
+
+def _cover(cands: list, variants) -> list:
+    """The candidates, in order, that each launch a variant (``variants(*cand)``) none before them did."""
+    seen, cases = set(), []
+    for c in cands:
+        v = variants(*c)
+        if not v <= seen:
+            seen |= v
+            cases.append(c)
+    return cases
+
+
+def _warmup_queries(kv, index_kv, n_heads: int, index_heads: int, dtype, seed: int):
+    """n -> (queries [n, n_heads, head dim], indexer queries [n, index_heads, its dim]) for a warm-up on these
+    caches: random, in ``dtype``, from one generator."""
+    HD, DI, dev = kv.shape[-1] // 2, index_kv.shape[-1] // 2, kv.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return lambda n: (torch.randn(n, n_heads, HD, generator=g, device=dev).to(dtype),
+                      torch.randn(n, index_heads, DI, generator=g, device=dev).to(dtype))
+
+
 def decode_variants(B: int, n_blocks: int, m: int, r: int, Hkv: int) -> set:
     """The kernel variants ``qsa_decode_paged_triton`` launches for B single queries over up to n_blocks blocks
     (``prefill_variants``' keys; the select as ``host.decode_select`` picks it: vLLM's, compiled ahead, or ours)."""
-    out = set()
+    out = _split_attn_variants(B, Hkv, m * r + (r - 1))
     select = host.decode_select(B, n_blocks, m)
     if select != "dense":
         out.add(("score_paged", select == "vllm"))
     if select == "triton":
-        plan = topk_plan(B, n_blocks, m)
-        if plan[0] == "split":
-            out.update({("topk", "split-chunks"), ("topk", "split", plan[2])})
-        else:
-            out.add(("topk",) + plan)
-    many, *_, n_split = attn_split(B, Hkv, m * r + (r - 1))
-    out.update({("attn", many), ("merge", triton.next_power_of_2(n_split))})
+        out |= _topk_variants(topk_plan(B, n_blocks, m))
     return out
 
 
@@ -703,42 +741,28 @@ def decode_warmup_cases(max_rows: int, max_blocks: int, m: int, r: int, Hkv: int
     """(rows, blocks) cases whose ``qsa_decode_paged_triton`` calls together launch every kernel variant that a call
     of up to ``max_rows`` queries over up to ``max_blocks`` blocks can (``decode_variants``): the decode rows of
     mixed steps and MTP verifications run eagerly, outside the CUDA graphs that compile the pure-decode ones."""
-    nbs = {min(m, max_blocks), max_blocks, m + 1}
-    p = TOPK_SMALL_MIN // 2
-    while p <= 4 * max(TOPK_SMALL_MAX, TOPK_SPLIT * TOPK_SMALL_MAX // max(m, 1)):
-        nbs.update((p, p + 1))
-        p *= 2
-    nbs.update((TOPK_SPLIT, TOPK_SPLIT + 1, TOPK_SMALL_MAX, TOPK_SMALL_MAX + 1))
-    nbs = sorted(n for n in nbs if 1 <= n <= max_blocks)
-    seen, cases = set(), []
+    nbs = _warmup_block_counts(max_blocks, m)
     # the attention's variants change with the rows alone, the select's with rows and blocks: every row count over
     # the cheapest block count, then the block counts over the few row counts where the select changes
     # (past ATTN_PROGRAMS rows the split no longer changes: each (query, KV head) is one program)
     rows_b = sorted({*range(1, min(max_rows, ATTN_PROGRAMS) + 1), max_rows})
-    for cand in [(b, nbs[0]) for b in rows_b] + sorted(((b, n) for b in sorted({1, 64, 65, TOPK_SPLIT_MAX_ROWS,
-                                                                                 TOPK_SPLIT_MAX_ROWS + 1, max_rows})
-                                                         if b <= max_rows for n in nbs), key=lambda c: c[0] * c[1]):
-        v = decode_variants(*cand, m, r, Hkv)
-        if not v <= seen:
-            seen |= v
-            cases.append(cand)
-    return cases
+    select_rows = sorted(b for b in {1, 64, 65, TOPK_SPLIT_MAX_ROWS, TOPK_SPLIT_MAX_ROWS + 1, max_rows}
+                         if b <= max_rows)
+    cands = [(b, nbs[0]) for b in rows_b] + sorted(((b, n) for b in select_rows for n in nbs),
+                                                   key=lambda c: c[0] * c[1])
+    return _cover(cands, lambda b, n: decode_variants(b, n, m, r, Hkv))
 
 
 def warm_up_decode(kv, index_kv, n_heads: int, index_heads: int, max_len: int, max_rows: int, r: int, budget: int,
                    scale: float, index_scale: float, dtype=torch.bfloat16) -> list:
     """``warm_up_prefill`` for ``qsa_decode_paged_triton``: every variant for up to ``max_rows`` single queries
     (``decode_warmup_cases``) on these caches, reading block 0 only. Returns the cases run."""
-    HD, Hkv, bs = kv.shape[-1] // 2, kv.shape[1], kv.shape[2]
-    DI = index_kv.shape[-1] // 2
-    m = budget // r
-    cases = decode_warmup_cases(max(1, max_rows), max(1, max_len // r), m, r, Hkv)
-    dev = kv.device
-    g = torch.Generator(device=dev).manual_seed(1)
+    bs, dev = kv.shape[2], kv.device
+    cases = decode_warmup_cases(max(1, max_rows), max(1, max_len // r), budget // r, r, kv.shape[1])
+    queries = _warmup_queries(kv, index_kv, n_heads, index_heads, dtype, seed=1)
     for i, (B, n_blocks) in enumerate(cases):
         seq_len = n_blocks * r + (r - 1)
-        q = torch.randn(B, n_heads, HD, generator=g, device=dev).to(dtype)
-        iq = torch.randn(B, index_heads, DI, generator=g, device=dev).to(dtype)
+        q, iq = queries(B)
         pos = torch.full((B,), seq_len - 1, dtype=torch.long, device=dev)
         bt = torch.zeros(B, triton.cdiv(seq_len, bs), dtype=torch.int32, device=dev)
         if i == 0 and not host.paged_covers(q, pos, iq, kv, bt, index_kv, bt, r, budget):
@@ -810,18 +834,8 @@ def prefill_variants(Tq: int, n_blocks: int, m: int, r: int, Hkv: int) -> set:
     for c0 in range(0, Tq, step):
         t = min(step, Tq - c0)
         if indexed:
-            out.add(("score_prefill",))
-            plan = topk_plan(t, n_blocks, m)
-            if plan[0] == "split":  # (the chunk count is a runtime size)
-                out.update({("topk", "split-chunks"), ("topk", "split", plan[2])})
-            else:
-                out.add(("topk",) + plan)
-        if t >= LOOP_MIN_QUERIES:
-            out.add(("attn_loop",))
-        else:
-            many, *_, n_split = attn_split(t, Hkv, n_slots)
-            out.add(("attn", many))
-            out.add(("merge", triton.next_power_of_2(n_split)))
+            out |= {("score_prefill",)} | _topk_variants(topk_plan(t, n_blocks, m))
+        out |= {("attn_loop",)} if t >= LOOP_MIN_QUERIES else _split_attn_variants(t, Hkv, n_slots)
     return out
 
 
@@ -829,22 +843,10 @@ def prefill_warmup_cases(max_blocks: int, m: int, r: int, Hkv: int) -> list:
     """(queries, blocks) cases whose ``qsa_prefill_paged_triton`` calls together launch every kernel variant that a
     call over at most ``max_blocks`` blocks can launch (``prefill_variants``; any number of queries: a call's last
     chunk may hold a single one); cheapest first, each adding a variant the ones before did not."""
-    nbs = {min(m, max_blocks), max_blocks}
-    p = TOPK_SMALL_MIN // 2
-    while p <= 4 * max(TOPK_SMALL_MAX, TOPK_SPLIT * TOPK_SMALL_MAX // max(m, 1)):
-        nbs.update((p, p + 1))
-        p *= 2
-    nbs.update((m + 1, TOPK_SPLIT, TOPK_SPLIT + 1, TOPK_SMALL_MAX, TOPK_SMALL_MAX + 1))
-    nbs = sorted(n for n in nbs if 1 <= n <= max_blocks)
+    nbs = _warmup_block_counts(max_blocks, m)
     tqs = sorted({*range(1, LOOP_MIN_QUERIES + 1), TOPK_SPLIT_MAX_ROWS + 1})
     cands = sorted(((t, n) for t in tqs for n in nbs), key=lambda c: (c[0] * c[1], c))
-    seen, cases = set(), []
-    for t, n in cands:
-        v = prefill_variants(t, n, m, r, Hkv)
-        if not v <= seen:
-            seen |= v
-            cases.append((t, n))
-    return cases
+    return _cover(cands, lambda t, n: prefill_variants(t, n, m, r, Hkv))
 
 
 def warm_up_prefill(kv, index_kv, n_heads: int, index_heads: int, max_len: int, r: int, budget: int, scale: float,
@@ -853,16 +855,12 @@ def warm_up_prefill(kv, index_kv, n_heads: int, index_heads: int, max_len: int, 
     ``max_len`` tokens) before serving, so no prefill stalls on a Triton compile. It only reads the caches (block
     0 for every block: vLLM's null block) and its outputs are discarded. ``dtype``: the queries' (the model's).
     Returns the cases run."""
-    HD, Hkv, bs = kv.shape[-1] // 2, kv.shape[1], kv.shape[2]
-    DI = index_kv.shape[-1] // 2
-    m = budget // r
-    cases = prefill_warmup_cases(max(1, max_len // r), m, r, Hkv)
-    dev = kv.device
-    g = torch.Generator(device=dev).manual_seed(0)
+    bs, dev = kv.shape[2], kv.device
+    cases = prefill_warmup_cases(max(1, max_len // r), budget // r, r, kv.shape[1])
+    queries = _warmup_queries(kv, index_kv, n_heads, index_heads, dtype, seed=0)
     for i, (Tq, n_blocks) in enumerate(cases):
         seq_len = n_blocks * r + (r - 1)  # the open tail too
-        q = torch.randn(Tq, n_heads, HD, generator=g, device=dev).to(dtype)
-        iq = torch.randn(Tq, index_heads, DI, generator=g, device=dev).to(dtype)
+        q, iq = queries(Tq)
         pos = torch.arange(seq_len - Tq, seq_len, device=dev)
         row = torch.zeros(triton.cdiv(seq_len, bs), dtype=torch.int32, device=dev)
         if i == 0 and not host.prefill_paged_covers(q, pos, iq, kv, row, index_kv, r, budget):
