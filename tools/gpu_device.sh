@@ -8,7 +8,9 @@
 #                                                   # (SUITE_PARTS, default ops,gpu,nvfp4,rest: tests/ops = the
 #                                                   # kernel tests, gpu = the plugin's GPU check in tests/gpu,
 #                                                   # nvfp4 = tests/gpu/test_vllm_nvfp4_gpu.py, rest = the MTP and
-#                                                   # server prefix-cache runs on CUDA and any other gpu test)
+#                                                   # server prefix-cache runs on CUDA and any other gpu test; parts
+#                                                   # mtp and serve take the MTP tests and the server/scheduler
+#                                                   # tests out of rest into lanes of their own)
 #                                                   # spread over the GPUs (SUITE_GPUS, default all visible; PART:N
 #                                                   # puts PART on the N-th; shards on one GPU run one after the
 #                                                   # other; SUITE_SHARE=1: all parts at once, sharing the GPUs,
@@ -100,7 +102,10 @@ suite() {
     IFS=, read -ra gpus <<< "${SUITE_GPUS:-$(python -c "import torch; print(','.join(map(str, range(max(1, torch.cuda.device_count())))))")}"
     # part i on GPU i mod #GPUs (PART:N: on the N-th of them); parts of one GPU one after the other, or with
     # SUITE_SHARE=1 all at once (each test engine then takes a small share of the GPU: tools/vllm_offline.py)
-    local lane_gpu=()
+    local lane_gpu=() rest_ignore=()
+    [[ ",${parts[*]}," =~ [,\ ]mtp[,:\ ] ]] && rest_ignore+=(--ignore=tests/test_vllm_mtp.py)
+    [[ ",${parts[*]}," =~ [,\ ]serve[,:\ ] ]] && rest_ignore+=(--ignore=tests/test_vllm_server_prefix_cache.py \
+      --ignore=tests/test_vllm_scheduler.py)
     # sharing: each engine run of the NVFP4 check gets more than its 200 s alone (run 20: its HF reference took 169 s)
     [ "${SUITE_SHARE:-0}" = 1 ] && export QWEN4EXP_TEST_GPU_SHARE=1 QWEN4EXP_CHECK_TIMEOUT=${QWEN4EXP_CHECK_TIMEOUT:-400}
     for i in "${!parts[@]}"; do
@@ -123,8 +128,13 @@ suite() {
             # build and HF reference), then the tiny-coder and the anchor config
             nvfp4a) suite_part nvfp4a "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py -k "fn_shaped" ;;
             nvfp4b) suite_part nvfp4b "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py -k "not fn_shaped" ;;
-            rest) suite_part rest "${lane_gpu[l]}" $left tests --ignore=tests/ops --ignore=tests/gpu ;;
-            *)    echo "rc=2 (unknown part $p: want ops, gpu, nvfp4 (or nvfp4a and nvfp4b) or rest)" \
+            # the CPU-and-CUDA engine tests in up to three lanes: mtp and serve take their files out of rest
+            mtp)  suite_part mtp "${lane_gpu[l]}" $left tests/test_vllm_mtp.py ;;
+            serve) suite_part serve "${lane_gpu[l]}" $left tests/test_vllm_server_prefix_cache.py \
+                     tests/test_vllm_scheduler.py ;;
+            rest) suite_part rest "${lane_gpu[l]}" $left tests --ignore=tests/ops --ignore=tests/gpu \
+                    "${rest_ignore[@]}" ;;
+            *)    echo "rc=2 (unknown part $p: want ops, gpu, nvfp4 (or nvfp4a and nvfp4b), mtp, serve or rest)" \
                     > "$OUT/suite-$p.log" ;;
           esac
         done ) &
