@@ -47,6 +47,28 @@ def kv_bytes_per_token(server_log: str) -> float | None:
     return float(mem[-1]) * 2**30 / int(tok[-1].replace(",", ""))
 
 
+def gpu_name() -> str:
+    """The first CUDA device's name for the tables ('NVIDIA H200' -> 'H200'); 'GPU' when torch has none."""
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0).replace("NVIDIA ", "") if torch.cuda.is_available() else "GPU"
+    except Exception:
+        return "GPU"
+
+
+def default_gpu_util() -> float:
+    """0.7 where the card holds FN-12L's ~61 GiB of weights with room to spare (H200); 0.88 on an 80-GB card."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory < 100 * 2**30:
+            return 0.88
+    except Exception:
+        pass
+    return 0.7
+
+
 def run_ab(args, phase: str, model: str, model_len: int, extra_serve: str, extra_body: dict | None) -> int:
     out = os.path.join(args.out, phase)
     common = (f"{model} --load-format dummy --dtype bfloat16 --max-model-len {model_len} --max-num-seqs 32 "
@@ -61,7 +83,7 @@ def run_ab(args, phase: str, model: str, model_len: int, extra_serve: str, extra
            "--first-turn-tokens", str(args.first_turn_tokens), "--turn-tokens", str(args.turn_tokens),
            "--turns", str(args.turns), "--max-output-tokens", str(args.max_output_tokens),
            "--concurrency", str(args.concurrency), "--conversations", str(args.conversations), "--warmup", "1",
-           "--think-time", args.think_time, "--seed", "42", "--num-gpus", "1", "--hardware", "1x H200",
+           "--think-time", args.think_time, "--seed", "42", "--num-gpus", "1", "--hardware", f"1x {gpu_name()}",
            "--request-timeout", "300", "--ab-start-timeout", str(args.start_timeout), "--no-progress",
            "--out", out]
     if extra_body:
@@ -130,7 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--think-time", default="lognormal:0.5,1,3")
-    ap.add_argument("--gpu-util", type=float, default=0.7)
+    ap.add_argument("--gpu-util", type=float, help="vLLM's --gpu-memory-utilization (default 0.7; 0.88 on a card "
+                    "under 100 GiB, where FN-12L's weights leave little KV room at 0.7)")
     ap.add_argument("--pressure-factor", type=float, default=1.5,
                     help="KV room under pressure, in units of what --concurrency active conversations need")
     ap.add_argument("--no-pressure", action="store_true")
@@ -141,6 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--phase-timeout", type=float, default=900.0)
     args = ap.parse_args(argv)
+    args.gpu_util = args.gpu_util or default_gpu_util()
     os.makedirs(args.out, exist_ok=True)
     turns = int(str(args.turns).split("-")[-1])
     longest = args.first_turn_tokens + (turns - 1) * (args.turn_tokens + args.max_output_tokens) \

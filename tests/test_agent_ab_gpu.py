@@ -64,3 +64,17 @@ def test_pressure_needs_the_free_log(ab, tmp_path, monkeypatch, capsys):
     assert ab.main(["--out", str(tmp_path), "--first-turn-tokens", "2000"]) == 1
     assert "pressure phase skipped" in capsys.readouterr().out
     assert ab.main(["--out", str(tmp_path), "--first-turn-tokens", "2000", "--no-pressure"]) == 0
+
+
+def test_gpu_util_default_follows_the_card(ab, monkeypatch):
+    import torch
+
+    class Props:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H100 80GB HBM3")
+    assert ab.default_gpu_util() == 0.88 and ab.gpu_name() == "H100 80GB HBM3"
+    Props.total_memory = 141 * 2**30
+    assert ab.default_gpu_util() == 0.7
