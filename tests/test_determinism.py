@@ -11,10 +11,11 @@ ulps of each other (ulp at the larger logit's magnitude) and be the same two tok
 printed.
 """
 
-import math
 import os
 
 import pytest
+
+from near_tie import first_flip
 
 pytestmark = pytest.mark.vllm
 
@@ -88,26 +89,6 @@ def runs(tmp_path_factory):
     return dict(index=index, **out)
 
 
-def _ulp_bf16(x: float) -> float:
-    """Spacing of bf16 numbers (8 significant bits) at magnitude |x|."""
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
-
-
-def _top2(step: dict) -> list[tuple[int, float]]:
-    return sorted(step.items(), key=lambda kv: -kv[1])[:2]
-
-
-def _flip(alone_tokens, alone_lps, other_tokens, other_lps):
-    """None where the runs agree; else (step, gap alone, gap other, ulp, same pair) at the first difference."""
-    for j, (a, b) in enumerate(zip(alone_tokens, other_tokens)):
-        if a != b:
-            ta, tb = _top2(alone_lps[j]), _top2(other_lps[j])
-            ulp = _ulp_bf16(max(abs(ta[0][1]), abs(tb[0][1])))
-            same = {ta[0][0], ta[1][0]} == {tb[0][0], tb[1][0]} == {a, b}
-            return j, ta[0][1] - ta[1][1], tb[0][1] - tb[1][1], ulp, same
-    return None
-
-
 def _check(run, index, exact: bool):
     toks, lps = run["tokens"], run["logprobs"]
     flips, compared = [], 0
@@ -118,7 +99,7 @@ def _check(run, index, exact: bool):
             assert all(toks[i] == toks[idx[kind][0]] for i in idx[kind]), (t, kind)
         for kind in ("A", "B"):
             compared += 1
-            f = _flip(toks[alone], lps[alone], toks[idx[kind][0]], lps[idx[kind][0]])
+            f = first_flip(toks[alone], lps[alone], toks[idx[kind][0]], lps[idx[kind][0]])
             if f is not None:
                 flips.append((t, kind, *f))
     if exact:
@@ -141,14 +122,3 @@ def test_bf16_repeats_identical_and_batch_flips_are_near_ties(runs):
         assert same, f"target {t} batch {kind} step {step}: the runs' top-2 tokens differ"
         assert gap_a <= TIE_ULPS * ulp and gap_o <= TIE_ULPS * ulp, (
             f"target {t} batch {kind} step {step}: a flip without a near-tie (gaps {gap_a}, {gap_o}, ulp {ulp})")
-
-
-def test_flip_rule():
-    """The near-tie rule on hand-made runs: agreeing runs give None; a flip reports the first differing step, both
-    runs' top-2 gaps and the bf16 ulp at the top logit, and whether the two tokens are the runs' top two."""
-    assert _flip([1, 2], [{1: 5.0, 3: 1.0}, {2: 5.0, 4: 1.0}], [1, 2], [{1: 5.0, 3: 1.0}, {2: 5.0, 4: 1.0}]) is None
-    step, ga, go, ulp, same = _flip([1, 2, 9], [{1: 5.0}, {2: 10.0, 4: 9.9375}, {9: 1.0}],
-                                    [1, 4, 7], [{1: 5.0}, {4: 10.0, 2: 9.9375}, {7: 1.0}])
-    assert (step, ga, go, ulp, same) == (1, 0.0625, 0.0625, 0.0625, True)  # bf16 spacing in [8, 16): 2**-4
-    assert _flip([2], [{2: 10.0, 5: 9.9}], [4], [{4: 10.0, 5: 9.0}])[4] is False  # token 2 not in the other's top 2
-    assert _ulp_bf16(1.0) == 2.0 ** -7 and _ulp_bf16(-3.0) == 2.0 ** -6

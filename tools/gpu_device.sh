@@ -15,7 +15,8 @@
 #                                                   # puts PART on the N-th; shards on one GPU run one after the
 #                                                   # other; SUITE_SHARE=1: all parts at once, sharing the GPUs,
 #                                                   # every test engine with a small share of its GPU and a fixed
-#                                                   # KV cache), all within SUITE_TIMEOUT s (default 570);
+#                                                   # KV cache; SUITE_THREADS: torch threads a lane), all
+#                                                   # within SUITE_TIMEOUT s (default 570);
 #                                                   # logs $OUT/suite-PART.log + .xml, one summary line at the end.
 #                                                   # With PYTEST ARGS: one run of pytest -m gpu ARGS instead
 #                                                   # (e.g. tests/test_vllm_mtp.py -k "greedy or share")
@@ -116,6 +117,9 @@ suite() {
       lane_gpu[l]=${gpus[g]}
       parts[i]=$p
     done
+    # SUITE_THREADS: torch threads a lane (default: torch's, one a core: a lane left alone at the end, e.g. nvfp4a's
+    # CPU reference, then gets every core)
+    [ -n "${SUITE_THREADS:-}" ] && export OMP_NUM_THREADS=$SUITE_THREADS
     for l in "${!lanes[@]}"; do
       ( for p in ${lanes[l]}; do
           left=$(( deadline - $(date +%s) ))

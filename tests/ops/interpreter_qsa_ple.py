@@ -25,6 +25,29 @@ def settings(module, **values):
             setattr(module, k, v)
 
 
+@contextlib.contextmanager
+def launch_signatures():
+    """The launches inside the block as what each compiled variant depends on (``interpreter._describe``: the
+    kernel, every argument's type, i32 or i64 for integers, the constexprs, the launch options): a warm-up covers
+    later calls when their launches are a subset of its own."""
+    import json
+
+    from interpreter import _describe
+    from triton.runtime.interpreter import InterpretedFunction
+    seen, orig = set(), InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        if self.fn.__module__.startswith("qwen4exp."):
+            seen.add(json.dumps(_describe(self.fn, args, kwargs), sort_keys=True))
+        return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording
+    try:
+        yield seen
+    finally:
+        InterpretedFunction.run = orig
+
+
 # ------------------------------------------------------------------------------------------------------------ QSA
 @check("qsa_topk")
 def check_qsa_topk():
@@ -200,13 +223,22 @@ def check_qsa_prefill_warmup():
     assert {("topk", "radix"), ("attn_loop",)} <= have and any(v[:2] == ("topk", "split") for v in have)
     small = dict(LOOP_MIN_QUERIES=6, TOPK_SMALL_MIN=16, TOPK_SMALL_MAX=64, TOPK_SPLIT=32, TOPK_SPLIT_MAX_ROWS=3,
                  ATTN_MANY_QUERIES=3)
-    _, (kv, _, ikv, _) = _paged([150], 900, True)
+    seqs, (kv, bt, ikv, _) = _paged([150], 900, True)
     with settings(tk, **small):
         cases, have = covered(120, 8, 2, 1500)
         assert {("topk", "radix"), ("topk", "split-chunks"), ("attn_loop",), ("attn", True), ("attn", False)} <= have
         tk.LAUNCHED.clear()
-        got = tk.warm_up_prefill(kv, ikv, 6, 4, 4 * 120, 4, 32, 0.3, 0.4)
+        with launch_signatures() as warm:
+            got = tk.warm_up_prefill(kv, ikv, 6, 4, 4 * 120, 4, 32, 0.3, 0.4)
         assert got == cases, (got, cases)
+        # real prefills (indexed and dense, looping and split attention, one-query remainders) launch nothing the
+        # warm-up did not: no argument of another dtype (run 24: dense block ids were int64, the selects' int32)
+        q, iq = seqs[0][0], seqs[0][3]
+        with launch_signatures() as calls:
+            for L, n in ((150, 40), (150, 3), (150, 1), (20, 10), (20, 2), (60, 7), (33, 33)):
+                tk.qsa_prefill_paged_triton(q[L - n:L], torch.arange(L - n, L), iq[L - n:L], kv, bt[0], ikv, L, 4,
+                                            32, 0.3, 0.4)
+        assert warm and calls <= warm, calls - warm
         assert {"qsa_score_prefill", "qsa_topk", "qsa_topk_split", "qsa_attn_loop", "qsa_attn",
                 "qsa_merge"} <= set(tk.LAUNCHED), sorted(tk.LAUNCHED)
         assert tk.warm_up_prefill(kv, ikv, 6, 4, 4 * 120, 4, 32, 0.3, 0.4, dtype=torch.float32) == []
@@ -242,12 +274,22 @@ def check_qsa_decode_warmup():
     finally:
         host.vllm_topk_loaded = loaded
     small = dict(TOPK_SMALL_MIN=16, TOPK_SMALL_MAX=64, TOPK_SPLIT=32, TOPK_SPLIT_MAX_ROWS=3, ATTN_MANY_QUERIES=3)
-    _, (kv, _, ikv, _) = _paged([150], 901, True)
+    seqs, (kv, bt, ikv, _) = _paged([150], 901, True)
     with settings(tk, **small), settings(host, VLLM_TOPK=False):
         cases, have = covered(12, 120, 8, 2, 1500)
         assert {("topk", "radix"), ("topk", "split-chunks"), ("attn", True), ("attn", False)} <= have
         tk.LAUNCHED.clear()
-        assert tk.warm_up_decode(kv, ikv, 6, 4, 4 * 120, 12, 4, 32, 0.3, 0.4) == cases
+        with launch_signatures() as warm:
+            assert tk.warm_up_decode(kv, ikv, 6, 4, 4 * 120, 12, 4, 32, 0.3, 0.4) == cases
+        # real decode rows (every row dense, past the budget, mixed; 1 to 12 rows) launch nothing the warm-up did not
+        q, iq = seqs[0][0], seqs[0][3]
+        with launch_signatures() as calls:
+            for n_blocks, lens in ((5, [4, 9, 20]), (37, [150, 20, 99]), (37, [150]), (37, [150] * 12),
+                                   (8, [33] * 5)):
+                pos = torch.tensor(lens) - 1
+                rows = bt[:1].expand(len(lens), -1)
+                tk.qsa_decode_paged_triton(q[pos], pos, iq[pos], kv, rows, ikv, rows, n_blocks, 4, 32, 0.3, 0.4)
+        assert warm and calls <= warm, calls - warm
         assert {"qsa_score_paged", "qsa_topk", "qsa_topk_split", "qsa_attn", "qsa_merge"} <= set(tk.LAUNCHED)
         assert tk.warm_up_decode(kv, ikv, 6, 4, 4 * 120, 12, 4, 32, 0.3, 0.4, dtype=torch.float32) == []
 

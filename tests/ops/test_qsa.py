@@ -552,7 +552,7 @@ def test_dispatcher_picks_the_qsa_kernels_on_cuda():
     assert not qsa_ops.KERNELS.errors, qsa_ops.KERNELS.errors
     assert table == cuda.KERNELS and sorted(table) == sorted(
         ["qsa_attention", "qsa_decode_paged", "qsa_select_paged", "qsa_attend_paged", "qsa_prefill_paged",
-         "qsa_write_paged", "qsa_index_update_decode"])
+         "qsa_write_paged", "qsa_index_update_decode", "qsa_warm_up_prefill", "qsa_warm_up_decode"])
     assert qsa_ops.pick("qsa_decode_paged", torch.device("cuda"), qsa_ref.qsa_decode_paged) is cuda.qsa_decode_paged
     assert table["qsa_write_paged"] is cuda.write_paged and table["qsa_index_update_decode"] is cuda.index_update_decode
 

@@ -571,8 +571,10 @@ def vllm_top_ids(logits, q_pos, r: int, m: int, visible=None):
 
 
 def _dense_ids(q_pos, r, m):
+    """Every complete block [Tq, m] (-1 pad), int32 as the selects' ids: the attention kernels then compile one
+    variant for both regimes (a warm-up that ran one regime leaves nothing for the other to compile)."""
     n_complete = torch.div(q_pos + 1, r, rounding_mode="floor")
-    dense = torch.arange(m, device=q_pos.device).unsqueeze(0).expand(q_pos.shape[0], m)
+    dense = torch.arange(m, dtype=torch.int32, device=q_pos.device).unsqueeze(0).expand(q_pos.shape[0], m)
     return torch.where(dense < n_complete.unsqueeze(1), dense, -1)
 
 
@@ -616,7 +618,8 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
     m = sel.shape[1]
     n_slots = m * r + (r - 1)
     dev = q.device
-    sel = sel.contiguous()
+    # block ids as int32 whatever the select gave (sort keys stay int64): one compiled variant for every caller
+    sel = sel.contiguous() if keys else sel.to(torch.int32).contiguous()
     if block_table is None:
         paged = (sel, 0, 1, 0, 0)  # unused
         strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
@@ -782,9 +785,9 @@ def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_
 
 def qsa_select_paged_triton(q_pos, index_q, index_kv, index_block_table, n_blocks: int, r: int, budget: int,
                             index_scale: float):
-    """The selection of ``qsa_decode_paged_triton``: block ids [B, m] (-1 pad; int32 from the selects, int64 when
-    every row is dense): scores of every paged block key, then top-m (``host.decode_select``: vLLM's select or
-    ``top_ids``); dense ids when no row can be past the budget."""
+    """The selection of ``qsa_decode_paged_triton``: block ids [B, m] (-1 pad, int32): scores of every paged block
+    key, then top-m (``host.decode_select``: vLLM's select or ``top_ids``); dense ids when no row can be past the
+    budget."""
     m = budget // r
     select = host.decode_select(q_pos.shape[0], n_blocks, m)
     if select == "dense":
