@@ -49,6 +49,9 @@
 #                                                   # N-th command's OUT is /tmp/$QUEUE/out/N (QUEUE default queue),
 #                                                   # /tmp/$QUEUE/done when all ended
 #   bash tools/gpu_device.sh queueresult          # the queue's progress; its results copied to OUT (PACK=1: one .tgz)
+#   bash tools/gpu_device.sh queuewait [SECS]     # wait (holding the call, so the machine stays lent) until the queue
+#                                                   # ends or SECS (default 540) pass; its log, one line a suite part,
+#                                                   # and all it wrote as OUT/results.tgz
 #   bash tools/gpu_device.sh tp2 [models]         # tools/vllm_tp_check.py: tensor_parallel_size 2 vs 1, greedy
 #                                                   # tokens + teacher-forced top-1 + what is sharded (default coder,fn4;
 #                                                   # 2 GPUs); NVLink multicast kept off
@@ -244,6 +247,18 @@ case "${1:-}" in
     mkdir -p "$OUT/${QUEUE:-queue}"
     (cd "$q/out" 2>/dev/null && find . -type f ! -name '*.safetensors' ! -name '*.pt' -size -20M \
       -exec cp --parents {} "$OUT/${QUEUE:-queue}/" \;) ;;
+  queuewait)
+    # hold the call (the machine goes back ~30 s after the last call ends) until the queue ends or SECS pass, then
+    # its log, a line a suite log, and everything it wrote as ONE archive (a call returns at most 8 files)
+    q=/tmp/${QUEUE:-queue}
+    end=$(( $(date +%s) + ${2:-540} ))
+    while [ ! -f "$q/done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    cat "$q/queue.log" 2>/dev/null; [ -f "$q/done" ] && echo "(all ended)"
+    for f in "$q"/out/*/suite-*.log; do
+      [ -f "$f" ] && echo "${f#$q/out/}: $(grep -c ' PASSED' "$f") passed, $(grep -cE ' (FAILED|ERROR)' "$f") failed; $(tail -1 "$f" | cut -c1-120)"
+    done
+    tar czf "$OUT/results.tgz" -C "$q/out" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
+      --exclude='*/cache/*' . 2>/dev/null; echo "archive: $(du -h "$OUT/results.tgz" | cut -f1)" ;;
   bgresult)
     mkdir -p "$OUT/bg"; cp -r /tmp/bg/. "$OUT/bg/" 2>/dev/null
     for f in kernels bench_ops; do echo "== $f"; tail -25 "/tmp/bg/$f.log" 2>/dev/null; done ;;
