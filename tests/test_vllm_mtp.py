@@ -64,7 +64,8 @@ def runs(setup, tmp_path_factory):
     return out
 
 
-# CPU: eager; on a GPU (``bash tools/gpu_device.sh mtp``) vLLM's default CUDA graphs (PIECEWISE with a draft)
+# CPU: eager; on a GPU (the GPU suite's part `mtp`: `SUITE_PARTS=mtp bash tools/gpu_device.sh suite`) vLLM's
+# default CUDA graphs (PIECEWISE with a draft)
 ENGINE = dict(dtype="float32", enforce_eager=not torch.cuda.is_available(), skip_tokenizer_init=True,
               max_model_len=512, max_num_seqs=8,
               enable_chunked_prefill=True, max_num_batched_tokens=48, disable_log_stats=False)
