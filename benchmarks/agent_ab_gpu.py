@@ -3,6 +3,7 @@ issue 27 (long first turns, +N tokens a turn, tool pauses, one session id per co
 
     python benchmarks/agent_ab_gpu.py --out bench_out/agent-ab                 # no pressure, then under pressure
     python benchmarks/agent_ab_gpu.py --out bench_out/agent-ab --no-pressure   # only the first A/B
+    python benchmarks/agent_ab_gpu.py --out bench_out/agent-ab-mtp --mtp 3     # both servers drafting with MTP
 
 Both A/Bs are ``qwen4exp-bench --ab default='ARGS' agent='ARGS --scheduler-cls ...'`` (the same seeded
 conversations, one server after the other, each server's log under OUT/<phase>/<config>/). The first runs with the
@@ -30,6 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from agentic_gpu import allowed_ids, build_model_dir  # noqa: E402
+from bench_vllm_gpu import mtp_config  # noqa: E402
 
 AGENT = "--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler"
 
@@ -69,11 +71,22 @@ def default_gpu_util() -> float:
     return 0.7
 
 
-def run_ab(args, phase: str, model: str, model_len: int, extra_serve: str, extra_body: dict | None) -> int:
-    out = os.path.join(args.out, phase)
+def serve_args(args, model: str, model_len: int, extra_serve: str) -> str:
+    """The server arguments both configurations share (one shell-quoted string, as ``qwen4exp-bench --ab`` takes
+    them); ``--mtp K``: our MTP head drafting K tokens a step, accepted by vLLM's synthetic rejection sampling at
+    ``--acceptance-length`` (dummy weights never draft right; the A/B is about what a turn finds cached)."""
     common = (f"{model} --load-format dummy --dtype bfloat16 --max-model-len {model_len} --max-num-seqs 32 "
               f"--max-num-batched-tokens 16384 --gpu-memory-utilization {args.gpu_util} --served-model-name model "
-              f"--enable-prompt-tokens-details {extra_serve}").strip()
+              f"--enable-prompt-tokens-details")
+    if args.mtp:
+        spec = mtp_config(args.mtp, args.acceptance_length)
+        common += f" --speculative-config {shlex.quote(json.dumps(spec, separators=(',', ':')))}"
+    return f"{common} {extra_serve}".strip()
+
+
+def run_ab(args, phase: str, model: str, model_len: int, extra_serve: str, extra_body: dict | None) -> int:
+    out = os.path.join(args.out, phase)
+    common = serve_args(args, model, model_len, extra_serve)
     configs = {"default": common, "agent": f"{common} {AGENT}"}
     abs_ = [x for c in args.configs.split(",") for x in ("--ab", f"{c}={configs[c]}")]
     if len(abs_) == 2:  # one configuration: --ab wants two or more, so a plain run against its own server
@@ -161,10 +174,21 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="default,agent", help="comma list of default, agent (one: a plain run)")
     ap.add_argument("--bytes-per-token", type=float, help="KV bytes a token for the pressure phase (default: read "
                     "from the free phase's default server log)")
+    ap.add_argument("--mtp", type=int, default=0, help="MTP drafts a step for both servers (0: off; AgentScheduler "
+                    "then resumes a turn from the last block boundary its decode crossed, not its exact end)")
+    ap.add_argument("--acceptance-length", type=float, default=3.23, help="with --mtp: the synthetic mean "
+                    "tokens a step (TokenSpeed's measured 3.23)")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--phase-timeout", type=float, default=900.0)
     args = ap.parse_args(argv)
     args.gpu_util = args.gpu_util or default_gpu_util()
+    if args.mtp < 0:
+        ap.error("--mtp: want 0 (off) or the number of drafts a step")
+    if args.mtp:
+        try:
+            mtp_config(args.mtp, args.acceptance_length)
+        except SystemExit as e:  # an acceptance length outside [1, K + 1]
+            ap.error(str(e))
     os.makedirs(args.out, exist_ok=True)
     turns = int(str(args.turns).split("-")[-1])
     longest = args.first_turn_tokens + (turns - 1) * (args.turn_tokens + args.max_output_tokens) \

@@ -78,3 +78,19 @@ def test_gpu_util_default_follows_the_card(ab, monkeypatch):
     assert ab.default_gpu_util() == 0.88 and ab.gpu_name() == "H100 80GB HBM3"
     Props.total_memory = 141 * 2**30
     assert ab.default_gpu_util() == 0.7
+
+
+def test_serve_args_with_and_without_mtp(ab, tmp_path):
+    import shlex
+
+    args = ab.main.__globals__["argparse"].Namespace(gpu_util=0.7, mtp=0, acceptance_length=3.23)
+    plain = shlex.split(ab.serve_args(args, "/m", 53248, "--kv-cache-memory-bytes 5"))
+    assert "--speculative-config" not in plain and plain[-2:] == ["--kv-cache-memory-bytes", "5"]
+    args.mtp = 3
+    mtp = shlex.split(ab.serve_args(args, "/m", 53248, ""))
+    spec = json.loads(mtp[mtp.index("--speculative-config") + 1])
+    assert spec == {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+                    "synthetic_acceptance_length": 3.23}
+    assert mtp[:mtp.index("--speculative-config")] == plain[:-2]
+    with pytest.raises(SystemExit):  # 5 tokens a step cannot come from 3 drafts
+        ab.main(["--out", str(tmp_path), "--mtp", "3", "--acceptance-length", "5"])
