@@ -10,7 +10,8 @@
 #                                                   # nvfp4 = tests/gpu/test_vllm_nvfp4_gpu.py, rest = the MTP and
 #                                                   # server prefix-cache runs on CUDA and any other gpu test; parts
 #                                                   # mtp and serve take the MTP tests and the server/scheduler
-#                                                   # tests out of rest into lanes of their own)
+#                                                   # tests out of rest into lanes of their own; nvfp4a + nvfp4b
+#                                                   # split nvfp4, nvfp4m takes the FN-4 MTP draft out of nvfp4a)
 #                                                   # spread over the GPUs (SUITE_GPUS, default all visible; PART:N
 #                                                   # puts PART on the N-th; shards on one GPU run one after the
 #                                                   # other; SUITE_SHARE=1: all parts at once, sharing the GPUs,
@@ -106,7 +107,8 @@ suite() {
     IFS=, read -ra gpus <<< "${SUITE_GPUS:-$(python -c "import torch; print(','.join(map(str, range(max(1, torch.cuda.device_count())))))")}"
     # part i on GPU i mod #GPUs (PART:N: on the N-th of them); parts of one GPU one after the other, or with
     # SUITE_SHARE=1 all at once (each test engine then takes a small share of the GPU: tools/vllm_offline.py)
-    local lane_gpu=() rest_ignore=()
+    local lane_gpu=() rest_ignore=() nvfp4a_k="fn_shaped"
+    [[ ",${parts[*]}," =~ [,\ ]nvfp4m[,:\ ] ]] && nvfp4a_k="fn_shaped and not mtp_draft"
     [[ ",${parts[*]}," =~ [,\ ]mtp[,:\ ] ]] && rest_ignore+=(--ignore=tests/test_vllm_mtp.py)
     [[ ",${parts[*]}," =~ [,\ ]serve[,:\ ] ]] && rest_ignore+=(--ignore=tests/test_vllm_server_prefix_cache.py \
       --ignore=tests/test_vllm_scheduler.py)
@@ -133,7 +135,9 @@ suite() {
             nvfp4) suite_part nvfp4 "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py ;;
             # nvfp4 in two lanes (SUITE_SHARE=1 on one GPU: ~half its wall time): the FN-4 model's two tests (one
             # build and HF reference), then the tiny-coder and the anchor config
-            nvfp4a) suite_part nvfp4a "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py -k "fn_shaped" ;;
+            nvfp4a) suite_part nvfp4a "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py -k "$nvfp4a_k" ;;
+            # (nvfp4m: the FN-4 MTP draft test in a lane of its own, out of nvfp4a: run 24's longest lane)
+            nvfp4m) suite_part nvfp4m "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py -k "mtp_draft" ;;
             nvfp4b) suite_part nvfp4b "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py -k "not fn_shaped" ;;
             # the CPU-and-CUDA engine tests in up to three lanes: mtp and serve take their files out of rest
             mtp)  suite_part mtp "${lane_gpu[l]}" $left tests/test_vllm_mtp.py ;;
@@ -141,7 +145,7 @@ suite() {
                      tests/test_vllm_scheduler.py ;;
             rest) suite_part rest "${lane_gpu[l]}" $left tests --ignore=tests/ops --ignore=tests/gpu \
                     "${rest_ignore[@]}" ;;
-            *)    echo "rc=2 (unknown part $p: want ops, gpu, nvfp4 (or nvfp4a and nvfp4b), mtp, serve or rest)" \
+            *)    echo "rc=2 (unknown part $p: want ops, gpu, nvfp4 (or nvfp4a, nvfp4b, nvfp4m), mtp, serve or rest)" \
                     > "$OUT/suite-$p.log" ;;
           esac
         done ) &
