@@ -27,18 +27,30 @@ def settings(module, **values):
 
 @contextlib.contextmanager
 def launch_signatures():
-    """The launches inside the block as what each compiled variant depends on (``interpreter._describe``: the
-    kernel, every argument's type, i32 or i64 for integers, the constexprs, the launch options): a warm-up covers
-    later calls when their launches are a subset of its own."""
+    """The launches inside the block as what each compiled variant depends on: ``interpreter._describe`` (the
+    kernel, every argument's type, i32 or i64 for integers, the constexprs, the launch options) and Triton's value
+    specialisation (an integer argument's ``== 1`` and ``% 16 == 0``, a pointer's 16-byte alignment, unless the
+    kernel's ``do_not_specialize`` / ``do_not_specialize_on_alignment`` name it). A warm-up covers later calls when
+    their launches are a subset of its own."""
     import json
 
     from interpreter import _describe
     from triton.runtime.interpreter import InterpretedFunction
     seen, orig = set(), InterpretedFunction.run
 
+    def unspecialised(self, key):
+        return {self.arg_names[x] if isinstance(x, int) else x for x in self.kwargs.get(key) or ()}
+
     def recording(self, *args, grid, warmup, **kwargs):
         if self.fn.__module__.startswith("qwen4exp."):
-            seen.add(json.dumps(_describe(self.fn, args, kwargs), sort_keys=True))
+            ints, ptrs = unspecialised(self, "do_not_specialize"), unspecialised(self, "do_not_specialize_on_alignment")
+            values = {}
+            for name, a in zip(self.arg_names, args):
+                if isinstance(a, int) and not isinstance(a, bool) and name not in ints:
+                    values[name] = [a == 1, a % 16 == 0]
+                elif isinstance(a, torch.Tensor) and name not in ptrs:
+                    values[name] = a.data_ptr() % 16 == 0
+            seen.add(json.dumps(dict(_describe(self.fn, args, kwargs), values=values), sort_keys=True))
         return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording
