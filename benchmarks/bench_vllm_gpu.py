@@ -445,7 +445,7 @@ FIELDS = ["impl", "eager", "mp", "mtp", "layers", "startup_s", "gpu_used_gib", "
           "bs1_ctx", "bs1_prefill_s", "bs1_prefill_warm_s", "bs1_tpot_ms", "bs1_step_ms", "bs1_tokens_per_step",
           "bs1_tok_s_user", "bs8_ctx", "bs8_step_ms", "bs8_steps", "bs8_tokens_per_step", "bs32_ctx", "bs32_prefill_s",
           "bs32_step_ms", "bs32_steps", "bs32_tokens_per_step", "bs32_tok_s_user", "bs32_decode_tok_s",
-          "bs32_e2e_out_tok_s", "roofline_ms", "moe_backend", "package", "error"]
+          "bs32_e2e_out_tok_s", "roofline_ms", "moe_backend", "jit_during_inference", "package", "error"]
 
 
 def moe_backend(log_path: str) -> str:
@@ -462,6 +462,18 @@ def moe_backend(log_path: str) -> str:
         return "NVFP4:" + m[-1]
     m = re.findall(r"Using (\S+) (?:\w+ )?MoE backend", text)
     return m[-1] if m else ""
+
+
+def jit_during_inference(log_path: str) -> str:
+    """The kernels vLLM's JIT monitor saw compile after start-up ("Triton kernel JIT compilation during inference:
+    NAME (...)"), sorted and ';'-joined ('' when none): what a start-up warm-up left to the first requests."""
+    import re
+
+    try:
+        text = open(log_path, errors="replace").read()
+    except OSError:
+        return ""
+    return ";".join(sorted(set(re.findall(r"during inference: (\w+(?:\.\w+)*)", text))))
 
 
 def package_root() -> str:
@@ -693,6 +705,7 @@ def main() -> None:
                     row.update(json.loads(line))
         row["roofline_ms"] = roof_ms
         row["moe_backend"] = moe_backend(log)
+        row["jit_during_inference"] = jit_during_inference(log)
         row["package"] = "" if impl == "upstream" else package_label(row.get("qwen4exp_from") or "")
         bad = package_error(impl, row, ours_at)
         if bad:

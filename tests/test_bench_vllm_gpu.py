@@ -325,6 +325,18 @@ def test_moe_backend_is_read_from_the_worker_log(tmp_path):
     assert bench.moe_backend(str(tmp_path / "missing.log")) == ""
 
 
+def test_jit_during_inference_is_read_from_the_worker_log(tmp_path):
+    log = tmp_path / "w.log"
+    log.write_text("WARNING [jit_monitor.py:140] Triton kernel JIT compilation during inference: _qsa_attn_loop_kernel"
+                   " (signature ...). This causes a latency spike; consider extending warmup to cover this shape.\n"
+                   "WARNING x CuTeDSL JIT compilation during inference: fused_mix. This causes a latency spike\n"
+                   "WARNING y Triton kernel JIT compilation during inference: _qsa_attn_loop_kernel (other)\n")
+    assert bench.jit_during_inference(str(log)) == "_qsa_attn_loop_kernel;fused_mix"
+    log.write_text("INFO Kernel JIT monitor activated; monitored JIT compilations during inference will use mode=warn.\n")
+    assert bench.jit_during_inference(str(log)) == ""
+    assert bench.jit_during_inference(str(tmp_path / "missing.log")) == ""
+
+
 class DraftingEngine(ScriptedEngine):
     """ScriptedEngine whose decode steps give every request ``per_step`` tokens (1 + accepted MTP drafts)."""
 
