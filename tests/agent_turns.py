@@ -1,13 +1,14 @@
 """Multi-turn sessions through one in-process vLLM engine (CPU, tiny-coder, float32), driven step by step through
 ``LLMEngine.add_request(..., session_id=...)``; prints one JSON object. Used by tests/test_vllm_scheduler.py:
 
-    python tests/agent_turns.py SCHEDULER_CLS|default OUT.json
+    python tests/agent_turns.py SCHEDULER_CLS|default OUT.json [MTP_DRAFTS]
 
 Scenarios: ``turns`` (a 3-turn session: cached tokens per turn, outputs, the same prompts with a cache miss forced),
 ``pressure`` (a session's turn, then other traffic that fills the KV cache, then the session's next turn; then one
 request larger than what is free while a pin is held), ``admission`` (a session's next turn behind more first
 turns than ``max_num_seqs``: when it gets its first token), ``ends`` (a turn with ``session_close``, an aborted turn),
-and the block pool's free count before and after (leaks)."""
+and the block pool's free count before and after (leaks). With MTP_DRAFTS > 0 the engine drafts with our MTP head
+and only ``turns`` runs (the others' block counts are sized without the draft's cache)."""
 
 import json
 import os
@@ -20,7 +21,7 @@ BLOCKS = 48  # KV cache blocks in all: small enough that other traffic evicts a 
 P, OUT, NEW = 970, 120, 20
 
 
-def main(sched: str, out_path: str) -> None:
+def main(sched: str, out_path: str, mtp: int = 0) -> None:
     from qwen4exp.serve import cpu_env
 
     cpu_env()
@@ -31,6 +32,8 @@ def main(sched: str, out_path: str) -> None:
                enable_prefix_caching=True, num_gpu_blocks_override=BLOCKS)
     if sched != "default":
         eng["scheduler_cls"] = sched
+    if mtp:
+        eng["speculative_config"] = {"method": "mtp", "num_speculative_tokens": mtp}
     sys.path.insert(0, os.path.join(root, "tools"))
     from vllm_offline import shared_engine  # (the GPU suite's parts sharing one GPU)
 
@@ -78,6 +81,12 @@ def main(sched: str, out_path: str) -> None:
         turns.append({"prompt": len(prompt), "cached": cached, "output": out, "output_on_a_miss": miss})
         prompt = prompt + out + ids(NEW)
     res["turns"] = turns
+    if mtp:
+        res["prefix_caching"] = bool(scheduler.cache_config.enable_prefix_caching)
+        res["exact_resumes"] = getattr(scheduler, "exact_resumes", 0)
+        with open(out_path, "w") as f:
+            json.dump(res, f)
+        return
 
     # pressure: other traffic between a session's turns
     first = ids(P)
@@ -117,4 +126,4 @@ def main(sched: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)

@@ -7,7 +7,9 @@
 * other traffic between a session's turns evicts the session's blocks under the default; the pin keeps them;
 * a request that needs more than is free while a pin is held gets the pin's blocks (no deadlock, no preemption);
 * a pinned session's next turn goes ahead of first turns queued before it;
-* a turn with ``session_close`` and an aborted turn leave no pin; after releasing the pins every block is free.
+* a turn with ``session_close`` and an aborted turn leave no pin; after releasing the pins every block is free;
+* with MTP (CUDA only: on CPU vLLM's prefix caching is off under MTP) a turn resumes from the last block boundary
+  the previous decode crossed, with the same greedy outputs.
 
 On a GPU machine this file is part of the GPU suite (``tests/conftest.py``): there the async variant runs.
 """
@@ -25,18 +27,32 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 AGENT = "qwen4exp.vllm.scheduler.AgentScheduler"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _run_both(tmp_path_factory, *extra: str) -> dict:
     out = {}
     for name, cls in (("default", "default"), ("agent", AGENT)):
         work = tmp_path_factory.mktemp(name)
         # a TTL no run reaches: on a loaded machine the default 10 s let pins expire before the pressure check
         env = dict(os.environ, TMPDIR=str(work), QWEN4EXP_CACHE_DIR=str(work / "cache"), QWEN4EXP_SESSION_TTL="600")
-        p = subprocess.run([sys.executable, os.path.join(HERE, "agent_turns.py"), cls, str(work / "r.json")],
+        p = subprocess.run([sys.executable, os.path.join(HERE, "agent_turns.py"), cls, str(work / "r.json"), *extra],
                            env=env, capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stderr[-6000:]
         out[name] = json.loads((work / "r.json").read_text())
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _run_both(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def mtp_runs(tmp_path_factory):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: on CPU vLLM turns prefix caching off under MTP (its align mode needs Triton), so "
+                    "no turn finds anything cached with either scheduler")
+    return _run_both(tmp_path_factory, "3")
 
 
 def checkpoint(n: int, block: int) -> int:
@@ -68,6 +84,30 @@ def test_next_turn_reuses_the_previous_output(runs):
     assert runs["agent"]["exact_resumes"] >= 3  # turns 2 and 3, the pressure run's next turn
     for t_a, t_d in zip(a, d):
         assert t_a["output"] == t_d["output"] == t_a["output_on_a_miss"]  # greedy unchanged by scheduler and hit
+
+
+def test_next_turn_under_mtp_resumes_from_the_decodes_last_boundary(mtp_runs):
+    """With MTP (3 drafts) the exact resume point is off (the state of the last accepted token moves between the
+    speculative slots); AgentScheduler keeps the state at the last block boundary turn N's decode crossed, so turn
+    N+1 finds at least that much cached, and more than the default (at most turn N's prompt to its last boundary)
+    whenever the decode crossed one. Greedy outputs are the same with either scheduler and with a forced miss."""
+    a, d = mtp_runs["agent"], mtp_runs["default"]
+    assert a["prefix_caching"] and d["prefix_caching"]
+    B = a["block_size"]
+    assert B == d["block_size"]
+    crossed = 0
+    for k in (1, 2):
+        prev = a["turns"][k - 1]
+        done = prev["prompt"] + len(prev["output"])
+        assert d["turns"][k]["cached"] <= checkpoint(prev["prompt"], B), (k, d["turns"][k]["cached"], B)
+        assert checkpoint(done, B) <= a["turns"][k]["cached"] <= done, (k, a["turns"][k]["cached"], done, B)
+        if checkpoint(done, B) > checkpoint(prev["prompt"], B):
+            crossed += 1
+            assert a["turns"][k]["cached"] > d["turns"][k]["cached"], (k, B)
+    print(f"MTP, block {B}: turn 2/3 cached {[t['cached'] for t in a['turns'][1:]]} (AgentScheduler) against "
+          f"{[t['cached'] for t in d['turns'][1:]]} (default); {crossed} of 2 decodes crossed a block boundary")
+    for t_a, t_d in zip(a["turns"], d["turns"]):
+        assert t_a["output"] == t_d["output"] == t_a["output_on_a_miss"]
 
 
 def test_pin_survives_traffic_between_turns(runs):
