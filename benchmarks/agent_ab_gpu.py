@@ -4,6 +4,8 @@ issue 27 (long first turns, +N tokens a turn, tool pauses, one session id per co
     python benchmarks/agent_ab_gpu.py --out bench_out/agent-ab                 # no pressure, then under pressure
     python benchmarks/agent_ab_gpu.py --out bench_out/agent-ab --no-pressure   # only the first A/B
     python benchmarks/agent_ab_gpu.py --out bench_out/agent-ab-mtp --mtp 3     # both servers drafting with MTP
+    python benchmarks/agent_ab_gpu.py --out bench_out/agent-ab --phases pressure   # only the A/B under pressure (the
+                                                                   # KV bytes a token from a probe start)
 
 Both A/Bs are ``qwen4exp-bench --ab default='ARGS' agent='ARGS --scheduler-cls ...'`` (the same seeded
 conversations, one server after the other, each server's log under OUT/<phase>/<config>/). The first runs with the
@@ -37,16 +39,40 @@ AGENT = "--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler"
 
 
 def kv_bytes_per_token(server_log: str) -> float | None:
-    """vLLM's start-up lines 'Available KV cache memory: X GiB' and 'GPU KV cache size: N tokens' -> X / N bytes."""
+    """vLLM's start-up lines 'Available KV cache memory: X GiB' (or, with ``--kv-cache-memory-bytes``, 'reserved X
+    GiB memory for KV Cache') and 'GPU KV cache size: N tokens' -> X / N bytes."""
     try:
         text = open(server_log, errors="replace").read()
     except OSError:
         return None
-    mem = re.findall(r"Available KV cache memory: ([\d.]+) GiB", text)
+    mem = re.findall(r"(?:Available KV cache memory:|reserved) ([\d.]+) GiB(?: memory for KV Cache)?", text)
     tok = re.findall(r"GPU KV cache size: ([\d,]+) tokens", text)
     if not mem or not tok:
         return None
     return float(mem[-1]) * 2**30 / int(tok[-1].replace(",", ""))
+
+
+PROBE_KV_BYTES = 2 << 30  # the probe server's fixed KV cache: enough for its start-up to log both KV lines
+
+
+def probe_bytes_per_token(cmd: list[str], log: str, timeout: float, env: dict | None = None) -> float | None:
+    """Start ``cmd`` (a server with ``--kv-cache-memory-bytes``), wait until its log has both KV lines (logged once
+    the cache is allocated, before CUDA-graph capture), stop it: the KV bytes a token (``kv_bytes_per_token``), or
+    None if it exited or ``timeout`` passed first. Lets ``--phases pressure`` run without the free phase."""
+    from qwen4exp.demo import stop_server
+
+    with open(log, "w") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            bpt = kv_bytes_per_token(log)
+            if bpt or proc.poll() is not None:
+                return bpt or kv_bytes_per_token(log)
+            time.sleep(1.0)
+        return None
+    finally:
+        stop_server(proc, timeout=30)
 
 
 def gpu_name() -> str:
@@ -202,6 +228,16 @@ def main(argv=None) -> int:
     if args.no_pressure or "pressure" not in phases:
         return rc
     bpt = args.bytes_per_token or kv_bytes_per_token(os.path.join(args.out, "free", "default", "server.log"))
+    if bpt is None and "free" not in phases:  # no free phase to read it from: a probe start of the server
+        from qwen4exp.demo import free_port
+
+        probe = os.path.join(args.out, "probe")
+        os.makedirs(probe, exist_ok=True)
+        cmd = [sys.executable, "-m", "qwen4exp.serve",
+               *shlex.split(serve_args(args, model, model_len, f"--kv-cache-memory-bytes {PROBE_KV_BYTES}")),
+               "--host", "127.0.0.1", "--port", str(free_port())]
+        bpt = probe_bytes_per_token(cmd, os.path.join(probe, "server.log"), args.start_timeout)
+        print(f"probe: {bpt and round(bpt)} KV bytes a token", flush=True)
     if bpt is None:
         print("no KV size in the default server's log: pressure phase skipped")
         return 1

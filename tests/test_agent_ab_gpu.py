@@ -29,6 +29,10 @@ def test_kv_bytes_per_token(ab, tmp_path):
     log = tmp_path / "server.log"
     _log(str(log), "63.74", "9,990,740")
     assert ab.kv_bytes_per_token(str(log)) == pytest.approx(63.74 * 2**30 / 9_990_740)
+    log.write_text("INFO [gpu_worker.py:668] Initial free memory 120.5 GiB, reserved 2.0 GiB memory for KV Cache as "
+                   "specified by kv_cache_memory_bytes config and skipped memory profiling.\n"
+                   "INFO [kv_cache_utils.py] GPU KV cache size: 160,000 tokens, ...\n")  # a fixed KV size
+    assert ab.kv_bytes_per_token(str(log)) == pytest.approx(2 * 2**30 / 160_000)
     log.write_text("no KV lines here\n")
     assert ab.kv_bytes_per_token(str(log)) is None
     assert ab.kv_bytes_per_token(str(tmp_path / "missing.log")) is None
@@ -94,3 +98,37 @@ def test_serve_args_with_and_without_mtp(ab, tmp_path):
     assert mtp[:mtp.index("--speculative-config")] == plain[:-2]
     with pytest.raises(SystemExit):  # 5 tokens a step cannot come from 3 drafts
         ab.main(["--out", str(tmp_path), "--mtp", "3", "--acceptance-length", "5"])
+
+
+def test_probe_reads_the_kv_lines_then_stops_the_server(ab, tmp_path):
+    import sys
+    import time
+
+    log = str(tmp_path / "server.log")
+    fake = ("import sys, time\n"
+            "print('INFO [gpu_worker.py] Initial free memory 9.1 GiB, reserved 2.00 GiB memory for KV Cache', "
+            "flush=True)\n"
+            "time.sleep(0.5)\n"
+            "print('INFO [kv_cache_utils.py] GPU KV cache size: 160,000 tokens', flush=True)\n"
+            "time.sleep(600)\n")  # a server that would run on: the probe stops it
+    t0 = time.monotonic()
+    assert ab.probe_bytes_per_token([sys.executable, "-c", fake], log, 60) == pytest.approx(2 * 2**30 / 160_000)
+    assert time.monotonic() - t0 < 45
+    assert ab.probe_bytes_per_token([sys.executable, "-c", "print('no KV lines')"], log, 60) is None  # exited
+
+
+def test_pressure_phase_alone_sizes_its_cache_from_a_probe(ab, tmp_path, monkeypatch):
+    calls, probes = [], []
+    monkeypatch.setattr(ab, "run_ab", lambda args, phase, model, model_len, extra, body: calls.append((phase, extra))
+                        or 0)
+    monkeypatch.setattr(ab, "probe_bytes_per_token", lambda cmd, log, timeout, env=None: probes.append(cmd) or 1000.0)
+    out = str(tmp_path / "out")
+    assert ab.main(["--out", out, "--phases", "pressure", "--first-turn-tokens", "5000", "--turn-tokens", "300",
+                    "--turns", "3", "--max-output-tokens", "64", "--concurrency", "2"]) == 0
+    longest = 5000 + 2 * (300 + 64) + 64 + 256
+    assert calls == [("pressure", f"--kv-cache-memory-bytes {int(1000.0 * 1.5 * 2 * longest)}")]
+    (cmd,) = probes
+    assert cmd[1:3] == ["-m", "qwen4exp.serve"] and f"--kv-cache-memory-bytes {ab.PROBE_KV_BYTES}" in " ".join(cmd)
+    calls.clear()  # --bytes-per-token given: no probe
+    assert ab.main(["--out", out, "--phases", "pressure", "--bytes-per-token", "500"]) == 0
+    assert len(probes) == 1 and calls[0][0] == "pressure"
