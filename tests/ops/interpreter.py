@@ -36,6 +36,7 @@ so the tolerances are the GPU tests'.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -480,32 +481,47 @@ def _result(fn, *args):
     return dict(status=status, message=message, seconds=round(time.time() - t0, 2))
 
 
-def run(out, names=()):
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
+@contextlib.contextmanager
+def on_launch(callback):
+    """``callback(kernel, args, kwargs)`` (kernel: the interpreter's function, ``.fn`` the Python one) at every
+    launch of our kernels (not fla's) inside the block, before the kernel runs."""
     from triton.runtime.interpreter import InterpretedFunction
-    os.makedirs(out, exist_ok=True)
-    module_errors = load_modules()
-    launches = {}
     orig = InterpretedFunction.run
 
     def recording(self, *args, grid, warmup, **kwargs):
-        if self.fn.__module__.startswith("qwen4exp."):  # (ours; not fla's)
-            d = _describe(self.fn, args, kwargs)
-            launches[json.dumps(d, sort_keys=True)] = d
+        if self.fn.__module__.startswith("qwen4exp."):
+            callback(self, args, kwargs)
         return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording
-    results = {}
-    for name in (names or CHECKS):
-        if name in CHECKS:
-            results[name] = _result(CHECKS[name])
-        else:
-            why = "".join(f"\n{m} did not import:\n{e}" for m, e in module_errors.items())
-            results[name] = dict(status="failed", message=f"no check named {name!r}{why}", seconds=0.0)
-        print(f"{results[name]['status']} {name} ({results[name]['seconds']} s)", flush=True)
-        _write(os.path.join(out, "checks.json"), results)
-        _write(os.path.join(out, "launches.json"), list(launches.values()))
-    print(f"{len(launches)} distinct launches recorded")
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = orig
+
+
+def run(out, names=()):
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
+    os.makedirs(out, exist_ok=True)
+    module_errors = load_modules()
+    launches = {}
+
+    def record(kernel, args, kwargs):
+        d = _describe(kernel.fn, args, kwargs)
+        launches[json.dumps(d, sort_keys=True)] = d
+
+    with on_launch(record):
+        results = {}
+        for name in (names or CHECKS):
+            if name in CHECKS:
+                results[name] = _result(CHECKS[name])
+            else:
+                why = "".join(f"\n{m} did not import:\n{e}" for m, e in module_errors.items())
+                results[name] = dict(status="failed", message=f"no check named {name!r}{why}", seconds=0.0)
+            print(f"{results[name]['status']} {name} ({results[name]['seconds']} s)", flush=True)
+            _write(os.path.join(out, "checks.json"), results)
+            _write(os.path.join(out, "launches.json"), list(launches.values()))
+        print(f"{len(launches)} distinct launches recorded")
 
 
 def compile_all(out):

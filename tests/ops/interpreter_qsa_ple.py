@@ -34,30 +34,25 @@ def launch_signatures():
     their launches are a subset of its own."""
     import json
 
-    from interpreter import _describe
-    from triton.runtime.interpreter import InterpretedFunction
-    seen, orig = set(), InterpretedFunction.run
+    from interpreter import _describe, on_launch
+    seen = set()
 
-    def unspecialised(self, key):
-        return {self.arg_names[x] if isinstance(x, int) else x for x in self.kwargs.get(key) or ()}
+    def unspecialised(kernel, key):
+        return {kernel.arg_names[x] if isinstance(x, int) else x for x in kernel.kwargs.get(key) or ()}
 
-    def recording(self, *args, grid, warmup, **kwargs):
-        if self.fn.__module__.startswith("qwen4exp."):
-            ints, ptrs = unspecialised(self, "do_not_specialize"), unspecialised(self, "do_not_specialize_on_alignment")
-            values = {}
-            for name, a in zip(self.arg_names, args):
-                if isinstance(a, int) and not isinstance(a, bool) and name not in ints:
-                    values[name] = [a == 1, a % 16 == 0]
-                elif isinstance(a, torch.Tensor) and name not in ptrs:
-                    values[name] = a.data_ptr() % 16 == 0
-            seen.add(json.dumps(dict(_describe(self.fn, args, kwargs), values=values), sort_keys=True))
-        return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
+    def record(kernel, args, kwargs):
+        ints = unspecialised(kernel, "do_not_specialize")
+        ptrs = unspecialised(kernel, "do_not_specialize_on_alignment")
+        values = {}
+        for name, a in zip(kernel.arg_names, args):
+            if isinstance(a, int) and not isinstance(a, bool) and name not in ints:
+                values[name] = [a == 1, a % 16 == 0]
+            elif isinstance(a, torch.Tensor) and name not in ptrs:
+                values[name] = a.data_ptr() % 16 == 0
+        seen.add(json.dumps(dict(_describe(kernel.fn, args, kwargs), values=values), sort_keys=True))
 
-    InterpretedFunction.run = recording
-    try:
+    with on_launch(record):
         yield seen
-    finally:
-        InterpretedFunction.run = orig
 
 
 # ------------------------------------------------------------------------------------------------------------ QSA
