@@ -84,6 +84,10 @@ PY
   python -c "import qwen4exp, vllm, torch; print('qwen4exp from', qwen4exp.__file__, '| vllm', vllm.__version__, '| torch', torch.__version__)"
 }
 
+pack() {  # DIR ARCHIVE [TAR ARGS]: DIR's files as one .tgz, without checkpoints and caches
+  tar czf "$2" -C "$1" --exclude='*.safetensors' --exclude='*.bin' --exclude='*/cache/*' "${@:3}" . 2>/dev/null
+}
+
 suite_part() {  # PART GPU SECONDS PYTEST-ARGS...: one shard of the GPU suite (GPU '': all visible), rc in its log
   local part=$1 gpu=$2 secs=$3 vars=()
   shift 3
@@ -108,10 +112,10 @@ suite() {
     # part i on GPU i mod #GPUs (PART:N: on the N-th of them); parts of one GPU one after the other, or with
     # SUITE_SHARE=1 all at once (each test engine then takes a small share of the GPU: tools/vllm_offline.py)
     local lane_gpu=() rest_ignore=() nvfp4a_k="fn_shaped"
-    [[ ",${parts[*]}," =~ [,\ ]nvfp4m[,:\ ] ]] && nvfp4a_k="fn_shaped and not mtp_draft"
-    [[ ",${parts[*]}," =~ [,\ ]mtp[,:\ ] ]] && rest_ignore+=(--ignore=tests/test_vllm_mtp.py)
-    [[ ",${parts[*]}," =~ [,\ ]serve[,:\ ] ]] && rest_ignore+=(--ignore=tests/test_vllm_server_prefix_cache.py \
-      --ignore=tests/test_vllm_scheduler.py)
+    listed() { [[ ",${parts[*]}," =~ [,\ ]$1[,:\ ] ]]; }  # PART (or PART:N) is one of the parts
+    listed nvfp4m && nvfp4a_k="fn_shaped and not mtp_draft"
+    listed mtp && rest_ignore+=(--ignore=tests/test_vllm_mtp.py)
+    listed serve && rest_ignore+=(--ignore=tests/test_vllm_server_prefix_cache.py --ignore=tests/test_vllm_scheduler.py)
     # sharing: each engine run of the NVFP4 check gets more than its 200 s alone (run 20: its HF reference took 169 s)
     [ "${SUITE_SHARE:-0}" = 1 ] && export QWEN4EXP_TEST_GPU_SHARE=1 QWEN4EXP_CHECK_TIMEOUT=${QWEN4EXP_CHECK_TIMEOUT:-400}
     for i in "${!parts[@]}"; do
@@ -261,8 +265,7 @@ case "${1:-}" in
     for f in "$q"/out/*/suite-*.log; do
       [ -f "$f" ] && echo "${f#$q/out/}: $(grep -c ' PASSED' "$f") passed, $(grep -cE ' (FAILED|ERROR)' "$f") failed; $(tail -1 "$f" | cut -c1-120)"
     done
-    tar czf "$OUT/results.tgz" -C "$q/out" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
-      --exclude='*/cache/*' . 2>/dev/null; echo "archive: $(du -h "$OUT/results.tgz" | cut -f1)" ;;
+    pack "$q/out" "$OUT/results.tgz" --exclude='*.pt'; echo "archive: $(du -h "$OUT/results.tgz" | cut -f1)" ;;
   bgresult)
     mkdir -p "$OUT/bg"; cp -r /tmp/bg/. "$OUT/bg/" 2>/dev/null
     for f in kernels bench_ops; do echo "== $f"; tail -25 "/tmp/bg/$f.log" 2>/dev/null; done ;;
@@ -280,7 +283,7 @@ status=$?  # (the job's: suite's PASS / FAIL; the other jobs print their rc)
 
 if [ "${PACK:-0}" = 1 ]; then
   tmp=$(mktemp /tmp/pack.XXXX.tgz)
-  tar czf "$tmp" -C "$OUT" --exclude='*.safetensors' --exclude='*.bin' --exclude='*/cache/*' . 2>/dev/null
+  pack "$OUT" "$tmp"
   find "$OUT" -mindepth 1 -delete && mv "$tmp" "$OUT/results.tgz" && echo "packed: $OUT/results.tgz ($(du -h "$OUT/results.tgz" | cut -f1))"
 fi
 exit $status
