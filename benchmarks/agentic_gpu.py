@@ -157,8 +157,13 @@ def build_model_dir(out: str, preset: str, layers: int, model_len: int) -> str:
 
 def allowed_ids(model_dir: str, limit: int = MAX_ALLOWED_IDS) -> list[int] | None:
     """Ids to sample from when the model's vocabulary is larger than its tokenizer's (dummy weights on a stand-in
-    tokenizer): non-special ids that decode to clean text on their own, at most ``limit``, spread over the vocabulary.
-    None when the tokenizer covers the model's vocabulary."""
+    tokenizer), at most ``limit``, spread over the vocabulary; None when the tokenizer covers the model's vocabulary.
+
+    A multi-turn client resends each reply as text, so the server re-tokenizes it: only a reply that re-tokenizes to
+    the ids generated lets turn N+1 find turn N's output cached (as a real model's canonical tokens do). Random picks
+    from arbitrary tokens almost never do (merges across token boundaries), so the ids are whole words with one
+    leading space (the pre-tokenizer splits there, and each round-trips alone). Tokenizers without such words fall
+    back to every non-special id that decodes to clean text."""
     from tokenizers import Tokenizer
 
     with open(os.path.join(model_dir, "config.json")) as f:
@@ -168,8 +173,11 @@ def allowed_ids(model_dir: str, limit: int = MAX_ALLOWED_IDS) -> list[int] | Non
     if vocab is None or vocab <= n:
         return None
     special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
-    ok = [i for i in range(min(n, vocab)) if i not in special
-          and (s := tok.decode([i], skip_special_tokens=True)) and "\ufffd" not in s]
+    clean = {i: s for i in range(min(n, vocab)) if i not in special
+             and (s := tok.decode([i], skip_special_tokens=True)) and "\ufffd" not in s}
+    words = [i for i, s in clean.items()
+             if re.fullmatch(r" [A-Za-z]+", s) and tok.encode(s, add_special_tokens=False).ids == [i]]
+    ok = words or list(clean)
     return ok[:: -(-len(ok) // limit)] if ok else None
 
 

@@ -33,7 +33,10 @@ def main(sched: str, out_path: str, mtp: int = 0) -> None:
     if sched != "default":
         eng["scheduler_cls"] = sched
     if mtp:
+        # the draft layer's cache shares the pool: BLOCKS no longer holds one max_model_len request on CUDA (GPU run
+        # 25); only ``turns`` runs, which needs room rather than pressure, so vLLM sizes the cache
         eng["speculative_config"] = {"method": "mtp", "num_speculative_tokens": mtp}
+        del eng["num_gpu_blocks_override"]
     sys.path.insert(0, os.path.join(root, "tools"))
     from vllm_offline import shared_engine  # (the GPU suite's parts sharing one GPU)
 

@@ -95,6 +95,34 @@ def test_fn_model_dir_has_the_fn12l_config_and_a_chat_tokenizer(agentic, tmp_pat
     assert agentic.allowed_ids(agentic.ASSET) is None  # tiny-coder's tokenizer covers its vocabulary
 
 
+def test_replies_from_the_allowed_ids_re_tokenize_to_themselves(agentic, tmp_path):
+    """The next turn resends a reply as text: the chat template's turn N+1 must start with turn N's prompt and the
+    reply's own ids, or no scheduler can find turn N's output cached. Arbitrary clean tokens fail that (merges across
+    token boundaries); the allowed ids must not."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    path = agentic.build_model_dir(str(tmp_path), "fn", 4, 4096)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = agentic.allowed_ids(path)
+    rng = random.Random(0)
+    user = [{"role": "user", "content": "Fix the failing test in utils.py."}]
+
+    def resent_intact(reply_ids):
+        first = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=True, return_dict=False)
+        text = tok.decode(reply_ids, skip_special_tokens=True)
+        nxt = tok.apply_chat_template(user + [{"role": "assistant", "content": text},
+                                              {"role": "user", "content": "tool output: 3 passed"}],
+                                      add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(nxt[:len(first) + len(reply_ids)]) == list(first) + reply_ids
+
+    assert all(resent_intact([rng.choice(ids) for _ in range(128)]) for _ in range(50))
+    special = set(tok.all_special_ids)
+    arbitrary = [i for i in range(3, 2048) if i not in special and "\ufffd" not in tok.decode([i])]
+    assert sum(resent_intact([rng.choice(arbitrary) for _ in range(128)]) for _ in range(50)) < 5
+
+
 # ------------------------------------------------------------------------------------------------- fn-nvfp4, MTP, chart
 def test_fn_nvfp4_preset_is_full_depth_nvfp4_with_the_swe_smith_shape(agentic, tmp_path):
     import json
