@@ -6,6 +6,8 @@ issue 27 (long first turns, +N tokens a turn, tool pauses, one session id per co
     python benchmarks/agent_ab_gpu.py --out bench_out/agent-ab-mtp --mtp 3     # both servers drafting with MTP
     python benchmarks/agent_ab_gpu.py --out bench_out/agent-ab --phases pressure   # only the A/B under pressure (the
                                                                    # KV bytes a token from a probe start)
+    python benchmarks/agent_ab_gpu.py --out bench_out/agent-ab --phases pressure --pressure-factor 1.5,1.2
+                                                                   # one pressure phase a factor
 
 Both A/Bs are ``qwen4exp-bench --ab default='ARGS' agent='ARGS --scheduler-cls ...'`` (the same seeded
 conversations, one server after the other, each server's log under OUT/<phase>/<config>/). The first runs with the
@@ -193,8 +195,9 @@ def main(argv=None) -> int:
     ap.add_argument("--think-time", default="lognormal:0.5,1,3")
     ap.add_argument("--gpu-util", type=float, help="vLLM's --gpu-memory-utilization (default 0.7; 0.88 on a card "
                     "under 100 GiB, where FN-12L's weights leave little KV room at 0.7)")
-    ap.add_argument("--pressure-factor", type=float, default=1.5,
-                    help="KV room under pressure, in units of what --concurrency active conversations need")
+    ap.add_argument("--pressure-factor", default="1.5",
+                    help="KV room under pressure, in units of what --concurrency active conversations need; a comma "
+                    "list runs one pressure phase each (OUT/pressure for the first, OUT/pressure-xF for the others)")
     ap.add_argument("--no-pressure", action="store_true")
     ap.add_argument("--phases", default="free,pressure", help="comma list of free, pressure")
     ap.add_argument("--configs", default="default,agent", help="comma list of default, agent (one: a plain run)")
@@ -210,6 +213,12 @@ def main(argv=None) -> int:
     args.gpu_util = args.gpu_util or default_gpu_util()
     if args.mtp < 0:
         ap.error("--mtp: want 0 (off) or the number of drafts a step")
+    try:
+        factors = [float(f) for f in str(args.pressure_factor).split(",")]
+    except ValueError:
+        factors = []
+    if not factors or min(factors) <= 0:
+        ap.error(f"--pressure-factor: want positive numbers, comma-separated (got {args.pressure_factor!r})")
     if args.mtp:
         try:
             mtp_config(args.mtp, args.acceptance_length)
@@ -241,10 +250,13 @@ def main(argv=None) -> int:
     if bpt is None:
         print("no KV size in the default server's log: pressure phase skipped")
         return 1
-    nbytes = int(bpt * args.pressure_factor * args.concurrency * longest)
-    print(f"pressure: {bpt:.0f} B/token -> --kv-cache-memory-bytes {nbytes} "
-          f"({args.pressure_factor} x {args.concurrency} x {longest} tokens)")
-    return run_ab(args, "pressure", model, model_len, f"--kv-cache-memory-bytes {nbytes}", body) or rc
+    for i, factor in enumerate(factors):
+        nbytes = int(bpt * factor * args.concurrency * longest)
+        phase = "pressure" if i == 0 else f"pressure-x{factor:g}"
+        print(f"{phase}: {bpt:.0f} B/token -> --kv-cache-memory-bytes {nbytes} "
+              f"({factor:g} x {args.concurrency} x {longest} tokens)")
+        rc = run_ab(args, phase, model, model_len, f"--kv-cache-memory-bytes {nbytes}", body) or rc
+    return rc
 
 
 if __name__ == "__main__":

@@ -132,3 +132,21 @@ def test_pressure_phase_alone_sizes_its_cache_from_a_probe(ab, tmp_path, monkeyp
     calls.clear()  # --bytes-per-token given: no probe
     assert ab.main(["--out", out, "--phases", "pressure", "--bytes-per-token", "500"]) == 0
     assert len(probes) == 1 and calls[0][0] == "pressure"
+
+
+def test_several_pressure_factors_run_one_phase_each(ab, tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(ab, "run_ab", lambda args, phase, model, model_len, extra, body: calls.append((phase, extra))
+                        or (3 if phase == "pressure-x1.2" else 0))
+    out = str(tmp_path / "out")
+    rc = ab.main(["--out", out, "--phases", "pressure", "--bytes-per-token", "1000", "--first-turn-tokens", "5000",
+                  "--turn-tokens", "300", "--turns", "3", "--max-output-tokens", "64", "--concurrency", "2",
+                  "--pressure-factor", "1.5,1.2,1"])
+    longest = 5000 + 2 * (300 + 64) + 64 + 256
+    assert calls == [(p, f"--kv-cache-memory-bytes {int(1000.0 * f * 2 * longest)}")
+                     for p, f in (("pressure", 1.5), ("pressure-x1.2", 1.2), ("pressure-x1", 1.0))]
+    assert rc == 3  # a failed phase is not hidden by a later one that passed
+    for bad in ("1.5,x", "0", ""):
+        with pytest.raises(SystemExit):
+            ab.main(["--out", out, "--phases", "pressure", "--pressure-factor", bad])
+    assert "--pressure-factor" in capsys.readouterr().err
