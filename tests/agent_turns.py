@@ -22,6 +22,12 @@ P, OUT, NEW = 970, 120, 20
 
 
 def main(sched: str, out_path: str, mtp: int = 0) -> None:
+    res = scenarios(sched, mtp)
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+
+
+def scenarios(sched: str, mtp: int) -> dict:
     from qwen4exp.serve import cpu_env
 
     cpu_env()
@@ -33,8 +39,8 @@ def main(sched: str, out_path: str, mtp: int = 0) -> None:
     if sched != "default":
         eng["scheduler_cls"] = sched
     if mtp:
-        # the draft layer's cache shares the pool: BLOCKS no longer holds one max_model_len request on CUDA (GPU run
-        # 25); only ``turns`` runs, which needs room rather than pressure, so vLLM sizes the cache
+        # the draft layer's cache shares the pool: BLOCKS no longer holds one max_model_len request on CUDA; only
+        # ``turns`` runs, which needs room rather than pressure, so vLLM sizes the cache
         eng["speculative_config"] = {"method": "mtp", "num_speculative_tokens": mtp}
         del eng["num_gpu_blocks_override"]
     sys.path.insert(0, os.path.join(root, "tools"))
@@ -87,9 +93,7 @@ def main(sched: str, out_path: str, mtp: int = 0) -> None:
     if mtp:
         res["prefix_caching"] = bool(scheduler.cache_config.enable_prefix_caching)
         res["exact_resumes"] = getattr(scheduler, "exact_resumes", 0)
-        with open(out_path, "w") as f:
-            json.dump(res, f)
-        return
+        return res
 
     # pressure: other traffic between a session's turns
     first = ids(P)
@@ -124,8 +128,7 @@ def main(sched: str, out_path: str, mtp: int = 0) -> None:
     if snap:
         snap.release_all()
     res["free_after_release"] = pool.get_num_free_blocks()
-    with open(out_path, "w") as f:
-        json.dump(res, f)
+    return res
 
 
 if __name__ == "__main__":

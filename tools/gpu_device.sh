@@ -140,7 +140,7 @@ suite() {
             # nvfp4 in two lanes (SUITE_SHARE=1 on one GPU: ~half its wall time): the FN-4 model's two tests (one
             # build and HF reference), then the tiny-coder and the anchor config
             nvfp4a) suite_part nvfp4a "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py -k "$nvfp4a_k" ;;
-            # (nvfp4m: the FN-4 MTP draft test in a lane of its own, out of nvfp4a: run 24's longest lane)
+            # (nvfp4m: the FN-4 MTP draft test in a lane of its own, out of nvfp4a, the longest lane with it)
             nvfp4m) suite_part nvfp4m "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py -k "mtp_draft" ;;
             nvfp4b) suite_part nvfp4b "${lane_gpu[l]}" $left tests/gpu/test_vllm_nvfp4_gpu.py -k "not fn_shaped" ;;
             # the CPU-and-CUDA engine tests in up to three lanes: mtp and serve take their files out of rest
