@@ -84,6 +84,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "AgentScheduler (--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler): seconds a session's finished "
            "turn keeps its KV blocks pinned for the next turn (0: no pins; agent traces: ~86% of next turns within "
            "1 s, ~95% within 10 s)"),
+    Switch("QWEN4EXP_CONTINUATION_CHUNK", "int", 2048,
+           "AgentScheduler: in a step where a session's next turn waits for its held blocks, no prefill takes more "
+           "than this many tokens (rounded down to whole hybrid blocks, at least one; never less than the waiting "
+           "turn's own new tokens), so the next turn does not queue behind a long first-turn prefill; 0: off"),
     Switch("QWEN4EXP_IDLE_TRIM", "float", 0.5,
            "vLLM plugin on CPU: seconds without a model forward after which the worker hands its freed heap memory "
            "back to the OS (glibc malloc_trim; without it RSS grows with served requests); 0: never"),

@@ -6,7 +6,8 @@
 Scenarios: ``turns`` (a 3-turn session: cached tokens per turn, outputs, the same prompts with a cache miss forced),
 ``pressure`` (a session's turn, then other traffic that fills the KV cache, then the session's next turn; then one
 request larger than what is free while a pin is held), ``admission`` (a session's next turn behind more first
-turns than ``max_num_seqs``: when it gets its first token), ``ends`` (a turn with ``session_close``, an aborted turn),
+turns than ``max_num_seqs``: when it gets its first token), ``chunk`` (a session's next turn arriving during a long
+first turn's chunked prefill: when each gets its first token), ``ends`` (a turn with ``session_close``, an aborted turn),
 and the block pool's free count before and after (leaks). With MTP_DRAFTS > 0 the engine drafts with our MTP head
 and only ``turns`` runs (the others' block counts are sized without the draft's cache)."""
 
@@ -32,6 +33,8 @@ def scenarios(sched: str, mtp: int) -> dict:
 
     cpu_env()
     from vllm import LLM, SamplingParams
+
+    from qwen4exp import envs
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     eng = dict(dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=4,
@@ -115,6 +118,36 @@ def scenarios(sched: str, mtp: int) -> dict:
     order = sorted(range(7), key=lambda i: first_token_step[f"r{n0 + 1 + i}"])
     res["admission"] = {"continuation_first_token_rank": order.index(6),
                         "continuation_first_token_step": first_token_step[f"r{n0 + 7}"]}
+
+    # chunk: a session's next turn arrives while a long first turn is in the middle of its chunked prefill (a step
+    # budget of two blocks here; AgentScheduler's cap for such steps one block): vLLM schedules the running prefill
+    # first, so the default serves the next turn only once that prefill is done
+    B = res["block_size"]
+    os.environ["QWEN4EXP_CONTINUATION_CHUNK"] = str(B)
+    envs.reset()
+    budget, scheduler.max_num_scheduled_tokens = scheduler.max_num_scheduled_tokens, 2 * B
+    sess = ids(300)
+    (_, so), = run([(sess, 8, "s-chunk", None)])
+    capped = getattr(scheduler, "capped_steps", 0)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    long_prompt, long_id, next_id = ids(2048 - 16), f"r{next(counter)}", f"r{next(counter)}"
+    engine.add_request(long_id, {"prompt_token_ids": long_prompt}, sp)
+    engine.step()
+    engine.add_request(next_id, {"prompt_token_ids": sess + so + ids(NEW)}, sp, session_id="s-chunk")
+    steps, first, outs = 0, {}, {}
+    while engine.has_unfinished_requests():
+        steps += 1
+        for o in engine.step():
+            if o.outputs and o.outputs[0].token_ids:
+                first.setdefault(o.request_id, steps)
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    scheduler.max_num_scheduled_tokens = budget
+    del os.environ["QWEN4EXP_CONTINUATION_CHUNK"]
+    envs.reset()
+    res["chunk"] = {"long_prompt": len(long_prompt), "step_budget": 2 * B, "next_turn_first_token_step": first[next_id],
+                    "long_first_token_step": first[long_id], "long_output": outs[long_id],
+                    "next_turn_output": outs[next_id], "capped_steps": getattr(scheduler, "capped_steps", 0) - capped}
 
     # ends: a turn that closes its session, an aborted turn
     (cc, oc), = run([(ids(300), 8, "s-close", {"session_close": True})])

@@ -92,6 +92,19 @@ def test_request_fields():
         RequestStatus.__members__)
 
 
+def test_the_step_prefill_cap_is_read_from_the_config_in_each_schedule():
+    """AgentScheduler caps prefill chunks for one step by setting ``scheduler_config.long_prefill_token_threshold``
+    around ``schedule``: vLLM must read it there (per step, for running and waiting requests alike) and in the
+    hybrid block-aligned split, not once at construction."""
+    src = inspect.getsource(Scheduler.schedule)
+    assert "self.scheduler_config.long_prefill_token_threshold" in src
+    assert src.count("0 < long_prefill_token_threshold < num_new_tokens") == 2  # running, then waiting requests
+    assert src.index("First, schedule the RUNNING requests") < src.index("Next, schedule the WAITING requests")
+    assert "self.scheduler_config.long_prefill_token_threshold" in inspect.getsource(
+        Scheduler._mamba_block_aligned_split)
+    assert "self.scheduler_config" in inspect.getsource(Scheduler.__init__)
+
+
 @pytest.mark.parametrize("queue", [FCFSRequestQueue, PriorityRequestQueue])
 def test_waiting_queue_api(queue):
     for name in ("peek_request", "remove_requests", "prepend_requests", "__iter__", "__len__"):

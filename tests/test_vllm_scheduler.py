@@ -135,6 +135,60 @@ def test_a_pinned_sessions_next_turn_goes_ahead_of_first_turns(runs):
     assert a["continuation_first_token_step"] < d["continuation_first_token_step"]
 
 
+def test_a_next_turn_does_not_wait_for_a_running_first_turns_prefill(runs):
+    """A session's next turn arrives while a first turn of nearly max_model_len is being prefilled two blocks a
+    step: vLLM schedules running requests first, so under the default the next turn waits until that prefill is
+    done; AgentScheduler caps the running prefill's chunk (one block here) in the steps where the next turn waits,
+    and serves it at once. The first turn still finishes, later by about the capped steps; greedy outputs are the
+    same either way."""
+    a, d = runs["agent"]["chunk"], runs["default"]["chunk"]
+    chunks = -(-a["long_prompt"] // a["step_budget"])
+    if chunks < 4:
+        pytest.skip(f"a block of {runs['agent']['block_size']} tokens leaves {chunks} two-block chunks within "
+                    "max_model_len: too few for a prefill still running when the next turn arrives")
+    assert d["capped_steps"] == 0 and a["capped_steps"] >= 1
+    assert d["next_turn_first_token_step"] >= chunks - 1  # behind the rest of the running prefill
+    assert a["next_turn_first_token_step"] <= 2
+    assert a["next_turn_first_token_step"] < d["next_turn_first_token_step"]
+    assert d["long_first_token_step"] <= a["long_first_token_step"] <= d["long_first_token_step"] + a["capped_steps"]
+    assert a["long_output"] == d["long_output"] and a["next_turn_output"] == d["next_turn_output"]
+
+
+def test_the_step_cap_is_whole_blocks_and_never_chunks_the_waiting_turn(monkeypatch):
+    """``_continuation_chunk`` on made-up turns: QWEN4EXP_CONTINUATION_CHUNK rounded down to whole blocks, at least
+    one block, at least the largest favoured turn's tokens past what its session holds (the exact resume point, or
+    the last block boundary of the finished turn without one); 0 when nothing is favoured or the switch is 0."""
+    from types import SimpleNamespace
+
+    from qwen4exp import envs
+    from qwen4exp.vllm.scheduler import AgentScheduler
+
+    pins = {"exact": SimpleNamespace(resume=SimpleNamespace(tokens=5000), tokens=5001),
+            "boundary": SimpleNamespace(resume=None, tokens=5000), "gone": None}
+    s = SimpleNamespace(cache_config=SimpleNamespace(block_size=1568),
+                        sessions=SimpleNamespace(pin_of=lambda sid: pins[sid]))
+
+    def cap(*turns, chunk="2048"):
+        monkeypatch.setenv("QWEN4EXP_CONTINUATION_CHUNK", chunk)
+        envs.reset()
+        return AgentScheduler._continuation_chunk(s, [SimpleNamespace(session_id=sid, num_tokens=n)
+                                                      for sid, n in turns])
+
+    try:
+        assert cap() == 0
+        assert cap(("exact", 5800)) == 1568  # 2048 -> one whole block; the turn's 800 new tokens fit
+        assert cap(("exact", 5800), chunk="5000") == 4704
+        assert cap(("exact", 5800), chunk="100") == 1568  # at least one block
+        assert cap(("exact", 8000)) == 3000  # the turn's own 3,000 new tokens
+        assert cap(("boundary", 7000)) == 7000 - 4704  # held: up to the finished turn's last block boundary
+        assert cap(("exact", 5800), ("boundary", 7500)) == 7500 - 4704
+        assert cap(("gone", 5800)) == 5800  # its pin went (pressure): the whole prompt, so no cap in effect
+        assert cap(("exact", 5800), chunk="0") == 0
+    finally:
+        monkeypatch.delenv("QWEN4EXP_CONTINUATION_CHUNK")
+        envs.reset()
+
+
 def test_close_and_abort_end_the_session_and_nothing_leaks(runs):
     a, d = runs["agent"], runs["default"]
     assert "s-close" not in a["states"] and "s-abort" not in a["states"]

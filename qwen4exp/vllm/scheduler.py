@@ -22,7 +22,10 @@ field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) get:
   are on): ``qwen4exp.vllm.metrics``. An event the state machine refuses is logged and counted, the session
   dropped, and the engine goes on.
 * **continuation first**: a waiting turn whose session's blocks are pinned goes ahead of first turns, at most
-  ``CONTINUATIONS_PER_STEP`` a step and never past a head of the queue that has waited ``HEAD_WAIT_S``.
+  ``CONTINUATIONS_PER_STEP`` a step and never past a head of the queue that has waited ``HEAD_WAIT_S``; in such a
+  step no prefill chunk is longer than ``QWEN4EXP_CONTINUATION_CHUNK`` tokens (vLLM's
+  ``long_prefill_token_threshold`` for that step), so a first turn in the middle of a long prefill, which vLLM
+  schedules before any waiting request, leaves the next turn room in the same step.
 
 The class is vLLM's ``Scheduler`` on CPU and ``AsyncScheduler`` where async scheduling is on (GPUs): subclassing
 ``Scheduler`` there would turn the async overlap off. The private vLLM attributes used here are pinned to vLLM
@@ -142,6 +145,7 @@ class AgentScheduler(Scheduler):
         self.exact_resumes = 0  # next turns that resumed at their previous turn's exact end
         self._resume_offered: set[str] = set()  # requests handed a resume point, not yet allocated
         self.preempted_tokens = 0  # computed tokens thrown away by preemptions (recomputed on readmission)
+        self.capped_steps = 0  # steps whose prefill chunks were capped for a waiting next turn
         coordinator = self.kv_cache_manager.coordinator
         self._mamba_groups = [(g, m) for g, m in enumerate(coordinator.single_type_managers)
                               if isinstance(m, MambaManager) and m.enable_caching]
@@ -318,7 +322,7 @@ class AgentScheduler(Scheduler):
                 resume = self._resume_record(request)
                 blocks = self.kv_cache_manager.pop_blocks_for_free(request)
                 pin = self.sessions.new_pin(blocks + self._checkpoint_blocks(request, blocks), fence,
-                                            request.request_id, resume)
+                                            request.request_id, resume, request.num_computed_tokens)
             state = self._fire(sid, Event.FINISH, request.request_id, pin)
             if pin is None:
                 self._checkpoints.pop(request.request_id, None)
@@ -347,24 +351,53 @@ class AgentScheduler(Scheduler):
         return self.sessions.close(session_id)
 
     # --- admission -----------------------------------------------------------------------------------------------
-    def _continuations_first(self) -> None:
+    def _continuations_first(self) -> list:
+        """Move the waiting turns of sessions whose blocks are held (HANDOFF) ahead of the queue, at most
+        ``CONTINUATIONS_PER_STEP``, unless the queue's head has waited ``HEAD_WAIT_S``; the turns favoured."""
         waiting = self.waiting
-        if len(waiting) < 2 or not self.sessions.handoff:
-            return
+        if not waiting or not self.sessions.handoff:
+            return []
         head = waiting.peek_request()
         if time.time() - head.arrival_time > HEAD_WAIT_S:
-            return
-        promote = [r for r in waiting if r.session_id is not None and r is not head
-                   and r.status == RequestStatus.WAITING and r.session_id in self.sessions.handoff]
-        promote = promote[:CONTINUATIONS_PER_STEP]
+            return []
+        favoured = [r for r in waiting if r.session_id is not None and r.status == RequestStatus.WAITING
+                    and r.session_id in self.sessions.handoff][:CONTINUATIONS_PER_STEP]
+        promote = [r for r in favoured if r is not head]
         if promote:
             waiting.remove_requests(promote)
             waiting.prepend_requests(promote)
+        return favoured
+
+    def _continuation_chunk(self, favoured: list) -> int:
+        """The prefill cap of a step in which ``favoured`` turns wait (0: none): vLLM schedules running requests
+        before waiting ones, so a first turn in the middle of a long prefill would take the whole token budget and
+        the next turn would wait for every one of its chunks. ``QWEN4EXP_CONTINUATION_CHUNK`` in whole blocks (the
+        hybrid state is cached at block boundaries), at least one block and at least the favoured turns' own new
+        tokens (past what their session holds), so they are not chunked themselves."""
+        cap = envs.QWEN4EXP_CONTINUATION_CHUNK
+        if not favoured or cap <= 0:
+            return 0
+        block = self.cache_config.block_size
+        need = 0
+        for r in favoured:
+            pin = self.sessions.pin_of(r.session_id)
+            held = 0 if pin is None else pin.resume.tokens if pin.resume is not None else pin.tokens // block * block
+            need = max(need, r.num_tokens - held)
+        return max(block, cap // block * block, need)
 
     def schedule(self, *args, **kwargs):
         self.sessions.expire()
-        self._continuations_first()
-        out = super().schedule(*args, **kwargs)
+        cap = self._continuation_chunk(self._continuations_first())
+        config = self.scheduler_config
+        saved = config.long_prefill_token_threshold
+        capped = bool(cap) and not 0 < saved <= cap
+        if capped:  # (vLLM reads the threshold at the start of its schedule and where it aligns a chunk)
+            config.long_prefill_token_threshold = cap
+            self.capped_steps += 1
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            config.long_prefill_token_threshold = saved
         for sid in list(self.sessions.handoff):
             if any((r := self.requests.get(rid)) is not None and r.status != RequestStatus.WAITING
                    for rid in self.sessions.sessions[sid].active):

@@ -89,6 +89,7 @@ class Pin:
     request_id: str
     size: int = 0  # blocks held, vLLM's placeholder null blocks not counted
     resume: Any = None  # the scheduler's record of where the turn stopped (an exact resume point), if it kept one
+    tokens: int = 0  # tokens the finished turn computed (prompt + output)
 
 
 @dataclass
@@ -246,14 +247,19 @@ class Sessions:
         s = self.sessions.get(session_id)
         return s.state if s is not None else State.CLOSED
 
-    def new_pin(self, blocks: list, fence: int, request_id: str, resume: Any = None) -> Pin:
+    def new_pin(self, blocks: list, fence: int, request_id: str, resume: Any = None, tokens: int = 0) -> Pin:
         return Pin(list(blocks), fence, self.clock() + self.ttl, request_id,
-                   sum(not getattr(b, "is_null", False) for b in blocks), resume)
+                   sum(not getattr(b, "is_null", False) for b in blocks), resume, tokens)
+
+    def pin_of(self, session_id: str) -> Optional[Pin]:
+        """The session's pin while its next turn waits for it (HANDOFF), else None."""
+        s = self.sessions.get(session_id)
+        return s.pin if s is not None and s.state is State.HANDOFF else None
 
     def resume_point(self, session_id: str) -> Any:
         """The pin's resume record while the session's next turn waits for it (HANDOFF), else None."""
-        s = self.sessions.get(session_id)
-        return s.pin.resume if s is not None and s.state is State.HANDOFF and s.pin is not None else None
+        pin = self.pin_of(session_id)
+        return pin.resume if pin is not None else None
 
     def expire(self) -> int:
         """Release every pin past its TTL; the number released."""
