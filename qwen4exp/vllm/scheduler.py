@@ -390,7 +390,7 @@ class AgentScheduler(Scheduler):
         cap = self._continuation_chunk(self._continuations_first())
         config = self.scheduler_config
         saved = config.long_prefill_token_threshold
-        capped = bool(cap) and not 0 < saved <= cap
+        capped = 0 < cap < self.max_num_scheduled_tokens and not 0 < saved <= cap  # (else it would not bind)
         if capped:  # (vLLM reads the threshold at the start of its schedule and where it aligns a chunk)
             config.long_prefill_token_threshold = cap
             self.capped_steps += 1
