@@ -62,17 +62,19 @@ def scenarios(sched: str, mtp: int) -> dict:
     def ids(n):
         return [rng.randrange(3, 2000) for _ in range(n)]
 
-    def run(reqs, abort_after=None):
-        """reqs: [(prompt ids, max_tokens, session_id, extra)]; all at once; -> [(cached, output ids)]."""
-        rids = []
-        for prompt, n, sid, extra in reqs:
-            rid = f"r{next(counter)}"
-            sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, extra_args=extra or None)
-            p = {"prompt_token_ids": prompt}
-            if extra and extra.get("cache_salt"):
-                p["cache_salt"] = extra["cache_salt"]
-            engine.add_request(rid, p, sp, session_id=sid)
-            rids.append(rid)
+    def add(prompt, n, sid, extra):
+        rid = f"r{next(counter)}"
+        sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, extra_args=extra or None)
+        p = {"prompt_token_ids": prompt}
+        if extra and extra.get("cache_salt"):
+            p["cache_salt"] = extra["cache_salt"]
+        engine.add_request(rid, p, sp, session_id=sid)
+        return rid
+
+    def run(reqs, abort_after=None, after_first_step=()):
+        """reqs: [(prompt ids, max_tokens, session_id, extra)]; all at once (``after_first_step``: more of them, added
+        once the engine has run one step); -> [(cached, output ids)] in that order."""
+        rids = [add(*r) for r in reqs]
         done, steps = {}, 0
         while engine.has_unfinished_requests():
             steps += 1
@@ -81,6 +83,8 @@ def scenarios(sched: str, mtp: int) -> dict:
                     first_token_step.setdefault(o.request_id, steps)
                 if o.finished:
                     done[o.request_id] = (o.num_cached_tokens, list(o.outputs[0].token_ids))
+            if steps == 1:
+                rids += [add(*r) for r in after_first_step]
             if abort_after is not None and steps == abort_after:
                 engine.abort_request([rids[-1]])
         return [done.get(r, (None, None)) for r in rids]
@@ -129,25 +133,18 @@ def scenarios(sched: str, mtp: int) -> dict:
     sess = ids(300)
     (_, so), = run([(sess, 8, "s-chunk", None)])
     capped = getattr(scheduler, "capped_steps", 0)
-    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    long_prompt, long_id, next_id = ids(2048 - 16), f"r{next(counter)}", f"r{next(counter)}"
-    engine.add_request(long_id, {"prompt_token_ids": long_prompt}, sp)
-    engine.step()
-    engine.add_request(next_id, {"prompt_token_ids": sess + so + ids(NEW)}, sp, session_id="s-chunk")
-    steps, first, outs = 0, {}, {}
-    while engine.has_unfinished_requests():
-        steps += 1
-        for o in engine.step():
-            if o.outputs and o.outputs[0].token_ids:
-                first.setdefault(o.request_id, steps)
-            if o.finished:
-                outs[o.request_id] = list(o.outputs[0].token_ids)
+    long_prompt = ids(2048 - 16)
+    n0 = next(counter)
+    (_, long_out), (_, next_out) = run([(long_prompt, 8, None, None)],
+                                       after_first_step=[(sess + so + ids(NEW), 8, "s-chunk", None)])
     scheduler.max_num_scheduled_tokens = budget
     del os.environ["QWEN4EXP_CONTINUATION_CHUNK"]
     envs.reset()
-    res["chunk"] = {"long_prompt": len(long_prompt), "step_budget": 2 * B, "next_turn_first_token_step": first[next_id],
-                    "long_first_token_step": first[long_id], "long_output": outs[long_id],
-                    "next_turn_output": outs[next_id], "capped_steps": getattr(scheduler, "capped_steps", 0) - capped}
+    # first-token steps counted from the next turn's arrival (after the run's first step)
+    res["chunk"] = {"long_prompt": len(long_prompt), "step_budget": 2 * B,
+                    "next_turn_first_token_step": first_token_step[f"r{n0 + 2}"] - 1,
+                    "long_first_token_step": first_token_step[f"r{n0 + 1}"] - 1, "long_output": long_out,
+                    "next_turn_output": next_out, "capped_steps": getattr(scheduler, "capped_steps", 0) - capped}
 
     # ends: a turn that closes its session, an aborted turn
     (cc, oc), = run([(ids(300), 8, "s-close", {"session_close": True})])
