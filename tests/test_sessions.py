@@ -111,6 +111,22 @@ def test_ttl_expiry_and_lru_pressure_order():
     assert not s.release_one()
 
 
+def test_pressure_takes_idle_pins_before_one_a_waiting_turn_is_about_to_use():
+    s, pool, clock = make(ttl=5.0)
+    s.fire("a", Event.ARRIVE, "ra")
+    s.fire("a", Event.FINISH, "ra", s.new_pin(pool.take(2), 0, "ra"))
+    s.fire("a", Event.ARRIVE, "ra2")  # a's next turn waits for its pin (HANDOFF)
+    for sid in "bc":
+        s.fire(sid, Event.ARRIVE, f"r{sid}")
+        s.fire(sid, Event.FINISH, f"r{sid}", s.new_pin(pool.take(2), 0, f"r{sid}"))
+    s.sessions.move_to_end("a", last=False)  # a is the least recently used session now
+    assert s.state("a") is State.HANDOFF
+    assert s.release_one() and s.state("b") is State.CLOSED and s.state("a") is State.HANDOFF
+    assert s.release_one() and s.state("c") is State.CLOSED and s.state("a") is State.HANDOFF
+    assert s.release_one() and s.state("a") is State.ACTIVE and not pool.held  # the last pin left
+    assert not s.release_one()
+
+
 def test_bound_drops_least_recent_pins_not_running_turns():
     s, pool, _ = make(max_sessions=2)
     s.fire("run", Event.ARRIVE, "r0")

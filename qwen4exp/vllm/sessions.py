@@ -270,11 +270,13 @@ class Sessions:
         return n
 
     def release_one(self, event: Event = Event.PRESSURE) -> bool:
-        """Release the least recently used pin (memory pressure); False if none is held."""
-        for sid, s in self.sessions.items():
-            if s.pin is not None:
-                self.fire(sid, event)
-                return True
+        """Release the least recently used pin (memory pressure): of an idle session (RETAINED) first, of one whose
+        next turn is already waiting for it (HANDOFF) only when no other is left; False if none is held."""
+        for handoff in (False, True):
+            for sid, s in self.sessions.items():
+                if s.pin is not None and (s.state is State.HANDOFF) == handoff:
+                    self.fire(sid, event)
+                    return True
         return False
 
     def release_all(self, event: Event = Event.RESET) -> int:
