@@ -88,6 +88,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "AgentScheduler: in a step where a session's next turn waits for its held blocks, no prefill takes more "
            "than this many tokens (rounded down to whole hybrid blocks, at least one; never less than the waiting "
            "turn's own new tokens), so the next turn does not queue behind a long first-turn prefill; 0: off"),
+    Switch("QWEN4EXP_TOKENIZE_CACHE_TOKENS", "int", 4_000_000,
+           "vLLM plugin, API server of a Qwen4Exp model: token ids of prompt pieces (the text between added tokens "
+           "such as <|im_end|>) kept in an LRU cache, so a resent conversation is tokenized only where it is new "
+           "(exact: off for a tokenizer that fails its self-check); 0: off"),
     Switch("QWEN4EXP_IDLE_TRIM", "float", 0.5,
            "vLLM plugin on CPU: seconds without a model forward after which the worker hands its freed heap memory "
            "back to the OS (glibc malloc_trim; without it RSS grows with served requests); 0: never"),

@@ -64,6 +64,22 @@ def test_plugin_serves_and_logs(server):
     assert "is served by the qwen4exp plugin" in server["log"].read_text()
 
 
+def test_chat_prompts_go_through_the_tokenize_cache_exactly(server, client, tiny_ckpt):
+    """The served plugin tokenizes chat prompts through ``qwen4exp.vllm.tokenize_cache``: a growing conversation's
+    prompt ids are the tokenizer's ids of the rendered chat, turn after turn (the earlier messages from the cache)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt)
+    msgs = [{"role": "user", "content": "the blue sky over the sea, said the old man to the boy at dawn " * 2}]
+    for turn in range(3):
+        r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0, extra_body=EXTRA)
+        want = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        assert list(r.prompt_token_ids) == list(tok(want, add_special_tokens=False)["input_ids"]), turn
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": f"and then turn {turn}, what did the boy answer the old man?"}]
+    assert "qwen4exp tokenize cache on" in server["log"].read_text()
+
+
 def test_endpoints_match_offline_engine(server, served, tmp_path_factory):
     from vllm_offline import run_offline
 

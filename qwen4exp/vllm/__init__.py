@@ -48,6 +48,9 @@ def register() -> bool:
     keep_resolved_block_size()
     eager_logprob_ranks_on_cpu()
     validate_token_ids_without_tokenizer()
+    from . import tokenize_cache
+
+    tokenize_cache.install()  # (used where a process tokenizes: the API server, an offline LLM)
     _registered = True
     # the INFO line naming the implementation is logged once, where the model is built (qwen4exp.vllm.model)
     _logger().debug("qwen4exp plugin registered %s", ", ".join(ARCHITECTURES))
