@@ -41,6 +41,7 @@ import json
 import os
 import random
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -397,6 +398,8 @@ def main(argv: list[str] | None = None) -> None:
         time.sleep(args.start_delay)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
     server.daemon_threads = True
+    for k in sorted(k for k in os.environ if k.startswith("QWEN4EXP_")):  # (what an --ab config's env set; on
+        print(f"ENV {k}={os.environ[k]}", file=sys.stderr, flush=True)  # stderr: stdout's first line is READY)
     print(f"READY {server.server_address[1]}", flush=True)
     try:
         server.serve_forever(poll_interval=0.1)

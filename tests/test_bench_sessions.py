@@ -340,6 +340,23 @@ def test_ab_interrupt_stops_the_server(tmp_path, monkeypatch):
     assert doc["configs"][0]["status"] == "interrupted" and pid_gone(doc["configs"][0]["pid"])
 
 
+def test_ab_leading_assignments_set_that_servers_environment(tmp_path):
+    assert AB.split_env("A_1=x B='y z' model --flag C=3") == ({"A_1": "x", "B": "y z"}, ["model", "--flag", "C=3"])
+    assert AB.split_env("") == ({}, []) and AB.split_env("1A=x m") == ({}, ["1A=x", "m"])
+    out = tmp_path / "ab"
+    rc, _, se, _ = run_cli(ab_argv(out, "off=QWEN4EXP_CONTINUATION_CHUNK=0 --ttft 0.001", "on=--ttft 0.001"),
+                           timeout=120)
+    assert rc == 0, se
+    env_lines = {n: [x for x in (out / n / "server.log").read_text().splitlines() if x.startswith("ENV ")]
+                 for n in ("off", "on")}
+    assert "ENV QWEN4EXP_CONTINUATION_CHUNK=0" in env_lines["off"]
+    assert not any("QWEN4EXP_CONTINUATION_CHUNK" in x for x in env_lines["on"])  # only its own config's server
+    doc = json.loads((out / "ab.json").read_text())
+    assert [c["env"] for c in doc["configs"]] == [{"QWEN4EXP_CONTINUATION_CHUNK": "0"}, {}]
+    assert "--ttft" == doc["configs"][0]["cmd"][-6]  # the assignment is not passed on as an argument
+    assert "off: starting QWEN4EXP_CONTINUATION_CHUNK=0 " in se
+
+
 def test_ab_needs_two_distinct_names(tmp_path):
     rc, _, err, _ = run_cli(ab_argv(tmp_path, "a="), timeout=30)
     assert rc == 2 and "two or more" in err

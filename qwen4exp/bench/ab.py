@@ -1,7 +1,9 @@
 """``--ab``: the same workload against two (or more) server configurations, one after the other.
 
 For each ``NAME='ARGS'`` in turn: start ``SERVE_CMD ARGS --host 127.0.0.1 --port P`` (a free port, its own
-process group, output to ``OUT/NAME/server.log``), wait until ``/v1/models`` answers, run the benchmark with
+process group, output to ``OUT/NAME/server.log``; leading ``VAR=VALUE`` words of ARGS, as in a shell, set that
+server's environment, e.g. ``--ab cap0='QWEN4EXP_CONTINUATION_CHUNK=0 MODEL ...'``), wait until ``/v1/models``
+answers, run the benchmark with
 ``--base-url http://127.0.0.1:P/v1 --label NAME --out OUT/NAME`` (the same seed and run nonce for every
 configuration, so the same conversations), stop the server (SIGTERM to its group, SIGKILL after
 ``--ab-stop-timeout``; also on errors and Ctrl-C). Then one table (printed, ``OUT/ab.csv``), ``OUT/ab.json``
@@ -15,6 +17,7 @@ import copy
 import csv
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -207,6 +210,20 @@ def _num(v: Any) -> float | None:
         return None
 
 
+_ENV_WORD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.S)
+
+
+def split_env(extra: str) -> tuple[dict[str, str], list[str]]:
+    """An --ab ARGS string -> (the environment its leading ``VAR=VALUE`` words set, the server arguments after
+    them); as a shell reads ``VAR=VALUE cmd args``: only words before the first other word count."""
+    words = shlex.split(extra)
+    env: dict[str, str] = {}
+    while words and (m := _ENV_WORD.fullmatch(words[0])):
+        env[m.group(1)] = m.group(2)
+        words.pop(0)
+    return env, words
+
+
 def run_ab(args: argparse.Namespace) -> int:
     from .cli import EXIT_OK, EXIT_SETUP, EXIT_TURNS_FAILED, _nonce, run_one
 
@@ -240,16 +257,19 @@ def run_ab(args: argparse.Namespace) -> int:
             d = out / name
             d.mkdir(parents=True, exist_ok=True)
             port = free_port()
-            cmd = serve_cmd + shlex.split(extra) + ["--host", "127.0.0.1", "--port", str(port)]
-            res: dict[str, Any] = {"name": name, "cmd": cmd, "port": port, "pid": None, "rc": None,
+            env, words = split_env(extra)
+            cmd = serve_cmd + words + ["--host", "127.0.0.1", "--port", str(port)]
+            res: dict[str, Any] = {"name": name, "cmd": cmd, "env": env, "port": port, "pid": None, "rc": None,
                                    "status": "not started", "error": None, "rows": [], "server_rc": None}
             results.append(res)
-            print(f"[ab] {name}: starting {shlex.join(cmd)} (log {d / 'server.log'})", file=sys.stderr)
+            shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+            print(f"[ab] {name}: starting {shown + ' ' if shown else ''}{shlex.join(cmd)} (log {d / 'server.log'})",
+                  file=sys.stderr)
             proc = None
             with (d / "server.log").open("w") as log:
                 try:
                     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
+                                            start_new_session=True, env={**os.environ, **env} if env else None)
                     res["pid"] = proc.pid
                     startup = wait_models(proc, port, args.ab_start_timeout, d / "server.log")
                     res["startup_s"] = round(startup, 3)

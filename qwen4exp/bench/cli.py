@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("A/B of server configurations")
     g.add_argument("--ab", action="append", type=_ab_spec, default=None, metavar="NAME='ARGS'",
                    help="give twice or more: for each in turn start '--serve-cmd ARGS --host 127.0.0.1 --port P' "
-                        "(ARGS: the model directory and server flags), wait for /v1/models, run the workload "
+                        "(ARGS: the model directory and server flags; leading VAR=VALUE words set that server's "
+                        "environment, as in a shell), wait for /v1/models, run the workload "
                         "into OUT/NAME/ (server log OUT/NAME/server.log), stop the server; then OUT/ab.csv and "
                         "OUT/ab.png (OUT: --out, default bench_out/ab; --plot-out names ab.png); --base-url is set per "
                         "configuration")
