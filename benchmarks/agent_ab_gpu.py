@@ -37,7 +37,13 @@ sys.path.insert(0, HERE)
 from agentic_gpu import allowed_ids, build_model_dir  # noqa: E402
 from bench_vllm_gpu import mtp_config  # noqa: E402
 
+from qwen4exp.bench.ab import split_env  # noqa: E402
+
 AGENT = "--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler"
+# AgentScheduler with one switch off: nocap without its step cap for a waiting next turn, notok without the
+# plugin's tokenization cache
+AGENT_VARIANTS = {"nocap": "QWEN4EXP_CONTINUATION_CHUNK=0", "notok": "QWEN4EXP_TOKENIZE_CACHE_TOKENS=0"}
+CONFIGS = ("default", "agent", *AGENT_VARIANTS)
 
 
 def kv_bytes_per_token(server_log: str) -> float | None:
@@ -115,7 +121,8 @@ def serve_args(args, model: str, model_len: int, extra_serve: str) -> str:
 def run_ab(args, phase: str, model: str, model_len: int, extra_serve: str, extra_body: dict | None) -> int:
     out = os.path.join(args.out, phase)
     common = serve_args(args, model, model_len, extra_serve)
-    configs = {"default": common, "agent": f"{common} {AGENT}"}
+    configs = {"default": common, "agent": f"{common} {AGENT}",
+               **{name: f"{env} {common} {AGENT}" for name, env in AGENT_VARIANTS.items()}}
     abs_ = [x for c in args.configs.split(",") for x in ("--ab", f"{c}={configs[c]}")]
     if len(abs_) == 2:  # one configuration: --ab wants two or more, so a plain run against its own server
         abs_ = []
@@ -163,9 +170,10 @@ def run_one(args, phase: str, bench: list[str], serve_args: str, env: dict) -> i
     out = os.path.join(args.out, phase, name)
     os.makedirs(out, exist_ok=True)
     port = free_port()
+    senv, words = split_env(serve_args)
     with open(os.path.join(out, "server.log"), "w") as lf:
-        srv = subprocess.Popen([sys.executable, "-m", "qwen4exp.serve", *shlex.split(serve_args), "--host",
-                                "127.0.0.1", "--port", str(port)], stdout=lf, stderr=subprocess.STDOUT, env=env,
+        srv = subprocess.Popen([sys.executable, "-m", "qwen4exp.serve", *words, "--host", "127.0.0.1", "--port",
+                                str(port)], stdout=lf, stderr=subprocess.STDOUT, env={**env, **senv},
                                start_new_session=True)
     try:
         wait_ready(srv, port, timeout=args.start_timeout)
@@ -200,11 +208,13 @@ def main(argv=None) -> int:
                     "list runs one pressure phase each (OUT/pressure for the first, OUT/pressure-xF for the others)")
     ap.add_argument("--no-pressure", action="store_true")
     ap.add_argument("--phases", default="free,pressure", help="comma list of free, pressure")
-    ap.add_argument("--configs", default="default,agent", help="comma list of default, agent (one: a plain run)")
+    ap.add_argument("--configs", default="default,agent", help="comma list of default, agent, " + ", ".join(
+        f"{name} (AgentScheduler with {env})" for name, env in AGENT_VARIANTS.items()) + "; one: a plain run")
     ap.add_argument("--bytes-per-token", type=float, help="KV bytes a token for the pressure phase (default: read "
                     "from the free phase's default server log)")
     ap.add_argument("--mtp", type=int, default=0, help="MTP drafts a step for both servers (0: off; AgentScheduler "
-                    "then resumes a turn from the last block boundary its decode crossed, not its exact end)")
+                    "then has no exact resume: a next turn finds what vLLM's default finds, bounded by vLLM's "
+                    "EAGLE block drop)")
     ap.add_argument("--acceptance-length", type=float, default=3.23, help="with --mtp: the synthetic mean "
                     "tokens a step (TokenSpeed's measured 3.23)")
     ap.add_argument("--start-timeout", type=float, default=300.0)
@@ -213,6 +223,9 @@ def main(argv=None) -> int:
     args.gpu_util = args.gpu_util or default_gpu_util()
     if args.mtp < 0:
         ap.error("--mtp: want 0 (off) or the number of drafts a step")
+    names = args.configs.split(",")
+    if not names or set(names) - set(CONFIGS) or len(set(names)) != len(names):
+        ap.error(f"--configs: want distinct names of {', '.join(CONFIGS)}, comma-separated (got {args.configs!r})")
     try:
         factors = [float(f) for f in str(args.pressure_factor).split(",")]
     except ValueError:
