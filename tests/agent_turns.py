@@ -15,6 +15,7 @@ import json
 import os
 import random
 import sys
+import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -135,8 +136,27 @@ def scenarios(sched: str, mtp: int) -> dict:
     capped = getattr(scheduler, "capped_steps", 0)
     long_prompt = ids(2048 - 16)
     n0 = next(counter)
-    (_, long_out), (_, next_out) = run([(long_prompt, 8, None, None)],
-                                       after_first_step=[(sess + so + ids(NEW), 8, "s-chunk", None)])
+    trace = []  # per schedule call: tokens scheduled per request, the cap in force, the session's state, pins held
+
+    def traced(*a, **k):
+        before = getattr(scheduler, "capped_steps", 0)
+        out = schedule(*a, **k)
+        sessions = getattr(scheduler, "sessions", None)
+        trace.append({"t": round(time.monotonic() - t0, 3), "scheduled": dict(out.num_scheduled_tokens),
+                      "capped": getattr(scheduler, "capped_steps", 0) - before,
+                      "waiting": [r.request_id for r in scheduler.waiting],
+                      "session": sessions.state("s-chunk").value if sessions else None,
+                      "pinned_blocks": sessions.pinned_blocks() if sessions else 0,
+                      "free_blocks": pool.get_num_free_blocks()})
+        return out
+
+    schedule, t0 = scheduler.schedule, time.monotonic()
+    scheduler.schedule = traced
+    try:
+        (_, long_out), (_, next_out) = run([(long_prompt, 8, None, None)],
+                                           after_first_step=[(sess + so + ids(NEW), 8, "s-chunk", None)])
+    finally:
+        del scheduler.schedule
     scheduler.max_num_scheduled_tokens = budget
     del os.environ["QWEN4EXP_CONTINUATION_CHUNK"]
     envs.reset()
@@ -144,7 +164,8 @@ def scenarios(sched: str, mtp: int) -> dict:
     res["chunk"] = {"long_prompt": len(long_prompt), "step_budget": 2 * B,
                     "next_turn_first_token_step": first_token_step[f"r{n0 + 2}"] - 1,
                     "long_first_token_step": first_token_step[f"r{n0 + 1}"] - 1, "long_output": long_out,
-                    "next_turn_output": next_out, "capped_steps": getattr(scheduler, "capped_steps", 0) - capped}
+                    "next_turn_output": next_out, "capped_steps": getattr(scheduler, "capped_steps", 0) - capped,
+                    "ids": [f"r{n0 + 1}", f"r{n0 + 2}"], "trace": trace}
 
     # ends: a turn that closes its session, an aborted turn
     (cc, oc), = run([(ids(300), 8, "s-close", {"session_close": True})])

@@ -8,8 +8,8 @@
 * a request that needs more than is free while a pin is held gets the pin's blocks (no deadlock, no preemption);
 * a pinned session's next turn goes ahead of first turns queued before it;
 * a turn with ``session_close`` and an aborted turn leave no pin; after releasing the pins every block is free;
-* with MTP (CUDA only: on CPU vLLM's prefix caching is off under MTP) a turn resumes from the last block boundary
-  the previous decode crossed, with the same greedy outputs.
+* with MTP (CUDA only: on CPU vLLM's prefix caching is off under MTP) a next turn finds no less than under the
+  default (vLLM's EAGLE block drop bounds both), with the same greedy outputs.
 
 On a GPU machine this file is part of the GPU suite (``tests/conftest.py``): there the async variant runs.
 """
@@ -86,26 +86,24 @@ def test_next_turn_reuses_the_previous_output(runs):
         assert t_a["output"] == t_d["output"] == t_a["output_on_a_miss"]  # greedy unchanged by scheduler and hit
 
 
-def test_next_turn_under_mtp_resumes_from_the_decodes_last_boundary(mtp_runs):
+def test_next_turn_under_mtp_finds_no_less_than_the_default(mtp_runs):
     """With MTP (3 drafts) the exact resume point is off (the state of the last accepted token moves between the
-    speculative slots); AgentScheduler keeps the state at the last block boundary turn N's decode crossed, so turn
-    N+1 finds at least that much cached, and more than the default (at most turn N's prompt to its last boundary)
-    whenever the decode crossed one. Greedy outputs are the same with either scheduler and with a forced miss."""
+    speculative slots), and vLLM 0.32 drops the last matched block of the draft's EAGLE-type KV group from every
+    hit, keeping a prompt's hybrid state a block back to match: a next turn then reaches at most one block below the
+    last boundary turn N's K/V filled, where no decode checkpoint need exist (docs/performance.md). What holds:
+    AgentScheduler's retention never finds less than the default, never more than turn N computed, and greedy
+    outputs are the same with either scheduler and with a forced miss."""
     a, d = mtp_runs["agent"], mtp_runs["default"]
     assert a["prefix_caching"] and d["prefix_caching"]
     B = a["block_size"]
     assert B == d["block_size"]
-    crossed = 0
     for k in (1, 2):
         prev = a["turns"][k - 1]
         done = prev["prompt"] + len(prev["output"])
         assert d["turns"][k]["cached"] <= checkpoint(prev["prompt"], B), (k, d["turns"][k]["cached"], B)
-        assert checkpoint(done, B) <= a["turns"][k]["cached"] <= done, (k, a["turns"][k]["cached"], done, B)
-        if checkpoint(done, B) > checkpoint(prev["prompt"], B):
-            crossed += 1
-            assert a["turns"][k]["cached"] > d["turns"][k]["cached"], (k, B)
+        assert d["turns"][k]["cached"] <= a["turns"][k]["cached"] <= done, (k, a["turns"][k]["cached"], done, B)
     print(f"MTP, block {B}: turn 2/3 cached {[t['cached'] for t in a['turns'][1:]]} (AgentScheduler) against "
-          f"{[t['cached'] for t in d['turns'][1:]]} (default); {crossed} of 2 decodes crossed a block boundary")
+          f"{[t['cached'] for t in d['turns'][1:]]} (default)")
     for t_a, t_d in zip(a["turns"], d["turns"]):
         assert t_a["output"] == t_d["output"] == t_a["output_on_a_miss"]
 
@@ -146,9 +144,10 @@ def test_a_next_turn_does_not_wait_for_a_running_first_turns_prefill(runs):
     if chunks < 4:
         pytest.skip(f"a block of {runs['agent']['block_size']} tokens leaves {chunks} two-block chunks within "
                     "max_model_len: too few for a prefill still running when the next turn arrives")
-    assert d["capped_steps"] == 0 and a["capped_steps"] >= 1
+    why = f"agent's steps (request ids {a['ids']}): {a['trace']}"  # (what a failure on another machine needs)
+    assert d["capped_steps"] == 0 and a["capped_steps"] >= 1, why
     assert d["next_turn_first_token_step"] >= chunks - 1  # behind the rest of the running prefill
-    assert a["next_turn_first_token_step"] <= 2
+    assert a["next_turn_first_token_step"] <= 2, why
     assert a["next_turn_first_token_step"] < d["next_turn_first_token_step"]
     assert d["long_first_token_step"] <= a["long_first_token_step"] <= d["long_first_token_step"] + a["capped_steps"]
     assert a["long_output"] == d["long_output"] and a["next_turn_output"] == d["next_turn_output"]

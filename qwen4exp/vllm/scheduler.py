@@ -6,7 +6,8 @@ field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) get:
 * **the end-of-turn hybrid checkpoint**: in vLLM's "align" prefix-cache mode the GDN/PLE state of a prompt is kept
   only at the prompt's last block boundary, so turn N+1 re-prefills turn N's output. Here a session request's decode
   also keeps its state at the last block boundary it crossed (one checkpoint a request: each newer one evicts the
-  one before), so turn N+1 resumes from within one block of where turn N stopped.
+  one before), so turn N+1 resumes from within one block of where turn N stopped. (Under MTP out of reach: vLLM
+  drops the last matched block of the draft's EAGLE-type KV group from every hit.)
 * **the exact resume point**: where every KV-cache group allows it (full attention, and hybrid-state groups in "align"
   mode without speculative blocks: not under MTP), the pin also records the blocks holding turn N's K/V and state
   after exactly the tokens it computed (``Resume``), and turn N+1, when its prompt starts with those tokens, takes
