@@ -131,9 +131,12 @@ def scenarios(sched: str, mtp: int) -> dict:
     os.environ["QWEN4EXP_CONTINUATION_CHUNK"] = str(B)
     envs.reset()
     budget, scheduler.max_num_scheduled_tokens = scheduler.max_num_scheduled_tokens, 2 * B
-    sess = ids(300)
+    # the previous turn ends 10 tokens short of a block boundary, so the next turn's new tokens straddle it: vLLM
+    # ends a chunk that starts mid-block at the boundary, and the rest of the turn's prefill is then a running
+    # request's, scheduled after the running first turn's
+    sess = ids(3 * B - 17)
     (_, so), = run([(sess, 8, "s-chunk", None)])
-    capped = getattr(scheduler, "capped_steps", 0)
+    capped, continued = getattr(scheduler, "capped_steps", 0), getattr(scheduler, "continued_steps", 0)
     long_prompt = ids(2048 - 16)
     n0 = next(counter)
     trace = []  # per schedule call: tokens scheduled per request, the cap in force, the session's state, pins held
@@ -165,6 +168,7 @@ def scenarios(sched: str, mtp: int) -> dict:
                     "next_turn_first_token_step": first_token_step[f"r{n0 + 2}"] - 1,
                     "long_first_token_step": first_token_step[f"r{n0 + 1}"] - 1, "long_output": long_out,
                     "next_turn_output": next_out, "capped_steps": getattr(scheduler, "capped_steps", 0) - capped,
+                    "continued_steps": getattr(scheduler, "continued_steps", 0) - continued,
                     "ids": [f"r{n0 + 1}", f"r{n0 + 2}"], "trace": trace}
 
     # ends: a turn that closes its session, an aborted turn

@@ -26,7 +26,9 @@ field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) get:
   ``CONTINUATIONS_PER_STEP`` a step and never past a head of the queue that has waited ``HEAD_WAIT_S``; in such a
   step no prefill chunk is longer than ``QWEN4EXP_CONTINUATION_CHUNK`` tokens (vLLM's
   ``long_prefill_token_threshold`` for that step), so a first turn in the middle of a long prefill, which vLLM
-  schedules before any waiting request, leaves the next turn room in the same step.
+  schedules before any waiting request, leaves the next turn room in the same step; a next turn admitted with part
+  of its prefill left (vLLM ends a chunk that starts mid-block at the block boundary) runs that part first in the
+  steps after, ahead of running first-turn prefills.
 
 The class is vLLM's ``Scheduler`` on CPU and ``AsyncScheduler`` where async scheduling is on (GPUs): subclassing
 ``Scheduler`` there would turn the async overlap off. The private vLLM attributes used here are pinned to vLLM
@@ -147,6 +149,8 @@ class AgentScheduler(Scheduler):
         self._resume_offered: set[str] = set()  # requests handed a resume point, not yet allocated
         self.preempted_tokens = 0  # computed tokens thrown away by preemptions (recomputed on readmission)
         self.capped_steps = 0  # steps whose prefill chunks were capped for a waiting next turn
+        self._continuing: set[str] = set()  # favoured next turns admitted with part of their prefill still to run
+        self.continued_steps = 0  # steps that ran such a turn's prefill first
         coordinator = self.kv_cache_manager.coordinator
         self._mamba_groups = [(g, m) for g, m in enumerate(coordinator.single_type_managers)
                               if isinstance(m, MambaManager) and m.enable_caching]
@@ -359,15 +363,34 @@ class AgentScheduler(Scheduler):
         if not waiting or not self.sessions.handoff:
             return []
         head = waiting.peek_request()
-        if time.time() - head.arrival_time > HEAD_WAIT_S:
-            return []
         favoured = [r for r in waiting if r.session_id is not None and r.status == RequestStatus.WAITING
                     and r.session_id in self.sessions.handoff][:CONTINUATIONS_PER_STEP]
-        promote = [r for r in favoured if r is not head]
-        if promote:
-            waiting.remove_requests(promote)
-            waiting.prepend_requests(promote)
+        if head not in favoured and time.time() - head.arrival_time > HEAD_WAIT_S:
+            return []
+        if favoured and any(a is not b for a, b in zip(favoured, waiting)):
+            waiting.remove_requests(favoured)
+            waiting.prepend_requests(reversed(favoured))  # (vLLM's FCFS queue prepends them one by one: extendleft)
         return favoured
+
+    def _continuations_running_first(self) -> None:
+        """Move favoured turns admitted with part of their prefill left to the front of the running queue: vLLM
+        ends a chunk that starts mid-block at the block boundary, so a turn resuming just short of one is admitted
+        with the rest of its new tokens still to prefill, and as a running request behind a long first-turn
+        prefill (admitted before it) it would wait for all that prefill's chunks. At the front it takes only its
+        remaining prompt tokens (under one block) before the others."""
+        if not self._continuing:
+            return
+        front = []
+        for rid in list(self._continuing):
+            r = self.requests.get(rid)
+            if r is None or r.status != RequestStatus.RUNNING or r.num_computed_tokens >= r.num_prompt_tokens:
+                self._continuing.discard(rid)
+            else:
+                front.append(r)
+        if front:
+            self.continued_steps += 1
+            rest = [r for r in self.running if r.request_id not in self._continuing]
+            self.running[:] = [r for r in self.running if r.request_id in self._continuing] + rest
 
     def _continuation_chunk(self, favoured: list) -> int:
         """The prefill cap of a step in which ``favoured`` turns wait (0: none): vLLM schedules running requests
@@ -388,7 +411,9 @@ class AgentScheduler(Scheduler):
 
     def schedule(self, *args, **kwargs):
         self.sessions.expire()
-        cap = self._continuation_chunk(self._continuations_first())
+        self._continuations_running_first()
+        favoured = self._continuations_first()
+        cap = self._continuation_chunk(favoured)
         config = self.scheduler_config
         saved = config.long_prefill_token_threshold
         capped = 0 < cap < self.max_num_scheduled_tokens and not 0 < saved <= cap  # (else it would not bind)
@@ -399,6 +424,9 @@ class AgentScheduler(Scheduler):
             out = super().schedule(*args, **kwargs)
         finally:
             config.long_prefill_token_threshold = saved
+        for r in favoured:  # (num_computed_tokens counts what this step schedules)
+            if r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens:
+                self._continuing.add(r.request_id)
         for sid in list(self.sessions.handoff):
             if any((r := self.requests.get(rid)) is not None and r.status != RequestStatus.WAITING
                    for rid in self.sessions.sessions[sid].active):
