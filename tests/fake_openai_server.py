@@ -135,6 +135,16 @@ class State:
         }
         self.kv_computed_sum = 0
         self.kv_computed_count = 0
+        self.times = {"vllm:time_to_first_token_seconds": 0.0, "vllm:request_queue_time_seconds": 0.0,
+                      "vllm:request_prefill_time_seconds": 0.0}  # seconds histograms' sums (count: timed)
+        self.timed = 0
+
+    def time_request(self, prefill_s: float) -> None:
+        """A request's server-side times as vLLM observes them: no queue, its prefill sleep, TTFT the sum."""
+        with self.lock:
+            self.times["vllm:time_to_first_token_seconds"] += prefill_s
+            self.times["vllm:request_prefill_time_seconds"] += prefill_s
+            self.timed += 1
 
     def block_hashes(self, ids: list[int]) -> list[int]:
         bs = self.args.block_size
@@ -184,6 +194,11 @@ class State:
                          f"{float(self.kv_computed_count)}")
             lines.append(f"{name}_count{labels} {float(self.kv_computed_count)}")
             lines.append(f"{name}_sum{labels} {float(self.kv_computed_sum)}")
+            for name, total in self.times.items():
+                lines.append(f"# TYPE {name} histogram")
+                lines.append(f'{name}_bucket{{engine="0",le="+Inf",model_name="{self.args.model}"}} {float(self.timed)}')
+                lines.append(f"{name}_count{labels} {float(self.timed)}")
+                lines.append(f"{name}_sum{labels} {total}")
         lines.append("# HELP vllm:num_requests_running fake gauge")
         lines.append("# TYPE vllm:num_requests_running gauge")
         lines.append(f"vllm:num_requests_running{labels} 0.0")
@@ -317,7 +332,9 @@ def make_handler(state: State):
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             # "prefill": time for the uncached part
-            time.sleep(args.ttft + (len(prompt) - cached) / args.prefill_rate)
+            prefill_s = args.ttft + (len(prompt) - cached) / args.prefill_rate
+            time.sleep(prefill_s)
+            state.time_request(prefill_s)
             rid = f"chatcmpl-{nreq}"
             base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": args.model}
             role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}

@@ -204,6 +204,14 @@ def test_cached_fraction_from_reported_usage(fake_factory, tmp_path):
         # /metrics: what the server computed = prompt tokens not found in the cache, over exactly this level
         assert num(row["recomputed_tokens"]) == sum(r["prompt_tokens"] - r["cached_tokens"] for r in level)
         assert num(row["preemptions"]) == 0
+        # the fake's server-side times: no queue, prefill = its sleep (5 ms + uncached tokens at 200,000 a second)
+        sleeps = [5.0 + (r["prompt_tokens"] - r["cached_tokens"]) / 200.0 for r in level]
+        assert num(row["queue_mean_ms"]) == 0
+        assert num(row["prefill_mean_ms"]) == pytest.approx(sum(sleeps) / len(sleeps), rel=1e-3)
+        # the client's TTFT holds the server's and the HTTP round trip besides
+        assert 0 < num(row["frontend_mean_ms"]) < num(row["ttft_mean_ms"])
+        assert num(row["frontend_mean_ms"]) == pytest.approx(num(row["ttft_mean_ms"]) - num(row["prefill_mean_ms"]),
+                                                             abs=0.01)
 
 
 def test_cached_fraction_blank_without_usage_details(fake_factory, tmp_path):
@@ -214,6 +222,7 @@ def test_cached_fraction_blank_without_usage_details(fake_factory, tmp_path):
     assert all(r["cached_fraction"] is None for r in run.turns)
     for row in run.rows:
         assert row["cached_fraction_mean"] == "" and row["preemptions"] == "" and row["recomputed_tokens"] == ""
+        assert row["queue_mean_ms"] == row["prefill_mean_ms"] == row["frontend_mean_ms"] == ""
         assert num(row["ttft_turn1_p50_ms"]) > 0 and num(row["ttft_later_p50_ms"]) > 0
 
 
@@ -226,6 +235,14 @@ def test_server_metrics_preemptions_and_recomputed_tokens():
     assert sm["preemptions"] == 5 and sm["recomputed_tokens"] == 250
     sm = M.server_metrics({}, M.parse_prometheus("vllm:prefix_cache_hits_total 1\n"))
     assert sm["preemptions"] is None and sm["recomputed_tokens"] is None
+    hist = ('vllm:request_queue_time_seconds_sum{engine="0"} 0.5\nvllm:request_queue_time_seconds_count{engine="0"} 2\n'
+            'vllm:request_queue_time_seconds_sum{engine="1"} 0.25\nvllm:request_queue_time_seconds_count{engine="1"} 1\n')
+    before = M.parse_prometheus(hist)
+    after = M.parse_prometheus(hist.replace("} 0.5\n", "} 1.7\n").replace("} 2\n", "} 5\n"))
+    sm = M.server_metrics(before, after)
+    assert sm["queue_ms"] == pytest.approx(400.0)  # 1.2 s over 3 more requests, both engines summed
+    assert sm["prefill_ms"] is None and sm["server_ttft_ms"] is None
+    assert M.server_metrics(before, before)["queue_ms"] is None  # nothing observed over the level
     assert M.cached_fraction(90, 80, 20) == 0.9 and M.cached_fraction(None, 80, 20) is None
     assert M.cached_fraction(5, 0, 0) is None
 

@@ -45,6 +45,9 @@ AB_COLUMNS = [
     "cached_fraction_mean",
     "preemptions",
     "recomputed_tokens",
+    "queue_mean_ms",
+    "prefill_mean_ms",
+    "frontend_mean_ms",
 ]
 AB_HEADERS = {
     "config": "config",
@@ -59,6 +62,9 @@ AB_HEADERS = {
     "cached_fraction_mean": "cached frac",
     "preemptions": "preempt",
     "recomputed_tokens": "recomputed",
+    "queue_mean_ms": "queue mean",
+    "prefill_mean_ms": "prefill mean",
+    "frontend_mean_ms": "frontend mean",
 }
 
 

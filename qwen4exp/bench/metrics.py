@@ -86,6 +86,9 @@ SUMMARY_COLUMNS: list[str] = [
     "cached_fraction_mean",
     "preemptions",
     "recomputed_tokens",
+    "queue_mean_ms",
+    "prefill_mean_ms",
+    "frontend_mean_ms",
     "think_s_mean",
     "prompt_tokens_mean",
     "prompt_tokens_max",
@@ -136,6 +139,13 @@ COLUMN_DOC: dict[str, str] = {
     "preemptions": "d(vllm:num_preemptions) over the level from /metrics (blank if not exposed)",
     "recomputed_tokens": "d(vllm:request_prefill_kv_computed_tokens sum) over the level: prompt tokens the server "
                          "computed rather than found cached (blank if not exposed)",
+    "queue_mean_ms": "d(vllm:request_queue_time_seconds) sum / count over the level: mean time a request waited in "
+                     "the engine's queue before its first step (blank if not exposed)",
+    "prefill_mean_ms": "the same of vllm:request_prefill_time_seconds: mean time from a request's first step to its "
+                       "first token, the prefill of what it did not find cached and the steps it shared",
+    "frontend_mean_ms": "ttft_mean_ms minus the server's own mean TTFT (vllm:time_to_first_token_seconds, counted from "
+                        "the engine's arrival time): what a request spends before it reaches the engine (HTTP, chat "
+                        "template, tokenization) and on the way back",
     "think_s_mean": "mean --think-time pause before turns >= 2 (outside every request's timing)",
     "prompt_tokens_mean": "mean prompt tokens per completed turn (server's usage)",
     "prompt_tokens_max": "largest prompt of the level (server's usage)",
@@ -204,6 +214,10 @@ SPEC_DRAFTS = ("vllm:spec_decode_num_drafts",)
 PREEMPTIONS = ("vllm:num_preemptions",)
 # Histogram of the prompt tokens each request computed (not from the prefix cache): its _sum series.
 KV_COMPUTED = ("vllm:request_prefill_kv_computed_tokens_sum",)
+# Request-time histograms (seconds): TTFT counted from the engine's arrival time, queue, first step to first token
+SERVER_TTFT = "vllm:time_to_first_token_seconds"
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+PREFILL_TIME = "vllm:request_prefill_time_seconds"
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -257,9 +271,17 @@ def counter_delta(
     return value - start
 
 
+def histogram_mean_ms(before: Mapping[str, float] | None, after: Mapping[str, float] | None,
+                      name: str) -> float | None:
+    """Mean of a seconds histogram's observations over a level, in ms (None when absent or nothing observed)."""
+    total = counter_delta(before, after, (name + "_sum",))
+    count = counter_delta(before, after, (name + "_count",))
+    return 1000.0 * total / count if total is not None and count else None
+
+
 def server_metrics(before: Mapping[str, float] | None, after: Mapping[str, float] | None) -> dict[str, Any]:
-    """Prefix-cache hit rate (%), spec-decode acceptance length, preemptions and recomputed prompt tokens over a
-    level (None where the server does not expose the counter)."""
+    """Prefix-cache hit rate (%), spec-decode acceptance length, preemptions, recomputed prompt tokens and the mean
+    server-side TTFT, queue and prefill times over a level (None where the server does not expose them)."""
     hits = counter_delta(before, after, PREFIX_HITS)
     queries = counter_delta(before, after, PREFIX_QUERIES)
     accepted = counter_delta(before, after, SPEC_ACCEPTED)
@@ -273,6 +295,9 @@ def server_metrics(before: Mapping[str, float] | None, after: Mapping[str, float
         "acceptance_length": None,
         "preemptions": counter_delta(before, after, PREEMPTIONS),
         "recomputed_tokens": counter_delta(before, after, KV_COMPUTED),
+        "server_ttft_ms": histogram_mean_ms(before, after, SERVER_TTFT),
+        "queue_ms": histogram_mean_ms(before, after, QUEUE_TIME),
+        "prefill_ms": histogram_mean_ms(before, after, PREFILL_TIME),
     }
     if hits is not None and queries:
         res["cache_hit_pct"] = 100.0 * hits / queries
@@ -379,6 +404,10 @@ def summarize_level(
         "cached_fraction_mean": mean(fracs),
         "preemptions": server.get("preemptions"),
         "recomputed_tokens": server.get("recomputed_tokens"),
+        "queue_mean_ms": server.get("queue_ms"),
+        "prefill_mean_ms": server.get("prefill_ms"),
+        "frontend_mean_ms": (mean(ttfts) - server["server_ttft_ms"]
+                             if ttfts and server.get("server_ttft_ms") is not None else None),
         "think_s_mean": mean(thinks),
         "prompt_tokens_mean": mean(prompt_tokens),
         "prompt_tokens_max": max(prompt_tokens) if prompt_tokens else None,
