@@ -208,10 +208,11 @@ def test_cached_fraction_from_reported_usage(fake_factory, tmp_path):
         sleeps = [5.0 + (r["prompt_tokens"] - r["cached_tokens"]) / 200.0 for r in level]
         assert num(row["queue_mean_ms"]) == 0
         assert num(row["prefill_mean_ms"]) == pytest.approx(sum(sleeps) / len(sleeps), rel=1e-3)
+        assert num(row["render_mean_ms"]) == pytest.approx(1.0, abs=0.01)  # the fake's server TTFT: prefill + 1 ms
         # the client's TTFT holds the server's and the HTTP round trip besides
         assert 0 < num(row["frontend_mean_ms"]) < num(row["ttft_mean_ms"])
-        assert num(row["frontend_mean_ms"]) == pytest.approx(num(row["ttft_mean_ms"]) - num(row["prefill_mean_ms"]),
-                                                             abs=0.01)
+        assert num(row["frontend_mean_ms"]) == pytest.approx(
+            num(row["ttft_mean_ms"]) - num(row["prefill_mean_ms"]) - 1.0, abs=0.01)
 
 
 def test_cached_fraction_blank_without_usage_details(fake_factory, tmp_path):
@@ -222,7 +223,7 @@ def test_cached_fraction_blank_without_usage_details(fake_factory, tmp_path):
     assert all(r["cached_fraction"] is None for r in run.turns)
     for row in run.rows:
         assert row["cached_fraction_mean"] == "" and row["preemptions"] == "" and row["recomputed_tokens"] == ""
-        assert row["queue_mean_ms"] == row["prefill_mean_ms"] == row["frontend_mean_ms"] == ""
+        assert row["queue_mean_ms"] == row["prefill_mean_ms"] == row["render_mean_ms"] == row["frontend_mean_ms"] == ""
         assert num(row["ttft_turn1_p50_ms"]) > 0 and num(row["ttft_later_p50_ms"]) > 0
 
 

@@ -47,6 +47,7 @@ AB_COLUMNS = [
     "recomputed_tokens",
     "queue_mean_ms",
     "prefill_mean_ms",
+    "render_mean_ms",
     "frontend_mean_ms",
 ]
 AB_HEADERS = {
@@ -64,6 +65,7 @@ AB_HEADERS = {
     "recomputed_tokens": "recomputed",
     "queue_mean_ms": "queue mean",
     "prefill_mean_ms": "prefill mean",
+    "render_mean_ms": "render mean",
     "frontend_mean_ms": "frontend mean",
 }
 

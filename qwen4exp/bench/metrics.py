@@ -88,6 +88,7 @@ SUMMARY_COLUMNS: list[str] = [
     "recomputed_tokens",
     "queue_mean_ms",
     "prefill_mean_ms",
+    "render_mean_ms",
     "frontend_mean_ms",
     "think_s_mean",
     "prompt_tokens_mean",
@@ -143,9 +144,11 @@ COLUMN_DOC: dict[str, str] = {
                      "the engine's queue before its first step (blank if not exposed)",
     "prefill_mean_ms": "the same of vllm:request_prefill_time_seconds: mean time from a request's first step to its "
                        "first token, the prefill of what it did not find cached and the steps it shared",
-    "frontend_mean_ms": "ttft_mean_ms minus the server's own mean TTFT (vllm:time_to_first_token_seconds, counted from "
-                        "the engine's arrival time): what a request spends before it reaches the engine (HTTP, chat "
-                        "template, tokenization) and on the way back",
+    "render_mean_ms": "the server's mean TTFT (vllm:time_to_first_token_seconds, counted from the arrival time vLLM "
+                      "0.32 takes before it renders the chat) minus queue and prefill: chat template, tokenization, "
+                      "input processing, the way to the engine core and the first token's way back",
+    "frontend_mean_ms": "ttft_mean_ms minus the server's mean TTFT: HTTP and request parsing before vLLM's arrival "
+                        "time, and the streamed response's way to the client",
     "think_s_mean": "mean --think-time pause before turns >= 2 (outside every request's timing)",
     "prompt_tokens_mean": "mean prompt tokens per completed turn (server's usage)",
     "prompt_tokens_max": "largest prompt of the level (server's usage)",
@@ -406,6 +409,9 @@ def summarize_level(
         "recomputed_tokens": server.get("recomputed_tokens"),
         "queue_mean_ms": server.get("queue_ms"),
         "prefill_mean_ms": server.get("prefill_ms"),
+        "render_mean_ms": (server["server_ttft_ms"] - server["queue_ms"] - server["prefill_ms"]
+                           if None not in (server.get("server_ttft_ms"), server.get("queue_ms"), server.get("prefill_ms"))
+                           else None),
         "frontend_mean_ms": (mean(ttfts) - server["server_ttft_ms"]
                              if ttfts and server.get("server_ttft_ms") is not None else None),
         "think_s_mean": mean(thinks),
