@@ -40,9 +40,11 @@ from bench_vllm_gpu import mtp_config  # noqa: E402
 from qwen4exp.bench.ab import split_env  # noqa: E402
 
 AGENT = "--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler"
-# AgentScheduler with one switch off: nocap without its step cap for a waiting next turn, notok without the
-# plugin's tokenization cache
-AGENT_VARIANTS = {"nocap": "QWEN4EXP_CONTINUATION_CHUNK=0", "notok": "QWEN4EXP_TOKENIZE_CACHE_TOKENS=0"}
+# AgentScheduler with one thing changed: (environment, server arguments added after the shared ones). nocap: without
+# its step cap for a waiting next turn; notok: without the plugin's tokenization cache; short: 4,096-token steps
+# instead of 16,384 (a next turn arriving mid-step waits for a shorter step; first turns prefill in more steps)
+AGENT_VARIANTS = {"nocap": ("QWEN4EXP_CONTINUATION_CHUNK=0", ""), "notok": ("QWEN4EXP_TOKENIZE_CACHE_TOKENS=0", ""),
+                  "short": ("", "--max-num-batched-tokens 4096")}
 CONFIGS = ("default", "agent", *AGENT_VARIANTS)
 
 
@@ -122,7 +124,7 @@ def run_ab(args, phase: str, model: str, model_len: int, extra_serve: str, extra
     out = os.path.join(args.out, phase)
     common = serve_args(args, model, model_len, extra_serve)
     configs = {"default": common, "agent": f"{common} {AGENT}",
-               **{name: f"{env} {common} {AGENT}" for name, env in AGENT_VARIANTS.items()}}
+               **{name: f"{env} {common} {AGENT} {more}".strip() for name, (env, more) in AGENT_VARIANTS.items()}}
     abs_ = [x for c in args.configs.split(",") for x in ("--ab", f"{c}={configs[c]}")]
     if len(abs_) == 2:  # one configuration: --ab wants two or more, so a plain run against its own server
         abs_ = []
@@ -209,7 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-pressure", action="store_true")
     ap.add_argument("--phases", default="free,pressure", help="comma list of free, pressure")
     ap.add_argument("--configs", default="default,agent", help="comma list of default, agent, " + ", ".join(
-        f"{name} (AgentScheduler with {env})" for name, env in AGENT_VARIANTS.items()) + "; one: a plain run")
+        f"{name} (AgentScheduler with {env or more})" for name, (env, more) in AGENT_VARIANTS.items())
+        + "; one: a plain run")
     ap.add_argument("--bytes-per-token", type=float, help="KV bytes a token for the pressure phase (default: read "
                     "from the free phase's default server log)")
     ap.add_argument("--mtp", type=int, default=0, help="MTP drafts a step for both servers (0: off; AgentScheduler "
