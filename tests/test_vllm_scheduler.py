@@ -248,6 +248,15 @@ def test_continuations_go_first_unless_a_first_turn_has_waited_too_long():
     AgentScheduler._continuations_running_first(s)
     assert s._continuing == set() and s.continued_steps == 1 and [r.request_id for r in s.running][0] == "c1"
 
+    # which favoured turns a step leaves to run first: admitted (running), with at most a chunk's worth left
+    s = SimpleNamespace(cache_config=SimpleNamespace(block_size=1568), _continuing=set())
+    turns = [req("cut", "s1", status=RequestStatus.RUNNING, computed=50_000, prompt=50_500),
+             req("lost", "s2", status=RequestStatus.RUNNING, computed=16_384, prompt=50_500),  # no cached prefix
+             req("done", "s3", status=RequestStatus.RUNNING, computed=50_500, prompt=50_500),
+             req("waits", "s4", computed=0, prompt=50_500)]
+    AgentScheduler._track_continuing(s, turns)
+    assert s._continuing == {"cut"}
+
 
 def test_close_and_abort_end_the_session_and_nothing_leaks(runs):
     a, d = runs["agent"], runs["default"]

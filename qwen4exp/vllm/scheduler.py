@@ -392,6 +392,16 @@ class AgentScheduler(Scheduler):
             rest = [r for r in self.running if r.request_id not in self._continuing]
             self.running[:] = [r for r in self.running if r.request_id in self._continuing] + rest
 
+    def _track_continuing(self, favoured: list) -> None:
+        """After a step: the favoured turns it admitted with part of their prompt left, at most a chunk's worth
+        (``QWEN4EXP_CONTINUATION_CHUNK`` or one block: the rest of a turn cut at a block boundary), run first in the
+        steps after. (A turn that lost its session's blocks before admission has its whole prompt left: it is
+        prefilled as any other.) ``num_computed_tokens`` already counts what this step scheduled."""
+        most = max(self.cache_config.block_size, envs.QWEN4EXP_CONTINUATION_CHUNK)
+        for r in favoured:
+            if r.status == RequestStatus.RUNNING and 0 < r.num_prompt_tokens - r.num_computed_tokens <= most:
+                self._continuing.add(r.request_id)
+
     def _continuation_chunk(self, favoured: list) -> int:
         """The prefill cap of a step in which ``favoured`` turns wait (0: none): vLLM schedules running requests
         before waiting ones, so a first turn in the middle of a long prefill would take the whole token budget and
@@ -424,9 +434,7 @@ class AgentScheduler(Scheduler):
             out = super().schedule(*args, **kwargs)
         finally:
             config.long_prefill_token_threshold = saved
-        for r in favoured:  # (num_computed_tokens counts what this step schedules)
-            if r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens:
-                self._continuing.add(r.request_id)
+        self._track_continuing(favoured)
         for sid in list(self.sessions.handoff):
             if any((r := self.requests.get(rid)) is not None and r.status != RequestStatus.WAITING
                    for rid in self.sessions.sessions[sid].active):
