@@ -244,6 +244,20 @@ def test_server_metrics_preemptions_and_recomputed_tokens():
     assert sm["queue_ms"] == pytest.approx(400.0)  # 1.2 s over 3 more requests, both engines summed
     assert sm["prefill_ms"] is None and sm["server_ttft_ms"] is None
     assert M.server_metrics(before, before)["queue_ms"] is None  # nothing observed over the level
+    # AgentScheduler's counters over the level, labels summed; its gauges left out
+    agent0 = ('qwen4exp:capped_steps_total{engine="0"} 4\nqwen4exp:retained_blocks{engine="0"} 9\n'
+              'qwen4exp:retention_evictions_total{reason="ttl"} 1\nqwen4exp:retention_evictions_total{reason="pressure"} 0\n')
+    agent1 = agent0.replace("} 4\n", "} 10\n").replace("} 9\n", "} 3\n").replace('"pressure"} 0', '"pressure"} 2')
+    sm = M.server_metrics(M.parse_prometheus(agent0), M.parse_prometheus(agent1))
+    assert sm["qwen4exp_counters"] == {"qwen4exp:capped_steps": 6, "qwen4exp:retention_evictions": 2}
+    assert M.server_metrics(None, M.parse_prometheus(text0))["qwen4exp_counters"] == {}
+
+
+def test_bench_reads_every_agent_scheduler_counter():
+    """The bench (which does not import vLLM) names the counters qwen4exp.vllm.metrics exports."""
+    from qwen4exp.vllm import metrics as served
+
+    assert M.AGENT_COUNTERS == {"qwen4exp:" + name for name in served.COUNTERS}
     assert M.cached_fraction(90, 80, 20) == 0.9 and M.cached_fraction(None, 80, 20) is None
     assert M.cached_fraction(5, 0, 0) is None
 

@@ -244,6 +244,8 @@ def test_continuations_go_first_unless_a_first_turn_has_waited_too_long():
     AgentScheduler._continuations_running_first(s)
     assert [r.request_id for r in s.running] == ["c1", "long", "c2"] and s.running is running
     assert s._continuing == {"c1"} and s.continued_steps == 1  # c2's prompt is computed, "gone" went
+    AgentScheduler._continuations_running_first(s)  # already in front: not counted again
+    assert [r.request_id for r in s.running] == ["c1", "long", "c2"] and s.continued_steps == 1
     running[0].num_computed_tokens = 100
     AgentScheduler._continuations_running_first(s)
     assert s._continuing == set() and s.continued_steps == 1 and [r.request_id for r in s.running][0] == "c1"

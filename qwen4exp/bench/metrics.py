@@ -217,6 +217,10 @@ SPEC_DRAFTS = ("vllm:spec_decode_num_drafts",)
 PREEMPTIONS = ("vllm:num_preemptions",)
 # Histogram of the prompt tokens each request computed (not from the prefix cache): its _sum series.
 KV_COMPUTED = ("vllm:request_prefill_kv_computed_tokens_sum",)
+# AgentScheduler's counters as parse_prometheus names them (labels summed, "_total" dropped)
+AGENT_COUNTERS = frozenset("qwen4exp:" + n for n in (
+    "retention_hits", "retention_evictions", "illegal_transitions", "exact_resumes", "preempted_tokens",
+    "capped_steps", "continued_steps"))
 # Request-time histograms (seconds): TTFT counted from the engine's arrival time, queue, first step to first token
 SERVER_TTFT = "vllm:time_to_first_token_seconds"
 QUEUE_TIME = "vllm:request_queue_time_seconds"
@@ -301,6 +305,10 @@ def server_metrics(before: Mapping[str, float] | None, after: Mapping[str, float
         "server_ttft_ms": histogram_mean_ms(before, after, SERVER_TTFT),
         "queue_ms": histogram_mean_ms(before, after, QUEUE_TIME),
         "prefill_ms": histogram_mean_ms(before, after, PREFILL_TIME),
+        # AgentScheduler's counters (qwen4exp.vllm.metrics) over the level: retention hits, evictions, exact
+        # resumes, capped and continued steps ... (summary.json only)
+        "qwen4exp_counters": {k: v - (before or {}).get(k, 0.0) for k, v in (after or {}).items()
+                              if k.startswith("qwen4exp:") and k in AGENT_COUNTERS},
     }
     if hits is not None and queries:
         res["cache_hit_pct"] = 100.0 * hits / queries

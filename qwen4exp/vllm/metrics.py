@@ -25,7 +25,11 @@ multiprocess mode picks the newest value. Series (labels ``model_name`` and ``en
 * ``qwen4exp:exact_resumes_total``: next turns that resumed at the exact end of their previous turn (prefilling only
   their new tokens);
 * ``qwen4exp:preempted_tokens_total``: computed tokens thrown away by preemptions (all requests; recomputed when the
-  request is readmitted).
+  request is readmitted);
+* ``qwen4exp:capped_steps_total``: steps whose prefill chunks were capped for a waiting next turn
+  (``QWEN4EXP_CONTINUATION_CHUNK``);
+* ``qwen4exp:continued_steps_total``: steps that moved the rest of a next turn's prompt (cut at a block boundary
+  when it was admitted) ahead of other running requests.
 
 Without ``--scheduler-cls`` naming ``AgentScheduler`` (or a subclass) the logger registers nothing (a subclass outside
 this package: its series appear with its first numbers). vLLM turns its
@@ -56,6 +60,9 @@ COUNTERS = {
     "exact_resumes": ("Next turns of an agent session that resumed at the exact end of their previous turn.", None,
                       ()),
     "preempted_tokens": ("Computed tokens thrown away by preemptions under AgentScheduler.", None, ()),
+    "capped_steps": ("Engine steps whose prefill chunks AgentScheduler capped for a waiting next turn.", None, ()),
+    "continued_steps": ("Engine steps that moved the rest of a next turn's prompt, cut at a block boundary, ahead "
+                        "of other running requests.", None, ()),
 }
 
 

@@ -150,7 +150,7 @@ class AgentScheduler(Scheduler):
         self.preempted_tokens = 0  # computed tokens thrown away by preemptions (recomputed on readmission)
         self.capped_steps = 0  # steps whose prefill chunks were capped for a waiting next turn
         self._continuing: set[str] = set()  # favoured next turns admitted with part of their prefill still to run
-        self.continued_steps = 0  # steps that ran such a turn's prefill first
+        self.continued_steps = 0  # steps that moved such a turn ahead of another running request
         coordinator = self.kv_cache_manager.coordinator
         self._mamba_groups = [(g, m) for g, m in enumerate(coordinator.single_type_managers)
                               if isinstance(m, MambaManager) and m.enable_caching]
@@ -388,9 +388,11 @@ class AgentScheduler(Scheduler):
             else:
                 front.append(r)
         if front:
-            self.continued_steps += 1
-            rest = [r for r in self.running if r.request_id not in self._continuing]
-            self.running[:] = [r for r in self.running if r.request_id in self._continuing] + rest
+            order = ([r for r in self.running if r.request_id in self._continuing]
+                     + [r for r in self.running if r.request_id not in self._continuing])
+            if any(a is not b for a, b in zip(order, self.running)):  # (counted where it went ahead of another)
+                self.running[:] = order
+                self.continued_steps += 1
 
     def _track_continuing(self, favoured: list) -> None:
         """After a step: the favoured turns it admitted with part of their prompt left, at most a chunk's worth
@@ -452,7 +454,8 @@ class AgentScheduler(Scheduler):
         if stats is not None:  # carried to the API server's AgentStatLogger (qwen4exp.vllm.metrics)
             stats.running_lora_adapters.update(metrics.payload(
                 self.sessions, self._metrics_sent,
-                {"exact_resumes": self.exact_resumes, "preempted_tokens": self.preempted_tokens}))
+                {"exact_resumes": self.exact_resumes, "preempted_tokens": self.preempted_tokens,
+                 "capped_steps": self.capped_steps, "continued_steps": self.continued_steps}))
         return stats
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:
