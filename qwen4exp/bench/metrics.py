@@ -308,7 +308,7 @@ def server_metrics(before: Mapping[str, float] | None, after: Mapping[str, float
         # AgentScheduler's counters (qwen4exp.vllm.metrics) over the level: retention hits, evictions, exact
         # resumes, capped and continued steps ... (summary.json only)
         "qwen4exp_counters": {k: v - (before or {}).get(k, 0.0) for k, v in (after or {}).items()
-                              if k.startswith("qwen4exp:") and k in AGENT_COUNTERS},
+                              if k in AGENT_COUNTERS},
     }
     if hits is not None and queries:
         res["cache_hit_pct"] = 100.0 * hits / queries

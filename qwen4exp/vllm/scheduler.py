@@ -378,16 +378,11 @@ class AgentScheduler(Scheduler):
         with the rest of its new tokens still to prefill, and as a running request behind a long first-turn
         prefill (admitted before it) it would wait for all that prefill's chunks. At the front it takes only its
         remaining prompt tokens (under one block) before the others."""
-        if not self._continuing:
-            return
-        front = []
         for rid in list(self._continuing):
             r = self.requests.get(rid)
             if r is None or r.status != RequestStatus.RUNNING or r.num_computed_tokens >= r.num_prompt_tokens:
                 self._continuing.discard(rid)
-            else:
-                front.append(r)
-        if front:
+        if self._continuing:
             order = ([r for r in self.running if r.request_id in self._continuing]
                      + [r for r in self.running if r.request_id not in self._continuing])
             if any(a is not b for a, b in zip(order, self.running)):  # (counted where it went ahead of another)
