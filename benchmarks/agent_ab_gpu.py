@@ -42,9 +42,11 @@ from qwen4exp.bench.ab import split_env  # noqa: E402
 AGENT = "--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler"
 # AgentScheduler with one thing changed: (environment, server arguments added after the shared ones). nocap: without
 # its step cap for a waiting next turn; notok: without the plugin's tokenization cache; short: 4,096-token steps
-# instead of 16,384 (a next turn arriving mid-step waits for a shorter step; first turns prefill in more steps)
+# always, instead of 16,384 (not only during tool pauses); nopause: full steps during tool pauses too
+# (QWEN4EXP_PAUSE_CHUNK=0); pause2k: 2,048-token prefill steps during tool pauses (one FN-12L block) instead of 4,096
 AGENT_VARIANTS = {"nocap": ("QWEN4EXP_CONTINUATION_CHUNK=0", ""), "notok": ("QWEN4EXP_TOKENIZE_CACHE_TOKENS=0", ""),
-                  "short": ("", "--max-num-batched-tokens 4096")}
+                  "short": ("", "--max-num-batched-tokens 4096"), "nopause": ("QWEN4EXP_PAUSE_CHUNK=0", ""),
+                  "pause2k": ("QWEN4EXP_PAUSE_CHUNK=2048", "")}
 CONFIGS = ("default", "agent", *AGENT_VARIANTS)
 
 

@@ -88,6 +88,11 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "AgentScheduler: in a step where a session's next turn waits for its held blocks, no prefill takes more "
            "than this many tokens (rounded down to whole hybrid blocks, at least one; never less than the waiting "
            "turn's own new tokens), so the next turn does not queue behind a long first-turn prefill; 0: off"),
+    Switch("QWEN4EXP_PAUSE_CHUNK", "int", 4096,
+           "AgentScheduler: while a session is in a tool pause (its finished turn's blocks held for its next turn), "
+           "no step schedules more than this many prefill tokens (rounded down to whole hybrid blocks, at least one; "
+           "decode tokens come on top), so a next turn that arrives mid-step waits for a short step, not a whole "
+           "--max-num-batched-tokens one; first turns then prefill in more, shorter steps; 0: off"),
     Switch("QWEN4EXP_TOKENIZE_CACHE_TOKENS", "int", 4_000_000,
            "vLLM plugin, API server of a Qwen4Exp model: token ids of prompt pieces (the text between added tokens "
            "such as <|im_end|>) kept in an LRU cache, so a resent conversation is tokenized only where it is new "

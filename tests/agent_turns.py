@@ -7,7 +7,8 @@ Scenarios: ``turns`` (a 3-turn session: cached tokens per turn, outputs, the sam
 ``pressure`` (a session's turn, then other traffic that fills the KV cache, then the session's next turn; then one
 request larger than what is free while a pin is held), ``admission`` (a session's next turn behind more first
 turns than ``max_num_seqs``: when it gets its first token), ``chunk`` (a session's next turn arriving during a long
-first turn's chunked prefill: when each gets its first token), ``ends`` (a turn with ``session_close``, an aborted turn),
+first turn's chunked prefill: when each gets its first token), ``pause`` (a long first turn's step sizes while a
+session is in a tool pause and after its release), ``ends`` (a turn with ``session_close``, an aborted turn),
 and the block pool's free count before and after (leaks). With MTP_DRAFTS > 0 the engine drafts with our MTP head
 and only ``turns`` runs (the others' block counts are sized without the draft's cache)."""
 
@@ -183,6 +184,40 @@ def scenarios(sched: str, mtp: int) -> dict:
     if snap:
         snap.release_all()
     res["free_after_release"] = pool.get_num_free_blocks()
+
+    # pause: a long first turn prefilled while a session is in a tool pause (its turn held), then again with no
+    # session held (a cache salt forces the miss): AgentScheduler keeps the first to steps of QWEN4EXP_PAUSE_CHUNK
+    # prefill tokens (one block here, against a step budget of three), the second runs at the full budget
+    os.environ["QWEN4EXP_PAUSE_CHUNK"] = str(B)
+    envs.reset()
+    budget, scheduler.max_num_scheduled_tokens = scheduler.max_num_scheduled_tokens, 3 * B
+    paused = getattr(scheduler, "paused_steps", 0)
+    run([(ids(200), 8, "s-pause", None)])
+    held = snap.pinned_blocks() if snap else 0
+    long_prompt, parts = ids(2048 - 16), {}
+    for part, salt in (("held", None), ("released", {"cache_salt": "pause-miss"})):
+        if part == "released" and snap:
+            snap.release_all()
+        steps = []
+
+        def sized(*a, **k):
+            out = schedule(*a, **k)
+            steps.append(out.total_num_scheduled_tokens)
+            return out
+
+        schedule = scheduler.schedule
+        scheduler.schedule = sized
+        try:
+            (_, out), = run([(long_prompt, 8, None, salt)])
+        finally:
+            del scheduler.schedule
+        parts[part] = {"step_tokens": steps, "output": out}
+    scheduler.max_num_scheduled_tokens = budget
+    del os.environ["QWEN4EXP_PAUSE_CHUNK"]
+    envs.reset()
+    res["pause"] = {"held_blocks": held, "step_budget": 3 * B, **parts,
+                    "paused_steps": getattr(scheduler, "paused_steps", 0) - paused}
+    res["free_after_pause"] = pool.get_num_free_blocks()
     return res
 
 

@@ -170,17 +170,19 @@ def test_variants_are_the_agent_server_with_one_thing_changed(ab, tmp_path, monk
 
     monkeypatch.setattr(ab.subprocess, "Popen", Proc)
     args = ab.main.__globals__["argparse"].Namespace(
-        gpu_util=0.7, mtp=0, acceptance_length=3.23, configs="default,agent,nocap,notok,short", out=str(tmp_path),
+        gpu_util=0.7, mtp=0, acceptance_length=3.23, configs="default,agent,nocap,notok,short,nopause", out=str(tmp_path),
         first_turn_tokens=5000, turn_tokens=300, turns="3", max_output_tokens=64, concurrency=2, conversations=4,
         think_time="0", start_timeout=10.0, phase_timeout=10.0)
     assert ab.run_ab(args, "free", "/m", 6144, "", None) == 0
     (cmd,) = seen
     specs = dict(cmd[i + 1].split("=", 1) for i, x in enumerate(cmd) if x == "--ab")
-    assert list(specs) == ["default", "agent", "nocap", "notok", "short"]
+    assert list(specs) == ["default", "agent", "nocap", "notok", "short", "nopause"]
     env, words = split_env(specs["nocap"])
     assert env == {"QWEN4EXP_CONTINUATION_CHUNK": "0"} and words == shlex.split(specs["agent"])
     env, words = split_env(specs["notok"])
     assert env == {"QWEN4EXP_TOKENIZE_CACHE_TOKENS": "0"} and words == shlex.split(specs["agent"])
+    env, words = split_env(specs["nopause"])
+    assert env == {"QWEN4EXP_PAUSE_CHUNK": "0"} and words == shlex.split(specs["agent"])
     env, words = split_env(specs["short"])
     assert env == {} and words == shlex.split(specs["agent"]) + ["--max-num-batched-tokens", "4096"]
     assert "--max-num-batched-tokens 16384" in specs["short"]  # (vLLM's parser takes the last of a repeated flag)

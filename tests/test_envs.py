@@ -31,7 +31,7 @@ def test_switches_declared():
     assert set(envs.SWITCHES) == {"QWEN4EXP_VLLM", "QWEN4EXP_OPS", "QWEN4EXP_VLLM_GDN", "QWEN4EXP_PLE_TABLE",
                                   "QWEN4EXP_PLE_PREFETCH", "QWEN4EXP_CACHE_DIR", "QWEN4EXP_SESSION_TTL",
                                   "QWEN4EXP_FAULT_INJECT", "QWEN4EXP_IDLE_TRIM", "QWEN4EXP_QSA_WARMUP",
-                                  "QWEN4EXP_HC_DECODE", "QWEN4EXP_CONTINUATION_CHUNK",
+                                  "QWEN4EXP_HC_DECODE", "QWEN4EXP_CONTINUATION_CHUNK", "QWEN4EXP_PAUSE_CHUNK",
                                   "QWEN4EXP_TOKENIZE_CACHE_TOKENS"}
     for name, s in envs.SWITCHES.items():
         assert s.name == name and s.doc and s.kind in ("bool", "choice", "path", "float", "int")

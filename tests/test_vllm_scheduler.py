@@ -7,6 +7,7 @@
 * other traffic between a session's turns evicts the session's blocks under the default; the pin keeps them;
 * a request that needs more than is free while a pin is held gets the pin's blocks (no deadlock, no preemption);
 * a pinned session's next turn goes ahead of first turns queued before it;
+* while a session is in a tool pause, prefill steps are short (``QWEN4EXP_PAUSE_CHUNK``);
 * a turn with ``session_close`` and an aborted turn leave no pin; after releasing the pins every block is free;
 * with MTP (CUDA only: on CPU vLLM's prefix caching is off under MTP) a next turn finds no less than under the
   default (vLLM's EAGLE block drop bounds both), with the same greedy outputs.
@@ -258,6 +259,55 @@ def test_continuations_go_first_unless_a_first_turn_has_waited_too_long():
              req("waits", "s4", computed=0, prompt=50_500)]
     AgentScheduler._track_continuing(s, turns)
     assert s._continuing == {"cut"}
+
+
+def test_a_tool_pause_keeps_prefill_steps_short(runs):
+    """While a session's turn is held for its next turn, AgentScheduler plans no step with more than
+    QWEN4EXP_PAUSE_CHUNK prefill tokens (one block here, against a step budget of three), so a next turn arriving
+    mid-step waits for a short step; once nothing is held the full budget is back. The default plans full steps
+    either way; greedy outputs are the same in all four runs, and nothing stays allocated."""
+    a, d, B = runs["agent"]["pause"], runs["default"]["pause"], runs["agent"]["block_size"]
+    assert a["held_blocks"] > 0 and a["step_budget"] == 3 * B
+    long_steps = -(-(2048 - 16) // B)
+    assert max(a["held"]["step_tokens"]) <= B + 1, a["held"]["step_tokens"]  # one block + the lone decode slot
+    assert sum(n == B for n in a["held"]["step_tokens"]) >= long_steps - 1
+    assert a["paused_steps"] >= long_steps - 1 and d["paused_steps"] == 0
+    for steps in (a["released"]["step_tokens"], d["held"]["step_tokens"], d["released"]["step_tokens"]):
+        assert B + 1 < max(steps) <= 3 * B, steps
+    assert a["held"]["output"] == a["released"]["output"] == d["held"]["output"] == d["released"]["output"]
+    assert runs["agent"]["free_after_pause"] == runs["agent"]["free_at_start"]
+
+
+def test_the_pause_budget(monkeypatch):
+    """``_pause_budget`` on made-up schedulers: QWEN4EXP_PAUSE_CHUNK in whole blocks (at least one) plus every
+    running request's decode slots (1 + MTP drafts), only while a session is held (RETAINED, or HANDOFF), with
+    chunked prefill on, and where it is below vLLM's own budget; (0, 0) otherwise."""
+    from types import SimpleNamespace
+
+    from qwen4exp import envs
+    from qwen4exp.vllm.scheduler import AgentScheduler
+
+    def budget(chunk="4096", retained=1, handoff=(), running=4, spec=0, chunked=True, most=16384):
+        monkeypatch.setenv("QWEN4EXP_PAUSE_CHUNK", chunk)
+        envs.reset()
+        s = SimpleNamespace(cache_config=SimpleNamespace(block_size=1568), running=[None] * running,
+                            num_spec_tokens=spec, max_num_scheduled_tokens=most,
+                            scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked),
+                            sessions=SimpleNamespace(retained_count=lambda: retained, handoff=set(handoff)))
+        return AgentScheduler._pause_budget(s)
+
+    try:
+        assert budget() == (3136 + 4, 3136)  # 4,096 -> two whole blocks, + 4 decode slots
+        assert budget(spec=3) == (3136 + 16, 3136)
+        assert budget(chunk="100") == (1568 + 4, 1568)  # at least one block
+        assert budget(retained=0, handoff={"s"}) == (3140, 3136)  # a next turn waiting for its held blocks
+        assert budget(retained=0) == (0, 0)  # no session in a pause
+        assert budget(chunk="0") == (0, 0)
+        assert budget(chunked=False) == (0, 0)  # a prompt over the budget would never be admitted
+        assert budget(most=3140) == (0, 0) and budget(most=3141) == (3140, 3136)  # only where it binds
+    finally:
+        monkeypatch.delenv("QWEN4EXP_PAUSE_CHUNK")
+        envs.reset()
 
 
 def test_close_and_abort_end_the_session_and_nothing_leaks(runs):

@@ -125,7 +125,8 @@ def test_session_numbers_on_metrics(server):
             "qwen4exp:retained_blocks": 0, "qwen4exp:retention_hits_total": 0,
             "qwen4exp:illegal_transitions_total": 0, "qwen4exp:exact_resumes_total": 0,
             "qwen4exp:preempted_tokens_total": 0, "qwen4exp:capped_steps_total": 0,
-            "qwen4exp:continued_steps_total": 0}  # (one turn at a time here: nothing to cap or pass)
+            "qwen4exp:continued_steps_total": 0, "qwen4exp:paused_steps_total": 0}  # (one ~1k-token turn at a
+    # time here: nothing to cap or pass, no step near the 4,096-token budget of a tool pause)
     zero.update({f"qwen4exp:retention_evictions_total{{reason={r}}}": 0
                  for r in ("ttl", "pressure", "close", "abort", "reset", "error")})
     assert ours(scrape(server)) == zero  # every series there from the start

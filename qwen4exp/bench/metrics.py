@@ -220,7 +220,7 @@ KV_COMPUTED = ("vllm:request_prefill_kv_computed_tokens_sum",)
 # AgentScheduler's counters as parse_prometheus names them (labels summed, "_total" dropped)
 AGENT_COUNTERS = frozenset("qwen4exp:" + n for n in (
     "retention_hits", "retention_evictions", "illegal_transitions", "exact_resumes", "preempted_tokens",
-    "capped_steps", "continued_steps"))
+    "capped_steps", "continued_steps", "paused_steps"))
 # Request-time histograms (seconds): TTFT counted from the engine's arrival time, queue, first step to first token
 SERVER_TTFT = "vllm:time_to_first_token_seconds"
 QUEUE_TIME = "vllm:request_queue_time_seconds"

@@ -29,7 +29,8 @@ multiprocess mode picks the newest value. Series (labels ``model_name`` and ``en
 * ``qwen4exp:capped_steps_total``: steps whose prefill chunks were capped for a waiting next turn
   (``QWEN4EXP_CONTINUATION_CHUNK``);
 * ``qwen4exp:continued_steps_total``: steps that moved the rest of a next turn's prompt (cut at a block boundary
-  when it was admitted) ahead of other running requests.
+  when it was admitted) ahead of other running requests;
+* ``qwen4exp:paused_steps_total``: steps that ran at the short budget of a tool pause (``QWEN4EXP_PAUSE_CHUNK``).
 
 Without ``--scheduler-cls`` naming ``AgentScheduler`` (or a subclass) the logger registers nothing (a subclass outside
 this package: its series appear with its first numbers). vLLM turns its
@@ -63,6 +64,8 @@ COUNTERS = {
     "capped_steps": ("Engine steps whose prefill chunks AgentScheduler capped for a waiting next turn.", None, ()),
     "continued_steps": ("Engine steps that moved the rest of a next turn's prompt, cut at a block boundary, ahead "
                         "of other running requests.", None, ()),
+    "paused_steps": ("Engine steps AgentScheduler kept to the short budget of a tool pause (QWEN4EXP_PAUSE_CHUNK).",
+                     None, ()),
 }
 
 

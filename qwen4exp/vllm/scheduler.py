@@ -29,6 +29,10 @@ field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) get:
   schedules before any waiting request, leaves the next turn room in the same step; a next turn admitted with part
   of its prefill left (vLLM ends a chunk that starts mid-block at the block boundary) runs that part first in the
   steps after, ahead of running first-turn prefills.
+* **short steps during tool pauses**: while a session's finished turn is held for its next turn, no step schedules
+  more than ``QWEN4EXP_PAUSE_CHUNK`` prefill tokens (plus its decode tokens), so a next turn that arrives while a
+  step runs (with async scheduling, while the step after it is already planned) waits for short steps, not for whole
+  ``--max-num-batched-tokens`` prefill chunks of first turns.
 
 The class is vLLM's ``Scheduler`` on CPU and ``AsyncScheduler`` where async scheduling is on (GPUs): subclassing
 ``Scheduler`` there would turn the async overlap off. The private vLLM attributes used here are pinned to vLLM
@@ -151,6 +155,7 @@ class AgentScheduler(Scheduler):
         self.capped_steps = 0  # steps whose prefill chunks were capped for a waiting next turn
         self._continuing: set[str] = set()  # favoured next turns admitted with part of their prefill still to run
         self.continued_steps = 0  # steps that moved such a turn ahead of another running request
+        self.paused_steps = 0  # steps that ran at the short budget of a tool pause (QWEN4EXP_PAUSE_CHUNK)
         coordinator = self.kv_cache_manager.coordinator
         self._mamba_groups = [(g, m) for g, m in enumerate(coordinator.single_type_managers)
                               if isinstance(m, MambaManager) and m.enable_caching]
@@ -416,21 +421,41 @@ class AgentScheduler(Scheduler):
             need = max(need, r.num_tokens - held)
         return max(block, cap // block * block, need)
 
+    def _pause_budget(self) -> tuple[int, int]:
+        """(the step's token budget, its prefill part) while a session is in a tool pause, else (0, 0): the prefill
+        part is ``QWEN4EXP_PAUSE_CHUNK`` in whole blocks (at least one), and every running request's decode tokens
+        (with MTP its drafts too) come on top, so decodes are never squeezed. Only with chunked prefill (without it
+        a prompt longer than the budget would never be admitted) and where it is below vLLM's own budget."""
+        chunk = envs.QWEN4EXP_PAUSE_CHUNK
+        if (chunk <= 0 or not self.scheduler_config.enable_chunked_prefill
+                or not (self.sessions.retained_count() or self.sessions.handoff)):
+            return 0, 0
+        block = self.cache_config.block_size
+        chunk = max(block, chunk // block * block)
+        budget = chunk + len(self.running) * (1 + self.num_spec_tokens)
+        return (budget, chunk) if budget < self.max_num_scheduled_tokens else (0, 0)
+
     def schedule(self, *args, **kwargs):
         self.sessions.expire()
         self._continuations_running_first()
         favoured = self._continuations_first()
         cap = self._continuation_chunk(favoured)
+        budget, chunk = (0, 0) if cap else self._pause_budget()
         config = self.scheduler_config
-        saved = config.long_prefill_token_threshold
+        saved, saved_budget = config.long_prefill_token_threshold, self.max_num_scheduled_tokens
         capped = 0 < cap < self.max_num_scheduled_tokens and not 0 < saved <= cap  # (else it would not bind)
         if capped:  # (vLLM reads the threshold at the start of its schedule and where it aligns a chunk)
             config.long_prefill_token_threshold = cap
             self.capped_steps += 1
+        if budget:  # (read at the start of vLLM's schedule, where it aligns a chunk and in its final check)
+            self.max_num_scheduled_tokens = budget
         try:
             out = super().schedule(*args, **kwargs)
         finally:
             config.long_prefill_token_threshold = saved
+            self.max_num_scheduled_tokens = saved_budget
+        if budget and out.total_num_scheduled_tokens >= chunk:  # (counted where the short budget was filled)
+            self.paused_steps += 1
         self._track_continuing(favoured)
         for sid in list(self.sessions.handoff):
             if any((r := self.requests.get(rid)) is not None and r.status != RequestStatus.WAITING
@@ -450,7 +475,8 @@ class AgentScheduler(Scheduler):
             stats.running_lora_adapters.update(metrics.payload(
                 self.sessions, self._metrics_sent,
                 {"exact_resumes": self.exact_resumes, "preempted_tokens": self.preempted_tokens,
-                 "capped_steps": self.capped_steps, "continued_steps": self.continued_steps}))
+                 "capped_steps": self.capped_steps, "continued_steps": self.continued_steps,
+                 "paused_steps": self.paused_steps}))
         return stats
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:

@@ -295,6 +295,10 @@ class Sessions:
             self.counts["released_pressure"] -= 1
             self.counts["evicted_lru"] += 1
 
+    def retained_count(self) -> int:
+        """Sessions in a tool pause: their finished turn held, no next turn yet (RETAINED)."""
+        return self._by_state[State.RETAINED.value]
+
     def pinned_blocks(self) -> int:
         """Blocks the pins hold (vLLM's placeholder null blocks not counted)."""
         return self._pinned
