@@ -1,7 +1,9 @@
 """Multi-turn sessions through one in-process vLLM engine (CPU, tiny-coder, float32), driven step by step through
 ``LLMEngine.add_request(..., session_id=...)``; prints one JSON object. Used by tests/test_vllm_scheduler.py:
 
-    python tests/agent_turns.py SCHEDULER_CLS|default OUT.json [MTP_DRAFTS]
+    python tests/agent_turns.py SCHEDULER_CLS|default OUT.json [MTP_DRAFTS [async]]
+
+(``async``: asynchronous scheduling forced on, on CPU too.)
 
 Scenarios: ``turns`` (a 3-turn session: cached tokens per turn, outputs, the same prompts with a cache miss forced),
 ``pressure`` (a session's turn, then other traffic that fills the KV cache, then the session's next turn; then one
@@ -24,10 +26,26 @@ BLOCKS = 48  # KV cache blocks in all: small enough that other traffic evicts a 
 P, OUT, NEW = 970, 120, 20
 
 
-def main(sched: str, out_path: str, mtp: int = 0) -> None:
+def main(sched: str, out_path: str, mtp: int = 0, force_async: bool = False) -> None:
+    if force_async:
+        async_on_cpu()
     res = scenarios(sched, mtp)
     with open(out_path, "w") as f:
         json.dump(res, f)
+
+
+def async_on_cpu() -> None:
+    """Schedule asynchronously (vLLM's ``AsyncScheduler``, one step planned ahead of the one running, as on GPUs)
+    on CPU too, where vLLM turns it off as not needed: so the CPU suite covers the variant GPUs run."""
+    from vllm.platforms import cpu
+
+    update = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def with_async(cls, vllm_config):
+        update(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(with_async)
 
 
 def scenarios(sched: str, mtp: int) -> dict:
@@ -222,4 +240,5 @@ def scenarios(sched: str, mtp: int) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0,
+         len(sys.argv) > 4 and sys.argv[4] == "async")

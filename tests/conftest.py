@@ -56,3 +56,12 @@ def tiny_ckpt(tmp_path_factory):
     from tiny_checkpoint import build_checkpoint
 
     return build_checkpoint(str(tmp_path_factory.mktemp("tiny_ckpt")), seed=0)
+
+
+def pytest_runtest_logreport(report):
+    """With QWEN4EXP_FAILURE_LOG set (the GPU suite sets it): each failure's report is appended to that file as soon
+    as the test fails, so a run cut off by its time limit or the lease still says why a test failed."""
+    path = os.environ.get("QWEN4EXP_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

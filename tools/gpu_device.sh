@@ -94,8 +94,11 @@ suite_part() {  # PART GPU SECONDS PYTEST-ARGS...: one shard of the GPU suite (G
   [ -n "$gpu" ] && vars+=(CUDA_VISIBLE_DEVICES="$gpu")
   # fla only for the kernel tests: the engine tests' HF references run as they always have
   [ "$part" = ops ] && vars+=(PYTHONPATH="$FLA${PYTHONPATH:+:$PYTHONPATH}")
-  # -v, unbuffered: one line per finished test as it finishes, so a run cut off by the lease still says what passed
-  env "${vars[@]}" PYTHONUNBUFFERED=1 timeout "$secs" python -m pytest -v -rs --durations=15 -p no:cacheprovider \
+  # -v, unbuffered: one line per finished test as it finishes, so a run cut off by the lease still says what passed;
+  # failures' reports go to suite-PART.failures at once (tests/conftest.py); at the limit pytest gets SIGINT first,
+  # so it still prints its summary
+  env "${vars[@]}" PYTHONUNBUFFERED=1 QWEN4EXP_FAILURE_LOG="$OUT/suite-$part.failures" \
+    timeout -s INT -k 30 "$secs" python -m pytest -v -rs --durations=15 -p no:cacheprovider \
     -m gpu --junitxml "$OUT/suite-$part.xml" "$@" > "$OUT/suite-$part.log" 2>&1
   echo "rc=$?" >> "$OUT/suite-$part.log"
 }
@@ -165,7 +168,7 @@ for p in parts:
     text = open(f"{out}/suite-{p}.log", errors="replace").read()
     rc = re.findall(r"^rc=(\d+)", text, re.M)
     rc = rc[-1] if rc else "?"
-    rcs.append(f"{p} rc={rc}" + {"5": " (no tests selected)", "124": " (timed out)"}.get(rc, ""))
+    rcs.append(f"{p} rc={rc}" + {"5": " (no tests selected)", "124": " (timed out)", "137": " (timed out, killed)"}.get(rc, ""))
     last = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?|deselected)\b", ln)]
     for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", last[-1] if last else ""):
         what = "errors" if what.startswith("error") else what
@@ -264,6 +267,9 @@ case "${1:-}" in
     cat "$q/queue.log" 2>/dev/null; [ -f "$q/done" ] && echo "(all ended)"
     for f in "$q"/out/*/suite-*.log; do
       [ -f "$f" ] && echo "${f#$q/out/}: $(grep -c ' PASSED' "$f") passed, $(grep -cE ' (FAILED|ERROR)' "$f") failed; $(tail -1 "$f" | cut -c1-120)"
+    done
+    for f in "$q"/out/*/suite-*.failures; do  # (the first lines of why each failed test failed)
+      [ -f "$f" ] && { echo "== ${f#$q/out/}"; head -c 4000 "$f"; }
     done
     pack "$q/out" "$OUT/results.tgz" --exclude='*.pt'; echo "archive: $(du -h "$OUT/results.tgz" | cut -f1)" ;;
   bgresult)
