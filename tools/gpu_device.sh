@@ -18,7 +18,8 @@
 #                                                   # every test engine with a small share of its GPU and a fixed
 #                                                   # KV cache; SUITE_THREADS: torch threads a lane), all
 #                                                   # within SUITE_TIMEOUT s (default 570);
-#                                                   # logs $OUT/suite-PART.log + .xml, one summary line at the end.
+#                                                   # logs $OUT/suite-PART.log + .xml (+ .failures: each failed
+#                                                   # test's report, written as it fails), one summary line at the end.
 #                                                   # With PYTEST ARGS: one run of pytest -m gpu ARGS instead
 #                                                   # (e.g. tests/test_vllm_mtp.py -k "greedy or share")
 #   bash tools/gpu_device.sh check [models]       # tools/vllm_gpu_check.py, ours + upstream (default tiny,coder,fn4)
