@@ -1,9 +1,10 @@
 """Multi-turn sessions through one in-process vLLM engine (CPU, tiny-coder, float32), driven step by step through
 ``LLMEngine.add_request(..., session_id=...)``; prints one JSON object. Used by tests/test_vllm_scheduler.py:
 
-    python tests/agent_turns.py SCHEDULER_CLS|default OUT.json [MTP_DRAFTS [async]]
+    python tests/agent_turns.py SCHEDULER_CLS|default OUT.json [MTP_DRAFTS [async|priority]]
 
-(``async``: asynchronous scheduling forced on, on CPU too.)
+(``async``: asynchronous scheduling forced on, on CPU too; ``priority``: ``--scheduling-policy priority``, then only
+``turns`` and ``priority``, a next turn behind first turns of its class and one of a higher class.)
 
 Scenarios: ``turns`` (a 3-turn session: cached tokens per turn, outputs, the same prompts with a cache miss forced),
 ``pressure`` (a session's turn, then other traffic that fills the KV cache, then the session's next turn; then one
@@ -26,10 +27,10 @@ BLOCKS = 48  # KV cache blocks in all: small enough that other traffic evicts a 
 P, OUT, NEW = 970, 120, 20
 
 
-def main(sched: str, out_path: str, mtp: int = 0, force_async: bool = False) -> None:
-    if force_async:
+def main(sched: str, out_path: str, mtp: int = 0, mode: str = "") -> None:
+    if mode == "async":
         async_on_cpu()
-    res = scenarios(sched, mtp)
+    res = scenarios(sched, mtp, "priority" if mode == "priority" else "fcfs")
     with open(out_path, "w") as f:
         json.dump(res, f)
 
@@ -48,7 +49,7 @@ def async_on_cpu() -> None:
     cpu.CpuPlatform.check_and_update_config = classmethod(with_async)
 
 
-def scenarios(sched: str, mtp: int) -> dict:
+def scenarios(sched: str, mtp: int, policy: str = "fcfs") -> dict:
     from qwen4exp.serve import cpu_env
 
     cpu_env()
@@ -61,6 +62,8 @@ def scenarios(sched: str, mtp: int) -> dict:
                enable_prefix_caching=True, num_gpu_blocks_override=BLOCKS)
     if sched != "default":
         eng["scheduler_cls"] = sched
+    if policy != "fcfs":
+        eng["scheduling_policy"] = policy
     if mtp:
         # the draft layer's cache shares the pool: BLOCKS no longer holds one max_model_len request on CUDA; only
         # ``turns`` runs, which needs room rather than pressure, so vLLM sizes the cache
@@ -84,11 +87,13 @@ def scenarios(sched: str, mtp: int) -> dict:
 
     def add(prompt, n, sid, extra):
         rid = f"r{next(counter)}"
+        extra = dict(extra or {})
+        priority = extra.pop("priority", 0)
         sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, extra_args=extra or None)
         p = {"prompt_token_ids": prompt}
-        if extra and extra.get("cache_salt"):
+        if extra.get("cache_salt"):
             p["cache_salt"] = extra["cache_salt"]
-        engine.add_request(rid, p, sp, session_id=sid)
+        engine.add_request(rid, p, sp, session_id=sid, priority=priority)
         return rid
 
     def run(reqs, abort_after=None, after_first_step=()):
@@ -117,6 +122,37 @@ def scenarios(sched: str, mtp: int) -> dict:
         turns.append({"prompt": len(prompt), "cached": cached, "output": out, "output_on_a_miss": miss})
         prompt = prompt + out + ids(NEW)
     res["turns"] = turns
+    if policy == "priority":
+        # a session's next turn arrives behind as many first turns of a higher class (a lower number) as the engine
+        # runs at once, and behind more first turns of its own class than that: the step in which each is first
+        # scheduled
+        sess = ids(200)
+        (_, so), = run([(sess, 8, "s-prio", None)])
+        n0, first_scheduled = next(counter), {}
+        schedule = scheduler.schedule
+
+        calls = iter(range(1, 10**6))
+
+        def counted(*a, **k):
+            out = schedule(*a, **k)
+            step = next(calls)
+            for key in out.num_scheduled_tokens:
+                first_scheduled.setdefault(key.split("-")[0], step)
+            return out
+
+        scheduler.schedule = counted
+        try:
+            run([(ids(200), 8, None, {"priority": -1}) for _ in range(4)]
+                + [(ids(200), 8, None, None) for _ in range(6)] + [(sess + so + ids(NEW), 8, "s-prio", None)])
+        finally:
+            del scheduler.schedule
+        steps = [first_scheduled[f"r{n0 + 1 + i}"] for i in range(11)]
+        res["priority"] = {"higher_class": steps[:4], "first_turns": steps[4:10], "next_turn": steps[10]}
+        snap = getattr(scheduler, "sessions", None)
+        if snap:
+            snap.release_all()
+        res["free_at_end"] = pool.get_num_free_blocks()
+        return res
     if mtp:
         res["prefix_caching"] = bool(scheduler.cache_config.enable_prefix_caching)
         res["exact_resumes"] = getattr(scheduler, "exact_resumes", 0)
@@ -241,4 +277,4 @@ def scenarios(sched: str, mtp: int) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0,
-         len(sys.argv) > 4 and sys.argv[4] == "async")
+         sys.argv[4] if len(sys.argv) > 4 else "")

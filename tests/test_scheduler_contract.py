@@ -12,7 +12,7 @@ from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager, SingleTypeKVCacheManager
 from vllm.v1.request import Request, RequestStatus
@@ -109,6 +109,30 @@ def test_the_step_prefill_cap_is_read_from_the_config_in_each_schedule():
 def test_waiting_queue_api(queue):
     for name in ("peek_request", "remove_requests", "prepend_requests", "__iter__", "__len__"):
         assert callable(getattr(queue, name)), name
+
+
+def test_the_step_token_budget_is_read_in_each_schedule():
+    """Short steps during tool pauses set ``max_num_scheduled_tokens`` around ``schedule``: vLLM must take its step
+    budget from it there and in the hybrid block-aligned split, and check the step against it."""
+    src = inspect.getsource(Scheduler.schedule)
+    assert "token_budget = self.max_num_scheduled_tokens" in src
+    assert "total_num_scheduled_tokens <= self.max_num_scheduled_tokens" in src
+    assert "self.max_num_scheduled_tokens" in inspect.getsource(Scheduler._mamba_block_aligned_split)
+    assert "self.waiting = create_request_queue(self.policy)" in inspect.getsource(Scheduler.__init__)
+
+
+def test_the_priority_queue_we_subclass():
+    """``SessionPriorityQueue`` keeps its own heap of keyed entries: the methods it inherits from vLLM's
+    ``PriorityRequestQueue`` must go through ``_heap`` and ``add_request`` only."""
+    from qwen4exp.vllm.scheduler import SessionPriorityQueue
+
+    for name in ("prepend_request", "prepend_requests"):
+        assert "self.add_request(" in inspect.getsource(getattr(PriorityRequestQueue, name)), name
+    for name in ("__bool__", "__len__"):
+        assert "self._heap" in inspect.getsource(getattr(PriorityRequestQueue, name)), name
+    overridden = {n for n, v in vars(SessionPriorityQueue).items() if callable(v)}
+    abstract = {n for n, v in vars(RequestQueue).items() if getattr(v, "__isabstractmethod__", False)}
+    assert abstract - overridden == {"prepend_request", "prepend_requests", "__bool__", "__len__"}
 
 
 # --- the route of AgentScheduler's numbers to /metrics (qwen4exp.vllm.metrics) ------------------------------------

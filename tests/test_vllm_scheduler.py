@@ -75,6 +75,89 @@ def test_async_scheduling_on_cpu_gives_the_same_turns(runs, async_runs):
         assert async_runs[name]["pressure"] == runs[name]["pressure"], name
 
 
+@pytest.fixture(scope="module")
+def priority_runs(tmp_path_factory):
+    return _run_both(tmp_path_factory, "0", "priority")
+
+
+def test_priority_classes_come_first_then_next_turns(runs, priority_runs):
+    """``--scheduling-policy priority`` (``X-Vllm-Priority``): four first turns of a higher class fill the engine
+    first under either scheduler; then AgentScheduler admits the session's next turn ahead of the six first turns of
+    its own class that arrived before it, where vLLM's default waits for them. Turn by turn the same cached tokens
+    and greedy outputs as under FCFS; nothing stays allocated."""
+    a, d = priority_runs["agent"]["priority"], priority_runs["default"]["priority"]
+    for r in (a, d):
+        assert max(r["higher_class"]) < min(r["first_turns"]) and max(r["higher_class"]) < r["next_turn"], r
+    assert a["next_turn"] == min(a["first_turns"]), a  # in the first wave of its class
+    assert sum(f < d["next_turn"] for f in d["first_turns"]) >= 4, d  # behind its class's earlier arrivals
+    for name in ("agent", "default"):
+        assert priority_runs[name]["turns"] == runs[name]["turns"], name
+        assert priority_runs[name]["free_at_end"] == priority_runs[name]["free_at_start"], name
+
+
+def test_the_session_priority_queue():
+    """``SessionPriorityQueue`` and ``_continuations_first`` under the priority policy, on made-up requests: the
+    priority class first, then next turns of sessions in HANDOFF, then arrival; a first turn of the best class that
+    has waited HEAD_WAIT_S pauses the favouring (plain priority order) until it is admitted; a rank left over from a
+    session that left HANDOFF is re-keyed; at most CONTINUATIONS_PER_STEP turns favoured."""
+    import time
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    from qwen4exp.vllm.scheduler import CONTINUATIONS_PER_STEP, HEAD_WAIT_S, AgentScheduler, SessionPriorityQueue
+
+    class Sched:
+        _is_continuation = AgentScheduler._is_continuation
+        _waiting_rank = AgentScheduler._waiting_rank
+        _continuations_first_by_priority = AgentScheduler._continuations_first_by_priority
+        _continuations_first = AgentScheduler._continuations_first
+
+    now = time.time()
+
+    def req(rid, sid=None, priority=0, waited=0.0):
+        return SimpleNamespace(request_id=rid, session_id=sid, priority=priority, arrival_time=now - waited,
+                               status=RequestStatus.WAITING)
+
+    def sched(reqs, handoff):
+        s = Sched()
+        s._favouring, s.sessions = True, SimpleNamespace(handoff=set(handoff))
+        s.waiting = SessionPriorityQueue(s._waiting_rank)
+        for r in reqs:
+            s.waiting.add_request(r)
+        return s
+
+    def step(s):
+        return [r.request_id for r in s._continuations_first()], [r.request_id for r in s.waiting]
+
+    reqs = [req("f1", waited=0.5), req("lo", priority=1, waited=0.6), req("c1", "s1", waited=0.1),
+            req("hi", priority=-1), req("c2", "s2", priority=1, waited=0.2), req("f2", waited=0.3)]
+    s = sched(reqs, {"s1", "s2"})
+    # a first turn of a better class at the front: no next turn is favoured (none is at the front) this step
+    assert step(s) == ([], ["hi", "c1", "f1", "f2", "c2", "lo"])
+    s.waiting.remove_request(s.waiting.peek_request())  # "hi" admitted
+    assert step(s) == (["c1"], ["c1", "f1", "f2", "c2", "lo"])  # c2 is a next turn too, of a worse class
+    s.sessions.handoff = {"s2"}  # s1's pin went (pressure): c1 is a plain first turn again, re-keyed
+    assert step(s) == ([], ["f1", "f2", "c1", "c2", "lo"])
+    assert len(s.waiting) == 5 and s.waiting.pop_request().request_id == "f1" and bool(s.waiting)
+
+    stale = sched([req("f1", waited=HEAD_WAIT_S + 1), req("c1", "s1")], {"s1"})
+    assert step(stale) == ([], ["f1", "c1"])  # a first turn waited too long: plain priority order
+    stale.waiting.pop_request()
+    assert step(stale) == (["c1"], ["c1"])  # admitted: favouring again
+    # a stale first turn of a lower class does not pause the favouring of a better class
+    assert step(sched([req("lo", priority=1, waited=HEAD_WAIT_S + 1), req("c1", "s1")], {"s1"}))[0] == ["c1"]
+
+    many = sched([req("f1")] + [req(f"c{i}", f"s{i}") for i in range(CONTINUATIONS_PER_STEP + 2)],
+                 {f"s{i}" for i in range(CONTINUATIONS_PER_STEP + 2)})
+    fav, order = step(many)
+    assert len(fav) == CONTINUATIONS_PER_STEP and order[:CONTINUATIONS_PER_STEP] == fav and order[-1] == "f1"
+    many.waiting.remove_requests([r for r in many.waiting if r.request_id != "f1"])
+    assert [r.request_id for r in many.waiting] == ["f1"] and many.waiting.peek_request().request_id == "f1"
+    with pytest.raises(IndexError):
+        SessionPriorityQueue(lambda r: 1).pop_request()
+
+
 def checkpoint(n: int, block: int) -> int:
     """The last block boundary before a sequence's last token (whose KV is not computed yet)."""
     return (n - 1) // block * block

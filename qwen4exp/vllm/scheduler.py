@@ -28,7 +28,9 @@ field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) get:
   ``long_prefill_token_threshold`` for that step), so a first turn in the middle of a long prefill, which vLLM
   schedules before any waiting request, leaves the next turn room in the same step; a next turn admitted with part
   of its prefill left (vLLM ends a chunk that starts mid-block at the block boundary) runs that part first in the
-  steps after, ahead of running first-turn prefills.
+  steps after, ahead of running first-turn prefills. Under ``--scheduling-policy priority`` (``X-Vllm-Priority``)
+  the priority classes come first: next turns go ahead of the first turns of their own class
+  (``SessionPriorityQueue``), with the same ``HEAD_WAIT_S`` guard within the best waiting class.
 * **short steps during tool pauses**: while a session's finished turn is held for its next turn, no step schedules
   more than ``QWEN4EXP_PAUSE_CHUNK`` prefill tokens (plus its decode tokens), so a next turn that arrives while a
   step runs (with async scheduling, while the step after it is already planned) waits for short steps, not for whole
@@ -41,13 +43,14 @@ The class is vLLM's ``Scheduler`` on CPU and ``AsyncScheduler`` where async sche
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass
 
 import vllm
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.request_queue import PriorityRequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 from vllm.v1.request import RequestStatus
@@ -82,6 +85,58 @@ class Resume:
     cache_salt: object
     lora_id: object
     mm: tuple
+
+
+class SessionPriorityQueue(PriorityRequestQueue):
+    """vLLM's priority queue (``--scheduling-policy priority``: the lowest ``priority`` first, e.g. from the
+    ``X-Vllm-Priority`` header, then the earliest arrival) with one key between the two: within a priority class,
+    ``rank(request)`` 0 (a session's next turn, while favoured) goes before 1 (first turns). ``refresh`` re-keys the
+    heap where a rank changed since it was pushed (a session's pin released, favouring paused)."""
+
+    def __init__(self, rank) -> None:
+        super().__init__()
+        self._rank = rank
+        self._heap: list[tuple] = []  # (priority, rank, arrival_time, request_id, id, request)
+
+    def _entry(self, r) -> tuple:
+        return (r.priority, self._rank(r), r.arrival_time, r.request_id, id(r), r)
+
+    def add_request(self, request) -> None:
+        heapq.heappush(self._heap, self._entry(request))
+
+    def pop_request(self):
+        if not self._heap:
+            raise IndexError("pop from empty heap")
+        return heapq.heappop(self._heap)[-1]
+
+    def peek_request(self):
+        if not self._heap:
+            raise IndexError("peek from empty heap")
+        return self._heap[0][-1]
+
+    def remove_request(self, request) -> None:
+        self.remove_requests((request,))
+
+    def remove_requests(self, requests) -> None:
+        gone = {id(r) for r in requests}
+        self._heap = [e for e in self._heap if id(e[-1]) not in gone]
+        heapq.heapify(self._heap)
+
+    def requests(self) -> list:
+        """The queued requests, in no particular order."""
+        return [e[-1] for e in self._heap]
+
+    def __iter__(self):
+        heap = self._heap[:]
+        while heap:
+            yield heapq.heappop(heap)[-1]
+
+    def refresh(self) -> bool:
+        if not any(e[1] != self._rank(e[-1]) for e in self._heap):
+            return False
+        self._heap = [self._entry(e[-1]) for e in self._heap]
+        heapq.heapify(self._heap)
+        return True
 
 
 def _mm_before(request, n: int) -> tuple:
@@ -147,6 +202,9 @@ class AgentScheduler(Scheduler):
                                f"scheduler's private interface); this is vLLM {vllm.__version__}")
         super().__init__(*args, **kwargs)
         self.sessions = Sessions(self._release_blocks, ttl=envs.QWEN4EXP_SESSION_TTL)
+        self._favouring = True  # (priority policy: off while a first turn of the best class has waited HEAD_WAIT_S)
+        if self.policy == SchedulingPolicy.PRIORITY:  # next turns first within their priority class
+            self.waiting = SessionPriorityQueue(self._waiting_rank)
         self._metrics_sent: dict[str, int] = {}  # what the last stats carried (qwen4exp.vllm.metrics.payload)
         self._checkpoints: dict[str, list] = {}  # request id -> (block, hash, from decode) per hybrid group
         self.exact_resumes = 0  # next turns that resumed at their previous turn's exact end
@@ -320,6 +378,9 @@ class AgentScheduler(Scheduler):
         if request.session_id is not None and request.request_id in self.requests and not request.resumable:
             self._fire(request.session_id, Event.ARRIVE, request.request_id)
             self.sessions.bound()
+            if isinstance(self.waiting, SessionPriorityQueue) and request.status == RequestStatus.WAITING:
+                self.waiting.remove_request(request)  # (queued before ARRIVE made it a next turn: re-keyed)
+                self.waiting.add_request(request)
 
     def _free_blocks(self, request):
         sid = request.session_id
@@ -361,10 +422,43 @@ class AgentScheduler(Scheduler):
         return self.sessions.close(session_id)
 
     # --- admission -----------------------------------------------------------------------------------------------
+    def _is_continuation(self, r) -> bool:
+        """A waiting next turn of a session whose blocks are held for it (HANDOFF)."""
+        return r.session_id is not None and r.status == RequestStatus.WAITING and r.session_id in self.sessions.handoff
+
+    def _waiting_rank(self, r) -> int:
+        """``SessionPriorityQueue``'s key within a priority class: 0 for a next turn while favouring is on, else 1."""
+        return 0 if self._favouring and self._is_continuation(r) else 1
+
+    def _continuations_first_by_priority(self) -> list:
+        """``--scheduling-policy priority``: the queue itself orders next turns first within their class
+        (``SessionPriorityQueue``); here favouring pauses while a first turn of the best waiting class has waited
+        ``HEAD_WAIT_S`` (and resumes when none has). The favoured turns: the next turns at the front of the queue,
+        at most ``CONTINUATIONS_PER_STEP`` (none while a first turn of a better class is at its front)."""
+        waiting = self.waiting
+        if not waiting or not self.sessions.handoff:  # (no next turn waits: only ranks left over from one that went)
+            self._favouring = True
+            waiting.refresh()
+            return []
+        now, best = time.time(), waiting.peek_request().priority
+        self._favouring = not any(r.priority == best and not self._is_continuation(r)
+                                  and now - r.arrival_time > HEAD_WAIT_S for r in waiting.requests())
+        waiting.refresh()
+        favoured = []
+        for r in waiting:
+            if r.priority != best or not self._favouring or not self._is_continuation(r):
+                break
+            favoured.append(r)
+            if len(favoured) == CONTINUATIONS_PER_STEP:
+                break
+        return favoured
+
     def _continuations_first(self) -> list:
         """Move the waiting turns of sessions whose blocks are held (HANDOFF) ahead of the queue, at most
         ``CONTINUATIONS_PER_STEP``, unless the queue's head has waited ``HEAD_WAIT_S``; the turns favoured."""
         waiting = self.waiting
+        if isinstance(waiting, SessionPriorityQueue):
+            return self._continuations_first_by_priority()
         if not waiting or not self.sessions.handoff:
             return []
         head = waiting.peek_request()
