@@ -152,6 +152,13 @@ def test_the_session_priority_queue():
                  {f"s{i}" for i in range(CONTINUATIONS_PER_STEP + 2)})
     fav, order = step(many)
     assert len(fav) == CONTINUATIONS_PER_STEP and order[:CONTINUATIONS_PER_STEP] == fav and order[-1] == "f1"
+    late = req("late", "s9", waited=5.0)  # queued as a first turn, then its session turned out to hold a pin
+    many.waiting.add_request(late)
+    assert [r.request_id for r in many.waiting][-2:] == ["late", "f1"]  # a first turn: after the next turns
+    many.sessions.handoff.add("s9")
+    many.waiting.rekey(late)
+    many.waiting.rekey(req("absent"))  # not queued: nothing happens
+    assert [r.request_id for r in many.waiting][0] == "late" and len(many.waiting) == CONTINUATIONS_PER_STEP + 4
     many.waiting.remove_requests([r for r in many.waiting if r.request_id != "f1"])
     assert [r.request_id for r in many.waiting] == ["f1"] and many.waiting.peek_request().request_id == "f1"
     with pytest.raises(IndexError):

@@ -122,6 +122,14 @@ class SessionPriorityQueue(PriorityRequestQueue):
         self._heap = [e for e in self._heap if id(e[-1]) not in gone]
         heapq.heapify(self._heap)
 
+    def rekey(self, request) -> None:
+        """Key ``request`` again if it is queued here (its rank may have changed)."""
+        for i, e in enumerate(self._heap):
+            if e[-1] is request:
+                self._heap[i] = self._entry(request)
+                heapq.heapify(self._heap)
+                return
+
     def requests(self) -> list:
         """The queued requests, in no particular order."""
         return [e[-1] for e in self._heap]
@@ -378,9 +386,8 @@ class AgentScheduler(Scheduler):
         if request.session_id is not None and request.request_id in self.requests and not request.resumable:
             self._fire(request.session_id, Event.ARRIVE, request.request_id)
             self.sessions.bound()
-            if isinstance(self.waiting, SessionPriorityQueue) and request.status == RequestStatus.WAITING:
-                self.waiting.remove_request(request)  # (queued before ARRIVE made it a next turn: re-keyed)
-                self.waiting.add_request(request)
+            if isinstance(self.waiting, SessionPriorityQueue):
+                self.waiting.rekey(request)  # (queued before ARRIVE made it a next turn)
 
     def _free_blocks(self, request):
         sid = request.session_id
