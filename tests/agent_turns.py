@@ -15,6 +15,7 @@ session is in a tool pause and after its release), ``ends`` (a turn with ``sessi
 and the block pool's free count before and after (leaks). With MTP_DRAFTS > 0 the engine drafts with our MTP head
 and only ``turns`` runs (the others' block counts are sized without the draft's cache)."""
 
+import contextlib
 import json
 import os
 import random
@@ -96,6 +97,24 @@ def scenarios(sched: str, mtp: int, policy: str = "fcfs") -> dict:
         engine.add_request(rid, p, sp, session_id=sid, priority=priority)
         return rid
 
+    @contextlib.contextmanager
+    def each_schedule(after, before=lambda: None):
+        """Inside the block, every ``scheduler.schedule`` call is followed by ``after(its output, what before()
+        returned just ahead of it)``."""
+        schedule = scheduler.schedule
+
+        def noted(*a, **k):
+            b = before()
+            out = schedule(*a, **k)
+            after(out, b)
+            return out
+
+        scheduler.schedule = noted
+        try:
+            yield
+        finally:
+            del scheduler.schedule
+
     def run(reqs, abort_after=None, after_first_step=()):
         """reqs: [(prompt ids, max_tokens, session_id, extra)]; all at once (``after_first_step``: more of them, added
         once the engine has run one step); -> [(cached, output ids)] in that order."""
@@ -128,24 +147,16 @@ def scenarios(sched: str, mtp: int, policy: str = "fcfs") -> dict:
         # scheduled
         sess = ids(200)
         (_, so), = run([(sess, 8, "s-prio", None)])
-        n0, first_scheduled = next(counter), {}
-        schedule = scheduler.schedule
+        n0, first_scheduled, calls = next(counter), {}, iter(range(1, 10**6))
 
-        calls = iter(range(1, 10**6))
-
-        def counted(*a, **k):
-            out = schedule(*a, **k)
+        def note(out, _):
             step = next(calls)
             for key in out.num_scheduled_tokens:
                 first_scheduled.setdefault(key.split("-")[0], step)
-            return out
 
-        scheduler.schedule = counted
-        try:
+        with each_schedule(note):
             run([(ids(200), 8, None, {"priority": -1}) for _ in range(4)]
                 + [(ids(200), 8, None, None) for _ in range(6)] + [(sess + so + ids(NEW), 8, "s-prio", None)])
-        finally:
-            del scheduler.schedule
         steps = [first_scheduled[f"r{n0 + 1 + i}"] for i in range(11)]
         res["priority"] = {"higher_class": steps[:4], "first_turns": steps[4:10], "next_turn": steps[10]}
         snap = getattr(scheduler, "sessions", None)
@@ -196,25 +207,19 @@ def scenarios(sched: str, mtp: int, policy: str = "fcfs") -> dict:
     n0 = next(counter)
     trace = []  # per schedule call: tokens scheduled per request, the cap in force, the session's state, pins held
 
-    def traced(*a, **k):
-        before = getattr(scheduler, "capped_steps", 0)
-        out = schedule(*a, **k)
+    def traced(out, capped_before):
         sessions = getattr(scheduler, "sessions", None)
         trace.append({"t": round(time.monotonic() - t0, 3), "scheduled": dict(out.num_scheduled_tokens),
-                      "capped": getattr(scheduler, "capped_steps", 0) - before,
+                      "capped": getattr(scheduler, "capped_steps", 0) - capped_before,
                       "waiting": [r.request_id for r in scheduler.waiting],
                       "session": sessions.state("s-chunk").value if sessions else None,
                       "pinned_blocks": sessions.pinned_blocks() if sessions else 0,
                       "free_blocks": pool.get_num_free_blocks()})
-        return out
 
-    schedule, t0 = scheduler.schedule, time.monotonic()
-    scheduler.schedule = traced
-    try:
+    t0 = time.monotonic()
+    with each_schedule(traced, lambda: getattr(scheduler, "capped_steps", 0)):
         (_, long_out), (_, next_out) = run([(long_prompt, 8, None, None)],
                                            after_first_step=[(sess + so + ids(NEW), 8, "s-chunk", None)])
-    finally:
-        del scheduler.schedule
     scheduler.max_num_scheduled_tokens = budget
     del os.environ["QWEN4EXP_CONTINUATION_CHUNK"]
     envs.reset()
@@ -253,18 +258,8 @@ def scenarios(sched: str, mtp: int, policy: str = "fcfs") -> dict:
         if part == "released" and snap:
             snap.release_all()
         steps = []
-
-        def sized(*a, **k):
-            out = schedule(*a, **k)
-            steps.append(out.total_num_scheduled_tokens)
-            return out
-
-        schedule = scheduler.schedule
-        scheduler.schedule = sized
-        try:
+        with each_schedule(lambda out, _: steps.append(out.total_num_scheduled_tokens)):
             (_, out), = run([(long_prompt, 8, None, salt)])
-        finally:
-            del scheduler.schedule
         parts[part] = {"step_tokens": steps, "output": out}
     scheduler.max_num_scheduled_tokens = budget
     del os.environ["QWEN4EXP_PAUSE_CHUNK"]

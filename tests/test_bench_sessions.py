@@ -251,6 +251,8 @@ def test_server_metrics_preemptions_and_recomputed_tokens():
     sm = M.server_metrics(M.parse_prometheus(agent0), M.parse_prometheus(agent1))
     assert sm["qwen4exp_counters"] == {"qwen4exp:capped_steps": 6, "qwen4exp:retention_evictions": 2}
     assert M.server_metrics(None, M.parse_prometheus(text0))["qwen4exp_counters"] == {}
+    assert M.cached_fraction(90, 80, 20) == 0.9 and M.cached_fraction(None, 80, 20) is None
+    assert M.cached_fraction(5, 0, 0) is None
 
 
 def test_bench_reads_every_agent_scheduler_counter():
@@ -258,8 +260,6 @@ def test_bench_reads_every_agent_scheduler_counter():
     from qwen4exp.vllm import metrics as served
 
     assert M.AGENT_COUNTERS == {"qwen4exp:" + name for name in served.COUNTERS}
-    assert M.cached_fraction(90, 80, 20) == 0.9 and M.cached_fraction(None, 80, 20) is None
-    assert M.cached_fraction(5, 0, 0) is None
 
 
 # ---------------------------------------------------------------------------

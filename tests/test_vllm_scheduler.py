@@ -335,6 +335,7 @@ def test_continuations_go_first_unless_a_first_turn_has_waited_too_long():
 
     def first(queue, handoff):
         s = SimpleNamespace(waiting=FCFSRequestQueue(queue), sessions=SimpleNamespace(handoff=set(handoff)))
+        s._is_continuation = lambda r: AgentScheduler._is_continuation(s, r)
         favoured = AgentScheduler._continuations_first(s)
         return [r.request_id for r in favoured], [r.request_id for r in s.waiting]
 

@@ -469,8 +469,7 @@ class AgentScheduler(Scheduler):
         if not waiting or not self.sessions.handoff:
             return []
         head = waiting.peek_request()
-        favoured = [r for r in waiting if r.session_id is not None and r.status == RequestStatus.WAITING
-                    and r.session_id in self.sessions.handoff][:CONTINUATIONS_PER_STEP]
+        favoured = [r for r in waiting if self._is_continuation(r)][:CONTINUATIONS_PER_STEP]
         if head not in favoured and time.time() - head.arrival_time > HEAD_WAIT_S:
             return []
         if favoured and any(a is not b for a, b in zip(favoured, waiting)):
