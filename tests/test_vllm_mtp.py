@@ -65,7 +65,8 @@ def runs(setup, tmp_path_factory):
 
 
 # CPU: eager; on a GPU (the GPU suite's part `mtp`: `SUITE_PARTS=mtp bash tools/gpu_device.sh suite`) vLLM's
-# default CUDA graphs (PIECEWISE with a draft)
+# default CUDA graphs (tiny-coder's 64-wide GDN heads run our GDN: PIECEWISE; FULL graphs for MTP steps: the
+# FN-4 draft test, tests/gpu/test_vllm_nvfp4_gpu.py)
 ENGINE = dict(dtype="float32", enforce_eager=not torch.cuda.is_available(), skip_tokenizer_init=True,
               max_model_len=512, max_num_seqs=8,
               enable_chunked_prefill=True, max_num_batched_tokens=48, disable_log_stats=False)
@@ -173,3 +174,37 @@ def test_misshaped_mtp_tensor_fails_with_its_name(tmp_path):
         run_offline(spec, str(tmp_path / "run"))
     msg = str(e.value)
     assert f"CheckpointError: qwen4exp: tensor {name} has shape" in msg, msg[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FULL CUDA graphs of MTP steps need a GPU")
+def test_mtp_full_graphs_bf16_greedy_equals_plain(setup, tmp_path):
+    """MTP under FULL CUDA graphs (vLLM's GDN, as the real model runs it: the default graph mode stays
+    FULL_AND_PIECEWISE with a draft): the target's 1 + k-query verifications and the draft's steps replay captured
+    graphs, and greedy tokens equal plain greedy decoding's. bf16 (the served dtype): a verification's 4-token GEMMs
+    may round differently from a decode's 1-token ones, so where the runs part the two tokens must be a near-tie
+    (both runs' top two, raw logits within ``TIE_ULPS`` bf16 ulps)."""
+    from near_tie import first_flip
+    from vllm_offline import run_offline
+
+    engine = dict(ENGINE, dtype="bfloat16", enforce_eager=False, logprobs_mode="raw_logits")
+    sampling = dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, detokenize=False, logprobs=2)
+    env = {"QWEN4EXP_VLLM_GDN": "vllm"}
+    out = {}
+    for name, extra in (("plain", {}), ("mtp", MTP)):
+        spec = dict(model=CKPT, prompts=setup["prompts"], sampling=sampling, env=env, engine=dict(engine, **extra))
+        out[name] = run_offline(spec, str(tmp_path / name), timeout=420)
+    log = out["mtp"]["log"]
+    assert "capturing FULL CUDA graphs of 4 queries per request" in log, log[-3000:]
+    assert "cudagraph_mode" not in log or "-> PIECEWISE" not in log, log[-3000:]
+    m = out["mtp"]["metrics"]
+    assert m.get("vllm:spec_decode_num_drafts") and m.get("vllm:spec_decode_num_accepted_tokens")
+    for i in range(len(setup["prompts"])):
+        f = first_flip(out["plain"]["tokens"][i], out["plain"]["logprobs"][i], out["mtp"]["tokens"][i],
+                       out["mtp"]["logprobs"][i])
+        if f is None:
+            continue
+        step, gap_p, gap_m, ulp, same = f
+        print(f"prompt {i}: MTP and plain first differ at step {step} (gaps {gap_p:.4g} / {gap_m:.4g}, ulp {ulp:.4g})")
+        assert same and gap_p <= 2 * ulp and gap_m <= 2 * ulp, (i, f)
+    print("MTP acceptance length", 1 + m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"])

@@ -61,9 +61,10 @@ print(len(calls), " ".join(out))
 
 def test_gpu_graph_mode_hook_chains_vllm_hook_and_picks_modes():
     """On GPUs the config hook keeps FULL graphs for pure decode where our code is capturable (vLLM's GDN on
-    128-wide heads, no speculative decoding): default/FULL -> FULL_AND_PIECEWISE; with our GDN (64-wide heads) or
-    spec decode every FULL* mode -> PIECEWISE; NONE and PIECEWISE stay; nothing changes on CPU; vLLM's own hook
-    still runs."""
+    128-wide heads): default/FULL -> FULL_AND_PIECEWISE, also under speculative decoding (MTP verifications and
+    draft steps are sync-free, equal-query batches; vLLM runs draft decode steps only in FULL graphs); with our GDN
+    (64-wide heads) every FULL* mode -> PIECEWISE; NONE and PIECEWISE stay; nothing changes on CPU; vLLM's own
+    hook still runs."""
     env = dict(os.environ)
     p = subprocess.run([sys.executable, "-c", _HOOK], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -72,7 +73,7 @@ def test_gpu_graph_mode_hook_chains_vllm_hook_and_picks_modes():
     fp, pw = "FULL_AND_PIECEWISE", "PIECEWISE"
     assert modes[:6] == [fp, fp, fp, "FULL_DECODE_ONLY", pw, "NONE"]  # capturable decode
     assert modes[6:12] == [pw, pw, pw, pw, pw, "NONE"]  # our GDN
-    assert modes[12:18] == [pw, pw, pw, pw, pw, "NONE"]  # speculative decoding
+    assert modes[12:18] == [fp, fp, fp, "FULL_DECODE_ONLY", pw, "NONE"]  # speculative decoding: as without
     assert modes[18:] == ["None", fp, "FULL", "FULL_DECODE_ONLY", pw, "NONE"]  # CPU: untouched
 
 

@@ -176,12 +176,13 @@ class CheckpointRejected(RuntimeError):
 def graph_modes(vllm_config) -> None:
     """On CUDA/ROCm, pick the CUDA-graph mode our runtime-state code can be captured in.
 
-    Pure decode batches run fixed-shape, sync-free code (QSA ``_decode_step``, PLE ``StateSlots._run_decode``,
-    vLLM's own GDN), so FULL graphs are kept for them: unset/FULL/FULL_AND_PIECEWISE -> FULL_AND_PIECEWISE (mixed
-    batches: PIECEWISE, where that code runs as eager segments of vLLM's breakable graphs); FULL_DECODE_ONLY stays.
-    Everything becomes PIECEWISE where a decode step is not one query per request through sync-free code:
-    speculative decoding (1 + k queries per request) or our GDN (small test models: host-side varlen code).
-    NONE and PIECEWISE stay."""
+    Decode batches run fixed-shape, sync-free code (QSA ``_decode_step``, PLE ``StateSlots._run_decode`` and
+    ``_run_spec_decode``, vLLM's own GDN), one query per request or, under speculative decoding, 1 + k for every
+    request (the target's verification and the MTP draft's first step; the draft's later steps are single
+    queries), so FULL graphs are kept for them: unset/FULL/FULL_AND_PIECEWISE -> FULL_AND_PIECEWISE (mixed batches:
+    PIECEWISE, where that code runs as eager segments of vLLM's breakable graphs); FULL_DECODE_ONLY stays. vLLM's
+    MTP speculator runs its draft decode steps only in FULL graphs (none under PIECEWISE). Everything becomes
+    PIECEWISE where our GDN runs (small test models: host-side varlen code). NONE and PIECEWISE stay."""
     from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
 
@@ -192,15 +193,12 @@ def graph_modes(vllm_config) -> None:
     if mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
         return
     why = None
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        why = "speculative decoding verifies 1 + k queries per request"
-    else:
-        from .model import gdn_impl
+    from .model import gdn_impl
 
-        mc = getattr(vllm_config, "model_config", None)
-        text = getattr(mc, "hf_text_config", None)
-        if text is None or gdn_impl(text) != "vllm":
-            why = "our GDN layer (GDN heads not 128 wide, or QWEN4EXP_VLLM_GDN=ours) binds its state on the host"
+    mc = getattr(vllm_config, "model_config", None)
+    text = getattr(mc, "hf_text_config", None)
+    if text is None or gdn_impl(text) != "vllm":
+        why = "our GDN layer (GDN heads not 128 wide, or QWEN4EXP_VLLM_GDN=ours) binds its state on the host"
     if why is None:
         if mode in (None, CUDAGraphMode.FULL):
             cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE

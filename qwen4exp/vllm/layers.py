@@ -304,6 +304,26 @@ class StateSlots(nn.Module, MambaBase):
         full[:nd] = out
         return full
 
+    def _run_spec_decode(self, fn, T: int, md, nd: int, nq: int, nacc: torch.Tensor, uses) -> torch.Tensor:
+        """Speculative decoding with every request verifying ``nq`` tokens (rows b * nq + j): from the state after
+        the request's last accepted token (slot ``num_accepted_tokens - 1``), token j's state goes to slot j (what
+        ``run`` does for uneven batches), one ``fn`` call of one token per request a position; no host sync, fixed
+        shapes, so a FULL CUDA graph can capture it. Padding requests carry the null block and 1 accepted token."""
+        slots = md.state_indices_tensor_d[:nd, :nq].long()
+        cur = slots.gather(1, (nacc[:nd].long() - 1).clamp(0, nq - 1).unsqueeze(1)).squeeze(1)
+        states = self._gather(cur, uses)
+        base = torch.arange(nd, device=slots.device) * nq
+        full = None
+        for j in range(nq):
+            rows = base + j
+            out, new_states = fn(rows, None, states)
+            if full is None:
+                full = out.new_zeros(T, *out.shape[1:])
+            full[rows] = out
+            states = [s if s is None or new is None else new.to(s.dtype) for s, new in zip(states, new_states)]
+            self._store(slots[:, j], new_states)
+        return full
+
     def run(self, fn, T: int, device, fresh_values, uses: tuple[int, ...] | None = None):
         """Gather this step's states, call ``fn(rows, cu_seqlens, states) -> (out, new_states)``, write back (a
         new state of None: that state is left as it was). ``uses``: the states ``fn`` reads (the others reach it
@@ -327,6 +347,10 @@ class StateSlots(nn.Module, MambaBase):
         nacc = getattr(md, "num_accepted_tokens", None)
         if self.decode_form and nd and not npf and nacc is None:
             return self._run_decode(fn, T, md, nd, uses)
+        if self.decode_form and nd and not npf and nacc is not None and ndt % nd == 0:
+            nq = ndt // nd  # every request verifies nq tokens (MTP): the graph-safe stepped form
+            if nq <= md.state_indices_tensor_d.shape[1]:
+                return self._run_spec_decode(fn, T, md, nd, nq, nacc, uses)
         outs: list[tuple[object, torch.Tensor]] = []
         first = 0  # first token row of the packed (plain decode + prefill) call
         if nd and nacc is not None:  # speculative decoding: per-position state slots, stepped

@@ -34,6 +34,9 @@ from .layers import eager_segment, vllm_linear
 # Requests of a mixed step with up to this many queries (decodes, MTP verifications, short prefill chunks) are
 # served together, one row per query (``qsa_decode_paged``); longer chunks one by one (``qsa_prefill_paged``).
 BATCHED_MAX_QUERIES = 8
+# A step in which every request has the same number of queries, up to this many (MTP verification and draft prefill:
+# 1 + k each), runs the sync-free decode path (``_decode_step``), which a FULL CUDA graph captures.
+UNIFORM_MAX_QUERIES = 8
 
 
 _WARMED: set = set()  # the cache layouts whose prefill kernels this process compiled at start-up (``_warm_up``)
@@ -100,6 +103,19 @@ def _once_per_forward(name: str, m, key, compute):
     except AttributeError:  # (a context class with __slots__: no memo)
         pass
     return got
+
+
+def uniform_queries(m) -> int:
+    """The number of queries every request of this step has, where that is 1 (decode) or equal for all and at most
+    ``UNIFORM_MAX_QUERIES`` (MTP: 1 + k); else 0. From host values only (no sync): with each request at most
+    ``max_query_len`` queries, ``num_actual_tokens == max_query_len * requests`` means all have that many. Inside a
+    FULL graph capture vLLM pads requests and tokens alike, so the test holds there too."""
+    nq = int(m.max_query_len)
+    if nq <= 1:
+        return 1
+    if nq <= UNIFORM_MAX_QUERIES and int(m.num_actual_tokens) == nq * m.seq_lens.shape[0]:
+        return nq
+    return 0
 
 
 def _host_lengths(m) -> tuple[list[int], list[int]]:
@@ -211,13 +227,18 @@ class QSAMixer(QSAAttention):
         m = md[self.attn.layer_name]  # main K/V and index rows: one cache layer, one metadata and block table
         if not self._scales_checked:
             self.check_kv_scales()
-        if int(m.max_query_len) <= 1:  # pure decode: the graph-capturable path
-            self._decode_step(out, q, k, v, index_q, index_k_raw, m, positions)
+        nq = uniform_queries(m)
+        if nq > 1 and positions.dim() == 2 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            nq = 0  # M-RoPE prompt chunks may hold image tokens (their block keys rotate at stored positions): the
+            # general path; FULL graphs capture decode batches only, whose tokens are text
+        if nq:  # pure decode, or 1 + k queries for every request (MTP): the graph-capturable path
+            self._decode_step(out, q, k, v, index_q, index_k_raw, m, positions, nq)
             return
         out.zero_()
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("qwen4exp QSA: only pure decode batches can be captured in a FULL CUDA graph (got "
-                               f"max_query_len={m.max_query_len}); speculative decoding runs PIECEWISE graphs")
+            raise RuntimeError("qwen4exp QSA: only batches of equally many queries per request (decodes, MTP "
+                               f"verifications) can be captured in a FULL CUDA graph (got max_query_len="
+                               f"{m.max_query_len}, {m.num_actual_tokens} tokens, {m.seq_lens.shape[0]} requests)")
         n = int(m.num_actual_tokens)
         qsl, seq_lens = _host_lengths(m)
         nreq = len(seq_lens)
@@ -343,47 +364,59 @@ class QSAMixer(QSAAttention):
         bk_rows[last_t] = keys.to(bk_rows.dtype)
         return bk_rows
 
-    def _decode_step(self, out, q, k, v, index_q, index_k_raw, m, positions=None) -> None:
-        """A pure decode batch (one query per request): cache writes, the block key of any block this token
-        completes, selection + attention, all with fixed shapes and no host sync, so a FULL CUDA graph can capture
-        it. Row b is request b; requests that pad a captured batch have seq_len 0, slot -1 and a null block
-        table: they write nothing and read the null block (finite, discarded)."""
-        B, valid, pos, slots, cb, sb = self._decode_inputs(m, index_k_raw.dtype, positions)
+    def _decode_step(self, out, q, k, v, index_q, index_k_raw, m, positions=None, nq: int = 1) -> None:
+        """A batch of ``nq`` queries per request (decode: 1; MTP verification and draft prefill: 1 + k): cache
+        writes, the key of any block a token completes, selection + attention, all with fixed shapes and no host
+        sync, so a FULL CUDA graph can capture it. Row b * nq + j is query j of request b. Requests that pad a
+        captured batch have seq_len 0, slot -1 and a null block table: they write nothing and read the null block
+        (finite, discarded)."""
+        n, valid, pos, slots, bt, cb, sb = self._decode_inputs(m, index_k_raw.dtype, positions, nq)
         r = self.r
-        if out.shape[0] > B:
-            out[B:].zero_()
+        if out.shape[0] > n:
+            out[n:].zero_()
         kv, ikv = _kv_cache(self.attn), _kv_cache(self.index_cache)
-        bt = m.block_table[:B]
-        write_paged(kv, slots, k[:B], v[:B])
+        write_paged(kv, slots, k[:n], v[:n])
+        raw = index_k_raw[:n]
+        if nq > 1:  # every raw key first: a token completing a block reads its block's earlier keys from the cache,
+            # some of them this step's (one launch per row cannot see another row's write)
+            write_paged(ikv, slots, raw.unsqueeze(1), torch.zeros_like(raw).unsqueeze(1))
         # the index cache row: raw key, and the key of the block this token completes (zeros if none)
         kn = self.indexer.k_layernorm
-        index_update_decode(ikv, slots, bt, pos, valid, index_k_raw[:B], kn.weight, kn.eps, cb, sb, r)
+        index_update_decode(ikv, slots, bt, pos, valid, raw, kn.weight, kn.eps, cb, sb, r)
         # n_blocks: every block the table can hold while capturing (replays serve any length), else the step's max
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             n_blocks = bt.shape[1] * kv.shape[2] // r
+            if nq > 1:
+                _log_capture_once(nq)
         else:
             n_blocks = max(1, int(m.max_seq_len) // r)
-        out[:B] = self._attend_decodes(q[:B], index_q[:B], pos, bt, kv, ikv, n_blocks)
+        out[:n] = self._attend_decodes(q[:n], index_q[:n], pos, bt, kv, ikv, n_blocks)
 
-    def _decode_inputs(self, m, dtype, positions=None):
-        """(B, valid, pos, slots, cos, sin) of a pure decode batch: its rows, which rows are real requests, their
-        positions and cache slots (int64), and the rotation of the block key that each token may complete (at the
-        block's first position). The same for every QSA layer of the step (one KV-cache group: one metadata
-        object), so computed once a forward pass (``_once_per_forward``; inside a captured graph the first layer's
-        kernels serve the later layers): 3 x ~10 small kernels a step fewer."""
+    def _decode_inputs(self, m, dtype, positions=None, nq: int = 1):
+        """(rows, valid, pos, slots, block table, cos, sin) of a batch of ``nq`` queries per request: its rows, which
+        rows are real tokens, their positions and cache slots (int64), each row's block-table row, and the rotation
+        of the block key that each token may complete (at the block's first position). The same for every QSA
+        layer of the step (one KV-cache group: one metadata object), so computed once a forward pass
+        (``_once_per_forward``; inside a captured graph the first layer's kernels serve the later layers)."""
         def compute():
             B, r = m.seq_lens.shape[0], self.r
+            n = B * nq
             seq = m.seq_lens[:B].long()
-            pos = (seq - 1).clamp(min=0)
+            if nq == 1:
+                pos, valid, bt = (seq - 1).clamp(min=0), seq > 0, m.block_table[:B]
+            else:  # query j of request b is its token seq_len - nq + j
+                p = seq.unsqueeze(1) - nq + torch.arange(nq, device=seq.device)
+                valid = ((seq > 0).unsqueeze(1) & (p >= 0)).reshape(n)
+                pos, bt = p.clamp(min=0).reshape(n), m.block_table[:B].repeat_interleave(nq, 0)
             if positions is not None and positions.dim() == 2:
                 # M-RoPE: a decode token is text after the prompt (position = index + delta on all axes); the
                 # block it completes starts r - 1 tokens earlier, at position - (r - 1) (text after the last image)
-                cb, sb = self.rotary[0]((positions[:, :B].long() - (r - 1)).clamp(min=0), dtype)
+                cb, sb = self.rotary[0]((positions[:, :n].long() - (r - 1)).clamp(min=0), dtype)
             else:
                 cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), dtype)
-            return B, seq > 0, pos, m.slot_mapping[:B].long(), cb, sb
+            return n, valid, pos, m.slot_mapping[:n].long(), bt, cb, sb
 
-        return _once_per_forward("_qwen4exp_decode_inputs", m, (dtype, self.r), compute)
+        return _once_per_forward("_qwen4exp_decode_inputs", m, (dtype, self.r, nq), compute)
 
     def _decode_batch(self, out, q, index_q, pos1, reqs, qsl, seq_lens, m, kv, ikv) -> None:
         """Every query of the requests ``reqs`` of a mixed step in one batched call, one row per query with its own
@@ -496,3 +529,11 @@ def _log_reuse_once(layer: str) -> None:
 
     _logger().info("qwen4exp MTP %s: draft steps 1+ reuse step 0's QSA block selection "
                    "(index_share_for_mtp_iteration)", layer)
+
+
+@functools.cache
+def _log_capture_once(nq: int) -> None:
+    from . import _logger
+
+    _logger().info("qwen4exp QSA: capturing FULL CUDA graphs of %d queries per request (MTP verification / draft "
+                   "prefill)", nq)
