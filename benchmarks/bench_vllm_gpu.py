@@ -14,7 +14,10 @@ with the same engine arguments as the upstream anchor (``load_format="dummy"``, 
   anchor defines it ((end to end - first token) / (n - 1)) and the median single decode step;
 * batch 32, ``--bs32-ctx``-token prompts: the median decode step over the steps in which all 32 requests decode
   (none still prefilling, none finished: ``--bs32-tokens`` outlasts the batch's prefill), and tokens/s. Steps
-  while some requests still prefill or have already finished would time a smaller batch than 32.
+  while some requests still prefill or have already finished would time a smaller batch than 32. Where no step had
+  the whole batch decoding, ``bs{8,32}_why`` says why (the KV room in requests, the most requests that decoded at
+  once, the preemptions; the table shows it as a footnote), never a bare ``nan``; a batch the KV room
+  (``kv_tokens``, ``kv_requests``) cannot hold is said so in the worker's log before it starts.
 
 Printed beside them: the batch-1 bandwidth roofline = bytes one decode step must read (active weights: everything
 but the 502 idle experts per layer, the LM head, the PLE rows; the GDN states; the QSA keys a query reads at this
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -207,9 +211,15 @@ def _pyspy_window(label: str | None) -> None:
             g.write(collapsed_table(f.read(), label))
 
 
+def _scheduler(engine):
+    """vLLM's scheduler where the engine core runs in this process (LLMEngine -> InprocClient -> EngineCore), else
+    None (``--mp``: it lives in the engine core's process)."""
+    return getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
+
+
 def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, prefill_steps: list | None = None,
            profile_prefill: int = 0, llm=None, gpu_only: bool = False, sample: tuple | None = None,
-           counts: list | None = None):
+           counts: list | None = None, facts: dict | None = None):
     """Add the prompts, step until done. Returns (t_first_all, t_end, step_times_while_all_decoding, tokens):
     the step times are of steps in which every request is decoding and none has finished (all of the batch in the
     step; with long prompts the first requests decode while later ones prefill, so max_tokens must outlast the
@@ -218,7 +228,10 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
     or with ``profile_prefill`` = k of the first k steps (prefill chunks). ``prefill_steps``: gets the wall time
     of every step before all first tokens. ``llm``: profile through vLLM's profiler (``--mp``). ``sample``:
     (label, first, last): ``--py-spy`` records from the first-th to the last-th timed decode step. ``counts``: gets
-    the tokens the batch gained in each timed step (with MTP: 1 + the accepted drafts, summed over the batch)."""
+    the tokens the batch gained in each timed step (with MTP: 1 + the accepted drafts, summed over the batch).
+    ``facts``: gets ``max_decoding`` (the most requests that gained a token in one step after their first) and
+    ``preemptions`` (summed over the requests, read from the scheduler's requests after each step; None under
+    ``--mp``): what says why no step had the whole batch decoding."""
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -230,6 +243,9 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
     steps = []
     profiled = not profile_to
     timing = True
+    sched = _scheduler(engine) if facts is not None else None
+    preempted: dict = {}  # request id -> its preemptions so far (kept after it finishes and leaves the scheduler)
+    max_decoding = 0
     if profile_to and profile_prefill:
         _profile_steps(engine, profile_prefill, profile_to, 45, llm, gpu_only)
         profiled = True
@@ -250,6 +266,11 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
         if prefill_steps is not None and t_first is None:
             prefill_steps.append(round(te - ts, 4))
         before = sum(got.values())
+        if facts is not None:
+            max_decoding = max(max_decoding, sum(1 for o in outs if got.get(o.request_id, 0) >= 1))
+            for r in getattr(sched, "requests", {}).values():
+                if getattr(r, "num_preemptions", 0):
+                    preempted[r.request_id] = r.num_preemptions
         for o in outs:
             got[o.request_id] = len(o.outputs[0].token_ids) if o.outputs else 0
         all_started = len(got) == len(prompts) and min(got.values()) >= 1
@@ -261,6 +282,8 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
                 counts.append(sum(got.values()) - before)
     if sample:
         _pyspy_window(None)
+    if facts is not None:
+        facts.update(max_decoding=max_decoding, preemptions=sum(preempted.values()) if sched is not None else None)
     return t_first, time.perf_counter() - t0, steps, sum(got.values())
 
 
@@ -290,6 +313,66 @@ def self_consistency(llm, prompt: list[int], n: int = 48) -> dict:
         top = [t for t, lp in d.items() if getattr(lp, "rank", None) == 1]
         agree += bool(top) and top[0] == tok
     return dict(consistency=f"{agree}/{len(gen)}", consistency_ctx=len(prompt))
+
+
+# ---------------------------------------------------------------------------------- why a figure is missing
+def kv_room(engine) -> dict:
+    """The engine's KV room: ``kv_tokens`` = vLLM's "GPU KV cache size: N tokens" (its request capacity at
+    max_model_len times that length, counting every cache group), else blocks x block size; None when unknown."""
+    cc = engine.vllm_config.cache_config
+    blocks, size = getattr(cc, "num_gpu_blocks", None), getattr(cc, "block_size", None)
+    tokens = getattr(cc, "kv_cache_size_tokens", None) or (blocks * size if blocks and size else None)
+    return dict(kv_tokens=tokens, kv_blocks=blocks, kv_block_size=size)
+
+
+def kv_tokens_from_log(log_path: str) -> int | None:
+    """The last "KV cache size: N tokens" of a worker's vLLM log (a row whose worker did not report it)."""
+    import re
+
+    try:
+        m = re.findall(r"KV cache size: ([\d,]+) tokens", open(log_path, errors="replace").read())
+    except OSError:
+        return None
+    return int(m[-1].replace(",", "")) if m else None
+
+
+def kv_short(n: int, req_tokens: int, kv_tokens) -> str | None:
+    """"KV room T tokens holds H of n requests of L tokens" where it holds fewer than n such requests, else None."""
+    if not kv_tokens or not req_tokens or kv_tokens // req_tokens >= n:
+        return None
+    return f"KV room {kv_tokens:,} tokens holds {kv_tokens // req_tokens} of {n} requests of {req_tokens:,} tokens"
+
+
+def kv_warning(n: int, req_tokens: int, kv_tokens) -> str | None:
+    """The log line before batch ``n`` when the KV room cannot hold n requests of ``req_tokens`` (it runs anyway)."""
+    kv = kv_short(n, req_tokens, kv_tokens)
+    return f"batch {n}: {kv}: no step may have all {n} decoding (trying anyway)" if kv else None
+
+
+def missing_reason(n: int, req_tokens: int, steps, max_decoding, preemptions, kv_tokens,
+                   error: str | None = None) -> tuple[str, str] | None:
+    """Why batch ``n``'s decode step has no figure: (short form for a table cell, full reason); None when it has
+    one (``steps`` > 0). ``steps`` None: the phase never ran (the run ended before it). ``req_tokens``: a request's
+    prompt + output tokens; ``preemptions`` None: not counted (engine core in another process)."""
+    if steps:
+        return None
+    kv = kv_short(n, req_tokens, kv_tokens)
+    parts = [kv] if kv else []
+    if steps is None:
+        parts.append(f"batch {n} not reached" + (f" ({error})" if error else ""))
+        short = "not reached"
+    else:
+        pre = ("preemptions not counted (engine core in another process)" if preemptions is None else
+               f"{preemptions} preemption{'' if preemptions == 1 else 's'}")
+        seen = f"at most {max_decoding} decoded at once, " if max_decoding is not None else ""
+        why = f"no step had all {n} decoding: {seen}{pre}"
+        if preemptions == 0 and kv_tokens and not kv:  # room enough, nothing preempted: the output was too short
+            why += f" (the first finished before the last began decoding: raise --bs{n}-tokens)"
+        parts.append(why)
+        short = f"max {max_decoding}/{n} decoding" if max_decoding is not None else "no full step"
+    if kv:
+        short = f"KV {kv_tokens // req_tokens}/{n}"
+    return short, "; ".join(parts)
 
 
 def worker(args) -> None:
@@ -329,6 +412,7 @@ def worker(args) -> None:
         res["gpu_used_gib"] = (total - free) / 2**30
         res["torch_alloc_gib"] = torch.cuda.memory_allocated() / 2**30
     engine = llm.llm_engine
+    res.update(kv_room(engine))
     plm = llm if args.mp else None  # who profiles: vLLM's profiler in the engine core process, or this process
     rng = random.Random(0)
     V = cfg["vocab_size"]
@@ -363,26 +447,42 @@ def worker(args) -> None:
         _drive(engine, prompts(1, args.ctx), 48,
                os.path.join(os.path.dirname(args.result), f"{args.impl}.profile.txt"), llm=plm,
                gpu_only=args.profile_gpu_only)
+    def before(n, ctx, out):  # a batch the KV room cannot hold is said so up front (and tried all the same)
+        warn = kv_warning(n, ctx + out, res.get("kv_tokens"))
+        if warn:
+            print(warn, flush=True)
+
+    def after(n, ctx, out, steps, facts):  # what says why a step figure is missing (the driver builds the reason)
+        res.update({f"bs{n}_max_decoding": facts["max_decoding"], f"bs{n}_preemptions": facts["preemptions"]})
+        why = missing_reason(n, ctx + out, len(steps), facts["max_decoding"], facts["preemptions"],
+                             res.get("kv_tokens"))
+        if why:
+            print(f"batch {n}: no decode-step figure: {why[1]}", flush=True)
+
     if args.bs8_ctx > 0:  # batch 8 at its context: the median step with all 8 decoding
-        gained = []
+        before(8, args.bs8_ctx, args.bs8_tokens)
+        gained, facts = [], {}
         t_first, t_end, steps, ntok = _drive(engine, prompts(8, args.bs8_ctx), args.bs8_tokens, sample=("bs8", 4, 28),
-                                             counts=gained)
+                                             counts=gained, facts=facts)
         step = statistics.median(steps) if steps else float("nan")
         per = sum(gained) / len(gained) / 8 if gained else float("nan")  # tokens a request gains a step
         res.update(bs8_ctx=args.bs8_ctx, bs8_prefill_s=t_first, bs8_step_ms=1e3 * step, bs8_steps=len(steps),
                    bs8_tokens_per_step=per, bs8_decode_tok_s=8 * per / step)
+        after(8, args.bs8_ctx, args.bs8_tokens, steps, facts)
         print(json.dumps(res), flush=True)
     if args.bs32_ctx > 0:
+        before(32, args.bs32_ctx, args.bs32_tokens)
         prof32 = os.path.join(os.path.dirname(args.result), f"{args.impl}.profile-bs32.txt") if args.profile else None
-        gained = []
+        gained, facts = [], {}
         t_first, t_end, steps, ntok = _drive(engine, prompts(32, args.bs32_ctx), args.bs32_tokens, prof32,
                                              llm=plm, gpu_only=args.profile_gpu_only, sample=("bs32", 4, 28),
-                                             counts=gained)
+                                             counts=gained, facts=facts)
         step = statistics.median(steps) if steps else float("nan")
         per = sum(gained) / len(gained) / 32 if gained else float("nan")
         res.update(bs32_ctx=args.bs32_ctx, bs32_prefill_s=t_first, bs32_e2e_s=t_end, bs32_step_ms=1e3 * step,
                    bs32_steps=len(steps), bs32_tokens_per_step=per, bs32_decode_tok_s=32 * per / step,
                    bs32_tok_s_user=per / step, bs32_e2e_out_tok_s=ntok / t_end)
+        after(32, args.bs32_ctx, args.bs32_tokens, steps, facts)
     with open(args.result, "w") as f:
         json.dump(res, f)
     print(json.dumps(res), flush=True)
@@ -443,9 +543,90 @@ def _wait_group_gone(pgid: int, seconds: float = 60.0) -> None:
 
 FIELDS = ["impl", "eager", "mp", "mtp", "layers", "startup_s", "gpu_used_gib", "torch_alloc_gib", "consistency",
           "bs1_ctx", "bs1_prefill_s", "bs1_prefill_warm_s", "bs1_tpot_ms", "bs1_step_ms", "bs1_tokens_per_step",
-          "bs1_tok_s_user", "bs8_ctx", "bs8_step_ms", "bs8_steps", "bs8_tokens_per_step", "bs32_ctx", "bs32_prefill_s",
-          "bs32_step_ms", "bs32_steps", "bs32_tokens_per_step", "bs32_tok_s_user", "bs32_decode_tok_s",
-          "bs32_e2e_out_tok_s", "roofline_ms", "moe_backend", "jit_during_inference", "package", "error"]
+          "bs1_tok_s_user", "kv_tokens", "kv_requests", "bs8_ctx", "bs8_step_ms", "bs8_steps", "bs8_tokens_per_step",
+          "bs8_max_decoding", "bs8_preemptions", "bs8_why", "bs32_ctx", "bs32_prefill_s", "bs32_step_ms", "bs32_steps",
+          "bs32_tokens_per_step", "bs32_tok_s_user", "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "bs32_max_decoding",
+          "bs32_preemptions", "bs32_why", "roofline_ms", "moe_backend", "jit_during_inference", "package", "error"]
+TABLE_FIELDS = [k for k in FIELDS if not k.endswith("_why")]  # (the reasons go under the table, as footnotes)
+BATCHES = (8, 32)  # the batch phases whose step figure may be missing
+
+
+def _nan(v) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def phase_tokens(args) -> dict[int, int]:
+    """A request's prompt + output tokens in each batch phase that runs: {8: ..., 32: ...}."""
+    return {n: ctx + out for n, ctx, out in ((8, args.bs8_ctx, args.bs8_tokens), (32, args.bs32_ctx, args.bs32_tokens))
+            if ctx > 0}
+
+
+def fill_reasons(row: dict, tokens: dict[int, int], req_tokens: int) -> None:
+    """``kv_requests`` (the KV room in requests of ``req_tokens``: the largest batch's prompt + output) and, for each
+    phase of ``tokens``, ``bs{n}_why`` (full reason, '' when measured) and ``bs{n}_why_short`` (the table's cell)."""
+    kv = row.get("kv_tokens")
+    row["kv_requests"] = round(kv / req_tokens, 2) if kv and req_tokens else None
+    for n, length in tokens.items():
+        why = missing_reason(n, length, row.get(f"bs{n}_steps"), row.get(f"bs{n}_max_decoding"),
+                             row.get(f"bs{n}_preemptions"), kv, row.get("error"))
+        row[f"bs{n}_why_short"], row[f"bs{n}_why"] = why or ("", "")
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    """``results.csv``: FIELDS; a figure that could not be measured is left empty (its ``bs{n}_why`` says why)."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, FIELDS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows({k: "" if _nan(v) else v for k, v in r.items()} for r in rows)
+
+
+def results_table(rows: list[dict]) -> str:
+    """The markdown table of TABLE_FIELDS, then one footnote per missing batch figure: its cells read
+    "<short> [k]" (the step) or "n/a [k]" (figures derived from it), footnote k the full reason; never "nan"."""
+    def fmt(v):
+        return "-" if v is None else "n/a" if _nan(v) else f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(TABLE_FIELDS) + " |", "|" + "---|" * len(TABLE_FIELDS)]
+    notes = []
+    for r in rows:
+        marks = {}  # field prefix -> (footnote number, short form)
+        for n in BATCHES:
+            if r.get(f"bs{n}_why"):
+                notes.append(f"[{len(notes) + 1}] {r.get('impl')}, batch {n}: {r[f'bs{n}_why']}")
+                marks[f"bs{n}_"] = (len(notes), r.get(f"bs{n}_why_short") or "n/a")
+        cells = []
+        for k in TABLE_FIELDS:
+            v, m = r.get(k), next((m for pre, m in marks.items() if k.startswith(pre)), None)
+            if m and k.endswith("_step_ms"):
+                cells.append(f"{m[1]} [{m[0]}]")
+            elif m and _nan(v):
+                cells.append(f"n/a [{m[0]}]")
+            else:
+                cells.append(fmt(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+RATIO_KEYS = ("bs1_tpot_ms", "bs1_step_ms", "bs1_tok_s_user", "bs8_step_ms", "bs32_step_ms", "bs32_decode_tok_s")
+
+
+def ratio_lines(by: dict[str, dict], pairs: list[tuple[str, str]]) -> list[str]:
+    """"KEY: A/B = r" for each pair both of whose rows have KEY; where a batch figure is missing, "n/a" and why."""
+    out = []
+    for a_name, b_name in pairs:
+        if a_name not in by or b_name not in by:
+            continue
+        for k in RATIO_KEYS:
+            a, b = by[a_name].get(k), by[b_name].get(k)
+            if a and b and not _nan(a) and not _nan(b):
+                out.append(f"{k}: {a_name}/{b_name} = {a / b:.2f}")
+                continue
+            n = k.split("_")[0][2:]
+            whys = [f"{name}: {by[name].get(f'bs{n}_why_short')}" for name in (a_name, b_name)
+                    if n.isdigit() and by[name].get(f"bs{n}_why")]
+            if whys:
+                out.append(f"{k}: {a_name}/{b_name} n/a ({'; '.join(whys)})")
+    return out
 
 
 def moe_backend(log_path: str) -> str:
@@ -704,6 +885,10 @@ def main() -> None:
                 if line.startswith('{"impl"'):
                     row.update(json.loads(line))
         row["roofline_ms"] = roof_ms
+        if not row.get("kv_tokens"):  # (a worker that died before reporting it: vLLM logged it at start-up)
+            row["kv_tokens"] = kv_tokens_from_log(log)
+        tokens = phase_tokens(args)
+        fill_reasons(row, tokens, tokens[max(tokens)] if tokens else args.ctx + args.out_tokens)
         row["moe_backend"] = moe_backend(log)
         row["jit_during_inference"] = jit_during_inference(log)
         row["package"] = "" if impl == "upstream" else package_label(row.get("qwen4exp_from") or "")
@@ -712,22 +897,12 @@ def main() -> None:
             row["error"] = "; ".join(filter(None, [row.get("error"), bad]))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, FIELDS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    fmt = lambda v: "-" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))  # noqa: E731
-    print("\n| " + " | ".join(FIELDS) + " |\n|" + "---|" * len(FIELDS))
-    for r in rows:
-        print("| " + " | ".join(fmt(r.get(k)) for k in FIELDS) + " |")
+    write_csv(rows, os.path.join(args.out, "results.csv"))
+    print("\n" + results_table(rows))
     by = {r["impl"]: r for r in rows}
     others = [*variants, *(n for n in ours_at if n not in variants)]
-    for a_name, b_name in [("ours", "upstream")] + [(v, base) for v in others for base in ("ours", "upstream")]:
-        if a_name in by and b_name in by:
-            for k in ("bs1_tpot_ms", "bs1_step_ms", "bs1_tok_s_user", "bs8_step_ms", "bs32_step_ms", "bs32_decode_tok_s"):
-                a, b = by[a_name].get(k), by[b_name].get(k)
-                if a and b:
-                    print(f"{k}: {a_name}/{b_name} = {a / b:.2f}")
+    for line in ratio_lines(by, [("ours", "upstream")] + [(v, base) for v in others for base in ("ours", "upstream")]):
+        print(line)
 
 
 if __name__ == "__main__":

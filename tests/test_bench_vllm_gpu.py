@@ -380,3 +380,132 @@ def test_mtp_config_is_vllms_synthetic_acceptance():
     for bad in (0.5, 4.5):
         with pytest.raises(SystemExit, match="acceptance-length"):
             bench.mtp_config(3, bad)
+
+
+class CappedEngine(ScriptedEngine):
+    """ScriptedEngine whose KV room holds ``cap`` requests: the rest wait until one finishes. Its scheduler (where the
+    bench reads preemptions, as in vLLM's in-process engine core) lists the unfinished requests; those whose arrival
+    index is in ``preempt`` show one preemption each, and leave the scheduler when they finish."""
+
+    def __init__(self, prefill_steps: int, cap: int, preempt=()):
+        super().__init__(prefill_steps)
+        self.cap, self.preempt, self.waiting = cap, set(preempt), []
+        self.sched = types.SimpleNamespace(requests={})
+        self.engine_core = types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=self.sched))
+
+    def _resident(self):
+        return sum(r[2] < r[1] for r in self.reqs)
+
+    def add_request(self, rid, prompt, sp):
+        i = len(self.sched.requests) + sum(r[2] >= r[1] for r in self.reqs)
+        self.sched.requests[rid] = types.SimpleNamespace(request_id=rid, num_preemptions=int(i in self.preempt))
+        (self.reqs if self._resident() < self.cap else self.waiting).append([rid, sp.max_tokens, 0, self.prefill_steps])
+
+    def has_unfinished_requests(self):
+        return bool(self.waiting) or super().has_unfinished_requests()
+
+    def step(self):
+        outs = super().step()
+        for r in self.reqs:
+            if r[2] >= r[1]:
+                self.sched.requests.pop(r[0], None)
+        while self.waiting and self._resident() < self.cap:
+            self.reqs.append(self.waiting.pop(0))
+        return outs
+
+
+def test_drive_records_the_most_decoding_at_once_and_the_preemptions():
+    """A KV room of 3 for a batch of 4: no step has all 4 decoding, at most 3 decode together; the preemptions of
+    requests that have since finished still count. Without an in-process scheduler (--mp) they are not counted."""
+    eng, facts = CappedEngine(prefill_steps=1, cap=3, preempt=(0, 2)), {}
+    _, _, steps, ntok = bench._drive(eng, [[1]] * 4, 12, facts=facts)
+    assert steps == [] and ntok == 4 * 12 and eng.sched.requests == {}
+    assert facts == {"max_decoding": 3, "preemptions": 2}
+    facts = {}
+    _, _, steps, _ = bench._drive(ScriptedEngine(prefill_steps=1), [[1]] * 4, 20, facts=facts)
+    assert steps and facts == {"max_decoding": 4, "preemptions": None}
+
+
+def test_missing_reason_says_why_a_batch_figure_is_missing():
+    """The reason names the KV room in requests (floor of 1,544,960 / 50,320 = 30.7), the most requests that decoded
+    together and the preemptions; nothing when the figure was measured."""
+    assert bench.missing_reason(32, 50_320, 41, 32, 0, 1_544_960) is None
+    assert bench.missing_reason(32, 50_320, 0, 29, 12, 1_544_960) == (
+        "KV 30/32", "KV room 1,544,960 tokens holds 30 of 32 requests of 50,320 tokens; "
+        "no step had all 32 decoding: at most 29 decoded at once, 12 preemptions")
+    # room enough and nothing preempted: the output was too short to outlast the batch's prefill
+    assert bench.missing_reason(8, 50_096, 0, 5, 0, 4_000_000) == (
+        "max 5/8 decoding", "no step had all 8 decoding: at most 5 decoded at once, 0 preemptions (the first "
+        "finished before the last began decoding: raise --bs8-tokens)")
+    assert bench.missing_reason(32, 1000, 0, 31, None, None)[1] == (
+        "no step had all 32 decoding: at most 31 decoded at once, preemptions not counted (engine core in another "
+        "process)")
+    assert bench.missing_reason(32, 50_320, None, None, None, 1_544_960, "timeout 560s (see ours.log)") == (
+        "KV 30/32", "KV room 1,544,960 tokens holds 30 of 32 requests of 50,320 tokens; "
+        "batch 32 not reached (timeout 560s (see ours.log))")
+    assert bench.kv_warning(32, 50_320, 1_544_960) == (
+        "batch 32: KV room 1,544,960 tokens holds 30 of 32 requests of 50,320 tokens: no step may have all 32 "
+        "decoding (trying anyway)")
+    assert bench.kv_warning(32, 50_320, 32 * 50_320) is None and bench.kv_warning(32, 50_320, None) is None
+
+
+def test_kv_room_comes_from_the_engine_or_the_log(tmp_path):
+    cc = types.SimpleNamespace(num_gpu_blocks=100, block_size=16, kv_cache_size_tokens=1_544_960)
+    eng = types.SimpleNamespace(vllm_config=types.SimpleNamespace(cache_config=cc))
+    assert bench.kv_room(eng) == {"kv_tokens": 1_544_960, "kv_blocks": 100, "kv_block_size": 16}
+    cc.kv_cache_size_tokens = None  # (a vLLM without it: blocks x block size)
+    assert bench.kv_room(eng)["kv_tokens"] == 1600
+    log = tmp_path / "w.log"
+    log.write_text("INFO [kv_cache_utils.py:2327] GPU KV cache size: 1,544,960 tokens, Maximum concurrency for "
+                   "50,320 tokens per request: 30.70x\n")
+    assert bench.kv_tokens_from_log(str(log)) == 1_544_960
+    assert bench.kv_tokens_from_log(str(tmp_path / "missing.log")) is None
+
+
+def test_table_csv_and_ratios_say_why_instead_of_nan(tmp_path):
+    """ours could not time a batch-32 step (its KV room holds 30.7 requests of 50,320 tokens): the table's cells
+    read the short reason and a footnote the full one, the CSV leaves the figures empty beside ``bs32_why``, the
+    ratio says n/a and why; upstream's figures stay as they were. No "nan" anywhere."""
+    import csv
+    import re
+
+    nan = float("nan")
+    ours = dict(impl="ours", bs1_tpot_ms=10.0, kv_tokens=1_544_960, bs32_ctx=50_000, bs32_steps=0, bs32_step_ms=nan,
+                bs32_tokens_per_step=nan, bs32_tok_s_user=nan, bs32_decode_tok_s=nan, bs32_max_decoding=29,
+                bs32_preemptions=12, roofline_ms=nan)
+    up = dict(impl="upstream", bs1_tpot_ms=20.0, kv_tokens=3_000_000, bs32_ctx=50_000, bs32_steps=40,
+              bs32_step_ms=80.0, bs32_tokens_per_step=1.0, bs32_tok_s_user=12.5, bs32_decode_tok_s=400.0,
+              bs32_max_decoding=32, bs32_preemptions=0, roofline_ms=nan)
+    for r in (ours, up):
+        bench.fill_reasons(r, {32: 50_320}, 50_320)
+    assert ours["kv_requests"] == 30.7 and up["kv_requests"] == 59.62 and up["bs32_why"] == ""
+    why = ("KV room 1,544,960 tokens holds 30 of 32 requests of 50,320 tokens; no step had all 32 decoding: at most "
+           "29 decoded at once, 12 preemptions")
+    assert ours["bs32_why"] == why
+
+    table = bench.results_table([ours, up])
+    assert not re.search(r"\bnan\b", table, re.I), table
+    head, *body = table.split("\n")
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    cells = {line.split("|")[1].strip(): dict(zip(cols, (c.strip() for c in line.strip("|").split("|"))))
+             for line in body[1:3]}
+    assert cells["ours"]["bs32_step_ms"] == "KV 30/32 [1]" and cells["ours"]["bs32_decode_tok_s"] == "n/a [1]"
+    assert cells["ours"]["bs32_max_decoding"] == "29" and cells["ours"]["bs32_preemptions"] == "12"
+    assert cells["ours"]["kv_tokens"] == "1544960" and cells["ours"]["kv_requests"] == "30.7"
+    assert cells["upstream"]["bs32_step_ms"] == "80" and "bs32_why" not in cols
+    assert cells["ours"]["roofline_ms"] == "n/a"
+    assert body[-1] == "[1] ours, batch 32: " + why and body[-2] == ""
+
+    path = tmp_path / "results.csv"
+    bench.write_csv([ours, up], str(path))
+    assert "nan" not in path.read_text().lower()
+    got = {r["impl"]: r for r in csv.DictReader(open(path))}
+    assert got["ours"]["bs32_why"] == why and got["ours"]["bs32_step_ms"] == ""
+    assert got["ours"]["kv_tokens"] == "1544960" and got["ours"]["kv_requests"] == "30.7"
+    assert got["upstream"]["bs32_step_ms"] == "80.0" and got["upstream"]["bs32_why"] == ""
+
+    lines = bench.ratio_lines({"ours": ours, "upstream": up}, [("ours", "upstream")])
+    assert "bs1_tpot_ms: ours/upstream = 0.50" in lines
+    assert "bs32_step_ms: ours/upstream n/a (ours: KV 30/32)" in lines
+    assert "bs32_decode_tok_s: ours/upstream n/a (ours: KV 30/32)" in lines
+    assert not any("nan" in line for line in lines), lines
