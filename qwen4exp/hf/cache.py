@@ -5,6 +5,8 @@ PLE layer: the last n-1 token ids [B, n-1] (EOS-filled) and the dilated-conv inp
 QSA layers, per row: K and V of every token, the normalised + rotated block key of every complete block (kept
 incrementally: each block key is computed once, when its block completes), and the raw indexer keys (+ RoPE
 positions) of the still-open block.
+Beam search / num_return_sequences: ``reorder_cache`` / ``batch_repeat_interleave`` / ``batch_select_indices``
+(``select_rows``) move every per-row state along its row.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ class GrowingRows:
     def view(self) -> torch.Tensor | None:
         return None if self.buf is None else self.buf[: self.len]
 
+    def clone(self) -> "GrowingRows":
+        c = GrowingRows()
+        if self.buf is not None:
+            c.buf, c.len = self.buf.clone(), self.len
+        return c
+
 
 class QSARowState:
     def __init__(self):
@@ -43,6 +51,24 @@ class QSARowState:
         self.open_keys: torch.Tensor | None = None  # raw indexer keys of the open block [< r, d_i]
         self.open_pos: torch.Tensor | None = None  # their RoPE positions [< r] or [3, < r]
         self.pending_raw = self.pending_pos = None  # raw keys / positions of the last forward (for rollback)
+
+    def clone(self) -> "QSARowState":
+        """An independent copy (the growing buffers are appended to in place; the other fields are replaced, never
+        written into, so they can be shared)."""
+        c = QSARowState()
+        c.k, c.v, c.block_keys = self.k.clone(), self.v.clone(), self.block_keys.clone()
+        c.open_keys, c.open_pos, c.pending_raw, c.pending_pos = \
+            self.open_keys, self.open_pos, self.pending_raw, self.pending_pos
+        return c
+
+
+def _select_row_states(states: list, idx: list[int]) -> list:
+    """Row i of the result is row idx[i]: the first use of a row takes its object, every further use a copy."""
+    seen, out = set(), []
+    for j in idx:
+        out.append(states[j] if j not in seen else states[j].clone())
+        seen.add(j)
+    return out
 
 
 class Qwen4ExpHybridCache:
@@ -94,8 +120,34 @@ class Qwen4ExpHybridCache:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def reorder_cache(self, beam_idx: torch.Tensor):
-        raise NotImplementedError("qwen4exp: beam search is not supported by the hybrid cache (use greedy/sampling)")
+    # ---------------------------------------------------------------------------------------------------------------
+    # batch reindexing (beam search, num_return_sequences): every per-row state follows its row
+    def select_rows(self, idx: torch.Tensor | list[int]) -> None:
+        """Make row i of the cache a copy of (current) row ``idx[i]``, in place; the batch size becomes len(idx).
+        Rows may repeat (their states are then copied, not shared) or be dropped."""
+        if self.journal:
+            raise RuntimeError("qwen4exp: cannot reindex the cache rows during a journaled (speculative) forward")
+        idx_l = [int(i) for i in (idx.tolist() if torch.is_tensor(idx) else idx)]
+        if any(i < 0 or i >= self.batch_size for i in idx_l):
+            raise IndexError(f"qwen4exp: row index out of range for a cache of {self.batch_size} rows: {idx_l}")
+        cpu = torch.tensor(idx_l, dtype=torch.long)
+        dev = cpu.to(self.device)
+        self.lengths, self.rope_deltas, self.mtp_lengths = \
+            self.lengths[cpu], self.rope_deltas[cpu], self.mtp_lengths[cpu]
+        for st in self.layers + self.mtp_layers:
+            for key, val in st.items():
+                st[key] = _select_row_states(val, idx_l) if key == "qsa" else val.index_select(0, dev.to(val.device))
+        self.batch_size = len(idx_l)
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: row i continues the hypothesis of row ``beam_idx[i]``."""
+        self.select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.select_rows(indices)
 
     @property
     def is_empty(self) -> bool:

@@ -4,6 +4,9 @@ GenerationMixin) over the shared model assembly.
 Batches are packed internally: padding tokens are dropped (each row's real tokens form one sequence), the model runs
 on the packed tokens, and logits are scattered back to [B, S, V] (zeros at padding positions). Positions count real
 tokens, so a left-padded row behaves exactly like the same row unpadded.
+
+``generate`` supports greedy, sampling and beam search (``num_beams`` > 1, ``num_return_sequences``): the hybrid cache
+(``Qwen4ExpHybridCache.reorder_cache``) moves every per-row state (GDN, PLE, QSA, lengths) along with its beam.
 """
 
 from __future__ import annotations
@@ -228,10 +231,15 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length, *args, **kwargs):
-        if generation_config.num_beams and generation_config.num_beams > 1:
-            raise NotImplementedError("qwen4exp: beam search is not supported (num_beams must be 1)")
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            model_kwargs["past_key_values"] = self.new_cache(batch_size)
+        # generate expands every row into max(num_beams, num_return_sequences) rows before the prefill; beam search
+        # then calls the cache's reorder_cache(beam_idx) after each step
+        expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        cache = model_kwargs.get("past_key_values")
+        if cache is None:
+            if generation_config.use_cache is not False:
+                model_kwargs["past_key_values"] = self.new_cache(batch_size * expand)
+        elif expand > 1 and cache.batch_size == batch_size:  # a user cache of the unexpanded batch
+            cache.batch_repeat_interleave(expand)
 
     def new_cache(self, batch_size: int) -> Qwen4ExpHybridCache:
         p = self.text_model.embed_tokens.weight
@@ -297,14 +305,25 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def generate(self, *args, use_mtp: bool = False, **kwargs):
-        """``use_mtp=True``: greedy speculative decoding with the MTP head (``num_speculative_tokens``, default 3);
-        the output equals plain greedy decoding. Statistics land in ``self.last_mtp_stats``."""
+        """Transformers' ``generate``: greedy, sampling and beam search (``num_beams`` > 1, with
+        ``num_return_sequences``, left-padded batches; the hybrid cache reorders every per-row state along the beams).
+
+        ``use_mtp=True``: greedy speculative decoding with the MTP head (``num_speculative_tokens``, default 3);
+        the output equals plain greedy decoding. One unpadded sequence, no sampling, no beam search. Statistics land
+        in ``self.last_mtp_stats``."""
         if not use_mtp:
             return super().generate(*args, **kwargs)
         return self._generate_mtp(*args, **kwargs)
 
     def _generate_mtp(self, input_ids, max_new_tokens: int = 20, num_speculative_tokens: int = 3,
-                      eos_token_id=None, attention_mask=None, do_sample: bool = False, **unused):
+                      eos_token_id=None, attention_mask=None, do_sample: bool = False, num_beams: int | None = None,
+                      num_return_sequences: int | None = None, generation_config=None, **unused):
+        gc = generation_config if generation_config is not None else self.generation_config
+        if (num_beams if num_beams is not None else (gc.num_beams or 1)) > 1:
+            raise NotImplementedError("qwen4exp: use_mtp=True does not support beam search (num_beams > 1); drop "
+                                      "use_mtp for beam search, or use num_beams=1")
+        if (num_return_sequences if num_return_sequences is not None else (gc.num_return_sequences or 1)) > 1:
+            raise NotImplementedError("qwen4exp: use_mtp=True returns one sequence (num_return_sequences must be 1)")
         if do_sample:
             raise NotImplementedError("qwen4exp: use_mtp=True supports greedy decoding only")
         if input_ids.shape[0] != 1 or (attention_mask is not None and not bool(attention_mask.all())):
