@@ -219,10 +219,11 @@ class QSAMixer(QSAAttention):
     def eager_forward(self, out, q, k, v, index_q, index_k_raw, positions) -> None:
         """Cache writes, block keys, selection + attention for this step's tokens (an eager graph segment: reads the
         step's attention metadata on the host). Rows past the step's real tokens (graph padding) are zero."""
+        if not self._warmed:  # the first forward pass with the KV caches in place (vLLM's warm-up or capture runs)
+            self._warmed = self._warm_up(q)
         md = get_forward_context().attn_metadata
         if md is None or self.attn.layer_name not in md:  # profiling / warm-up run: no metadata
             out.zero_()
-            self._warm_up(q)
             return
         m = md[self.attn.layer_name]  # main K/V and index rows: one cache layer, one metadata and block table
         if not self._scales_checked:
@@ -277,22 +278,27 @@ class QSAMixer(QSAAttention):
                                             max(1, seq_lens[b] // r), r, self.budget, self.index_scale),
                            slice(e - 1, e))
 
-    def _warm_up(self, q) -> None:
-        """At the first dummy run after vLLM allocated the KV caches (its warm-up and CUDA-graph capture runs carry
-        no attention metadata): compile the paged prefill's and the eager decode rows' kernel variants on this
-        layer's real cache views, once a process per cache layout (``QWEN4EXP_QSA_WARMUP``). vLLM's own warm-ups
-        run there too; ours would otherwise compile while serving (the first long prompts: seconds at the real
-        widths; the first MTP verifications and mixed steps as contexts grow)."""
-        if not (q.is_cuda and envs.QWEN4EXP_QSA_WARMUP) or torch.cuda.is_current_stream_capturing():
-            return
+    _warmed = False
+
+    def _warm_up(self, q) -> bool:
+        """At the first forward pass after vLLM allocated the KV caches (its warm-up and CUDA-graph capture runs,
+        which may or may not carry attention metadata): compile the paged prefill's and the eager decode rows' kernel
+        variants on this layer's real cache views, once a process per cache layout (``QWEN4EXP_QSA_WARMUP``).
+        vLLM's own warm-ups run there too; ours would otherwise compile while serving (the first long prompts:
+        seconds at the real widths; the first MTP verifications and mixed steps as contexts grow). False: not yet
+        (no caches: the profiling run; or inside a graph capture), try again at the next pass."""
+        if not (q.is_cuda and envs.QWEN4EXP_QSA_WARMUP):
+            return True
+        if torch.cuda.is_current_stream_capturing():
+            return False
         kv = _kv_cache(self.attn)
         if kv.dim() != 4 or kv.numel() == 0:
-            return  # the profiling run, before the caches exist
+            return False  # the profiling run, before the caches exist
         ikv = _kv_cache(self.index_cache)
         key = (str(kv.device), kv.dtype, q.dtype, tuple(kv.shape[1:]), kv.stride(), tuple(ikv.shape[1:]),
                ikv.stride(), self.n_heads, self.indexer.n_heads, self.r, self.budget, self._max_len, self._max_rows)
         if key in _WARMED:
-            return
+            return True
         _WARMED.add(key)
         import time
 
@@ -311,9 +317,10 @@ class QSAMixer(QSAAttention):
         except Exception as e:  # (e.g. out of memory): the kernels then compile on first use, as without it
             _logger().warning("qwen4exp QSA: the kernel warm-up stopped (%s: %s); kernels compile on first use",
                               type(e).__name__, e)
-            return
+            return True
         _logger().info("qwen4exp QSA: prefill and eager decode kernels warmed up for up to %d tokens (%d cases) in "
                        "%.1f s", self._max_len, len(cases), time.perf_counter() - t0)
+        return True
 
     def _completed_block_keys(self, raw, qsl, seq_lens, m, ikv, d_i: int, pos3=None) -> torch.Tensor:
         """Index-cache block-key column of this step's rows [n, d_i]: at the row of each block's last position, the
@@ -345,7 +352,7 @@ class QSAMixer(QSAAttention):
                 last.append(s + base + j * r + r - 1 - start)
                 first_rows.append(s + base + j * r - start if base + j * r >= start else -1)
                 block_owner.append(b)
-        bk_rows = torch.zeros_like(raw)
+        bk_rows = torch.zeros(raw.shape, dtype=raw.dtype, device=raw.device)  # (dense rows, unlike raw's view)
         if not first:
             return bk_rows
         idx = _to_device([src, first, last, prev_owner, prev_pos], raw.device)
@@ -379,7 +386,8 @@ class QSAMixer(QSAAttention):
         raw = index_k_raw[:n]
         if nq > 1:  # every raw key first: a token completing a block reads its block's earlier keys from the cache,
             # some of them this step's (one launch per row cannot see another row's write)
-            write_paged(ikv, slots, raw.unsqueeze(1), torch.zeros_like(raw).unsqueeze(1))
+            zero = torch.zeros(raw.shape, dtype=raw.dtype, device=raw.device)  # (dense: one kernel variant)
+            write_paged(ikv, slots, raw.unsqueeze(1), zero.unsqueeze(1))
         # the index cache row: raw key, and the key of the block this token completes (zeros if none)
         kn = self.indexer.k_layernorm
         index_update_decode(ikv, slots, bt, pos, valid, raw, kn.weight, kn.eps, cb, sb, r)

@@ -48,6 +48,22 @@ def _rows3(x, group: int):
     return v if v.stride(-1) == 1 else v.contiguous()
 
 
+def _row_strides(x3) -> tuple[int, int, int]:
+    """(n_inner, stride_outer, stride_inner) of the launch over ``x3`` [outer, inner, group]: rows evenly spaced
+    (a dense [tokens, heads, group] view, the [1, rows, group] of a plain norm, one inner row) go as ONE run of rows,
+    n_inner = 1 and both strides the row stride, so that no argument depends on how many rows there are. (n_inner
+    was the row count of a plain norm: the block keys a step completes, 1 or a count not a multiple of 16, each a
+    variant of its own, compiled mid-serving.) Else (a strided [tokens, heads] slice of a wider output) the inner
+    count and both strides: fixed by the layout."""
+    outer, inner = x3.shape[0], x3.shape[1]
+    so, si = x3.stride(0), x3.stride(1)
+    if inner == 1:
+        return 1, so, so
+    if so == inner * si:
+        return 1, si, si
+    return inner, so, si
+
+
 def rms_norm_triton(x, weight, group: int, eps: float):
     dim = x.shape[-1]
     x3 = _rows3(x, group)  # the layouts the layers pass are views: a slice of a wider projection output included
@@ -55,7 +71,8 @@ def rms_norm_triton(x, weight, group: int, eps: float):
     rows = x3.shape[0] * x3.shape[1]
     if rows:
         BLOCK = triton.next_power_of_2(group)
-        _rms_norm_kernel[(rows,)](x3, weight, y, group, dim // group, float(eps), 1.0 / group, x3.shape[1],
-                                  x3.stride(0), x3.stride(1), group, BLOCK=BLOCK, BF16=x.dtype == torch.bfloat16,
+        n_inner, stride_outer, stride_inner = _row_strides(x3)
+        _rms_norm_kernel[(rows,)](x3, weight, y, group, dim // group, float(eps), 1.0 / group, n_inner,
+                                  stride_outer, stride_inner, group, BLOCK=BLOCK, BF16=x.dtype == torch.bfloat16,
                                   num_warps=min(16, max(1, BLOCK // 256)))  # ~256 elements a warp
     return y

@@ -82,7 +82,11 @@ def _order_key(s, offs_n, n_complete, scale):
     return _sort_key(tl.sum(tl.maximum(s, 0.0), axis=1) * scale, offs_n, offs_n < n_complete)
 
 
-@triton.jit(do_not_specialize=['Nb', 'n_bt', 'stride_bt'], do_not_specialize_on_alignment=_ROW_VIEWS)
+# The key stores are masked by offs_n < Nb, Nb not specialised: Triton cannot vectorise them whatever the row stride's
+# divisibility, so specialising stride_keys_t (n_blocks, or it rounded up to 4) bought nothing but a second variant
+# (a context of a multiple of 16 blocks compiled it mid-serving; MTP verifications reach it).
+@triton.jit(do_not_specialize=['Nb', 'n_bt', 'stride_bt', 'stride_keys_t'],
+            do_not_specialize_on_alignment=_ROW_VIEWS)
 def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, VIS, Nb, r, scale, n_bt,
                             stride_qt, stride_qh, stride_kvb, stride_kvl, stride_bt, stride_keys_t,
                             HI: tl.constexpr, HI_P: tl.constexpr, DI: tl.constexpr, IBS: tl.constexpr,
@@ -411,7 +415,9 @@ def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
              mask=(offs_g < G)[:, None])
 
 
-@triton.jit
+# n_split (slot ranges a (query, KV head), set by the row count) only bounds its loop and masks; no address depends
+# on its divisibility: not specialised, so one variant per NSP (what the warm-ups cover), none per row count.
+@triton.jit(do_not_specialize=['n_split'])
 def _qsa_merge_kernel(OP, MP, LP, O, n_split, stride_ot, stride_oh,
                       G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, NSP: tl.constexpr, CH: tl.constexpr):
     i = tl.program_id(0)  # query head within its group
