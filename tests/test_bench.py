@@ -282,6 +282,18 @@ def test_mini_run_succeeds(mini: Run):
         assert (mini.out / name).is_file(), name
 
 
+def test_readme_cpu_example_on_make_serve(server: Server, tmp_path):
+    """The README's CPU benchmark line (tests/test_bench_readme.py) against ``make serve``'s server: the
+    ``qwen4exp`` server here is started as ``make serve`` starts it (``qwen4exp.demo.start_server``)."""
+    if server.kind != "qwen4exp":
+        pytest.skip("needs the make-serve server (tiny-coder); the fake one: tests/test_bench_readme.py")
+    from test_bench_readme import check_readme_cpu_run, run_readme_cpu_example
+
+    rc, _, err, dt = run_readme_cpu_example(server.base_url, tmp_path / "out", timeout=120)
+    check_readme_cpu_run(rc, err, tmp_path / "out")
+    print(f"README CPU example: {dt:.1f} s")
+
+
 def test_summary_csv_columns_and_sane_values(mini: Run, server: Server):
     assert mini.header == M.SUMMARY_COLUMNS
     rows = mini.rows
@@ -415,6 +427,47 @@ def test_bad_flag_values_are_rejected():
     for argv in (["--turns", "5-3"], ["--concurrency", "0"], ["--extra-body", "[1]"], ["--num-gpus", "-1"]):
         rc, _, err, _ = run_cli(argv, timeout=30)
         assert rc == 2, argv
+
+
+# ---------------------------------------------------------------------------
+# the workload against the server's context length
+
+
+def test_context_error_names_the_flag_to_lower():
+    from qwen4exp.bench.runner import context_error
+    from qwen4exp.bench.workload import WorkloadSpec
+
+    def err(max_len, reply_close=0, **kw):
+        return context_error(WorkloadSpec(**kw), max_len, reply_close)
+
+    # the README's CPU example fits tiny-coder's 2048 (make serve); the defaults (50k first turns) do not
+    assert err(2048, 2, first_turn_tokens=300, turn_tokens=40, min_turns=3, max_turns=3, max_output_tokens=16) is None
+    assert err(None) is None and err(0) is None
+    msg = err(2048)
+    assert msg.count("\n") == 0 and "needs 68700 tokens" in msg and "max_model_len is 2048" in msg
+    assert "lower --first-turn-tokens to at most 1548 with --turns 1" in msg
+    # the first turn is what to cut: the largest one that fits, and the other way out
+    kw = dict(first_turn_tokens=1000, turn_tokens=100, min_turns=15, max_turns=15, max_output_tokens=32)
+    assert "lower --first-turn-tokens to at most 168 (or --turns to at most 8)" in err(2048, **kw)
+    assert "to at most 140 (or --turns to at most 8)" in err(2048, 2, **kw)  # template tokens of each reply count
+    assert err(1000 + 32 + 14 * 134, 2, **kw) is None  # exactly full fits
+    # the later turns alone overflow: fewer turns
+    kw = dict(first_turn_tokens=300, turn_tokens=400, min_turns=3, max_turns=8, max_output_tokens=32)
+    assert "lower --turns to at most 4 " in err(2048, **kw)
+    assert "lower --max-output-tokens below 100" in err(100, first_turn_tokens=200, max_output_tokens=500)
+
+
+def test_workload_longer_than_max_model_len_stops_before_any_request(fake_factory, tmp_path):
+    log = tmp_path / "requests.jsonl"
+    srv = fake_factory("--max-model-len", "2048", "--request-log", str(log))
+    # the README's GPU-sized line (defaults: 50k-token first turns) against a CPU-sized server
+    rc, out, err, dt = run_cli(["--base-url", srv.base_url, "--concurrency", "1,2,4,8", "--num-gpus", "1",
+                                "--label", "mine", "--out", str(tmp_path / "o"), "--no-progress"], timeout=30)
+    assert rc == cli.EXIT_SETUP, err
+    (line,) = err.strip().splitlines()  # one line, naming the flag and the server's limit
+    assert "max_model_len is 2048" in line and "lower --first-turn-tokens" in line
+    assert not log.exists() or not log.read_text().strip()  # no chat request was sent
+    assert dt < 15
 
 
 # ---------------------------------------------------------------------------

@@ -396,3 +396,95 @@ def test_ab_needs_two_distinct_names(tmp_path):
     assert rc == 2 and "must differ" in err
     rc, _, err, _ = run_cli(["--ab", "no name"], timeout=30)
     assert rc == 2 and "--ab" in err
+
+
+# ---------------------------------------------------------------------------
+# --ab ports
+
+
+def test_ab_port_parsing():
+    assert AB.pop_port(["m", "--port", "8101", "--x"]) == (8101, ["m", "--x"])
+    assert AB.pop_port(["m", "--port=8101", "--port", "8102"]) == (8102, ["m"])  # the last one, as vLLM's parser
+    assert AB.pop_port(["m", "--portable"]) == (None, ["m", "--portable"])
+    for bad in (["--port", "x"], ["--port"], ["--port=0"], ["--port", "70000"]):
+        with pytest.raises(ValueError, match="--port needs a port number"):
+            AB.pop_port(bad)
+    args = cli.build_parser().parse_args(["--ab-ports", "8101, 0"])
+    assert args.ab_ports == [8101, 0]
+    for bad in ("8101,x", "70000", "-1", ""):
+        rc, _, err, _ = run_cli(["--ab-ports", bad], timeout=30)
+        assert rc == 2 and "--ab-ports" in err, bad
+
+
+def free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_ab_ports_pin_each_server(tmp_path):
+    p1, p2 = free_ports(2)
+    out = tmp_path / "ab"
+    # one pinned by --ab-ports, one by a --port in its ARGS (0 in --ab-ports leaves it to the ARGS)
+    rc, _, se, _ = run_cli(ab_argv(out, "a=--ttft 0.001", f"b=--port {p2} --ttft 0.001",
+                                   extra=("--ab-ports", f"{p1},0")), timeout=120)
+    assert rc == 0, se
+    doc = json.loads((out / "ab.json").read_text())
+    for c, p in zip(doc["configs"], (p1, p2), strict=True):
+        assert c["port"] == p and c["cmd"][-4:] == ["--host", "127.0.0.1", "--port", str(p)]
+        assert c["cmd"].count("--port") == 1  # ARGS' own --port is not passed on twice
+        assert f"READY {p}" in (out / c["name"] / "server.log").read_text()  # the server listened there
+    assert "up in" in se and f"on port {p1}" in se
+
+
+def test_ab_taken_port_stops_before_any_server_starts(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = tmp_path / "ab"
+        rc, _, se, dt = run_cli(ab_argv(out, "a=", "b=", extra=("--ab-ports", f"0,{port}")), timeout=30)
+    assert rc == cli.EXIT_SETUP
+    (line,) = se.strip().splitlines()
+    assert f"--ab b: port {port} is taken on 127.0.0.1" in line and "--ab-ports" in line
+    assert not (out / "a").exists()  # nothing started
+    assert dt < 10
+
+
+@pytest.mark.parametrize("configs,ports,msg", [
+    (("a=--port 1234", "b="), "1235,0", "its ARGS say --port 1234 but --ab-ports gives it 1235"),
+    (("a=", "b="), "1234", "--ab-ports lists 1 port(s) for 2 --ab configuration(s)"),
+    (("a=--port=x", "b="), None, "--ab a: --port needs a port number"),
+    (("a=--max-model-len 100", "b="), None, "but --ab a's --max-model-len is 100: lower --first-turn-tokens"),
+], ids=["ports-disagree", "ports-count", "bad-port", "short-context"])
+def test_ab_bad_ports_and_short_contexts_are_refused_before_starting(tmp_path, configs, ports, msg):
+    out = tmp_path / "ab"
+    rc, _, se, _ = run_cli(ab_argv(out, *configs, extra=("--ab-ports", ports) if ports else ()), timeout=30)
+    assert rc == cli.EXIT_SETUP and msg in se, se
+    assert not (out / "a").exists()
+
+
+def test_ab_port_taken_after_the_first_server_fails_that_config_only(tmp_path, monkeypatch):
+    p1, p2 = free_ports(2)
+    calls: list[int] = []
+
+    def taken(port, host="127.0.0.1"):
+        calls.append(port)
+        return "[Errno 98] Address already in use" if calls.count(p2) > 1 else None  # free at the first check
+
+    monkeypatch.setattr(AB, "port_taken", taken)
+    out = tmp_path / "ab"
+    rc, _, se, _ = run_cli(ab_argv(out, "a=--ttft 0.001", "b=", extra=("--ab-ports", f"{p1},{p2}")), timeout=120)
+    assert rc == cli.EXIT_TURNS_FAILED
+    a, b = json.loads((out / "ab.json").read_text())["configs"]
+    assert a["status"] == "ran" and b["status"] == "failed to start" and b["pid"] is None
+    assert f"port {p2} is taken" in b["error"] and f"configuration b: failed to start: port {p2}" in se

@@ -1,7 +1,8 @@
 """``--ab``: the same workload against two (or more) server configurations, one after the other.
 
-For each ``NAME='ARGS'`` in turn: start ``SERVE_CMD ARGS --host 127.0.0.1 --port P`` (a free port, its own
-process group, output to ``OUT/NAME/server.log``; leading ``VAR=VALUE`` words of ARGS, as in a shell, set that
+For each ``NAME='ARGS'`` in turn: start ``SERVE_CMD ARGS --host 127.0.0.1 --port P`` (a free port, or the one
+``--ab-ports P1,P2,...`` or a ``--port N`` in ARGS pins: checked free on 127.0.0.1 before any server starts, and
+again just before its own; its own process group, output to ``OUT/NAME/server.log``; leading ``VAR=VALUE`` words of ARGS, as in a shell, set that
 server's environment, e.g. ``--ab cap0='QWEN4EXP_CONTINUATION_CHUNK=0 MODEL ...'``), wait until ``/v1/models``
 answers, run the benchmark with
 ``--base-url http://127.0.0.1:P/v1 --label NAME --out OUT/NAME`` (the same seed and run nonce for every
@@ -83,6 +84,55 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_taken(port: int, host: str = "127.0.0.1") -> str | None:
+    """Why a server could not listen on ``host:port`` (e.g. ``[Errno 98] Address already in use``), None if it
+    could. SO_REUSEADDR as uvicorn sets it: a port in TIME_WAIT counts as free, one something listens on as taken."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return str(e)
+    return None
+
+
+def pop_port(words: list[str]) -> tuple[int | None, list[str]]:
+    """The ``--port N`` / ``--port=N`` of an --ab ARGS word list (the last one wins, as in vLLM's parser) and the
+    words without it; ValueError if N is not a port number."""
+    port, rest, i = None, [], 0
+    while i < len(words):
+        w = words[i]
+        if w == "--port" or w.startswith("--port="):
+            v = w.partition("=")[2] if "=" in w else (words[i + 1] if i + 1 < len(words) else "")
+            i += 1 if "=" in w else 2
+            port = _port_number(v, "--port")
+            continue
+        rest.append(w)
+        i += 1
+    return port, rest
+
+
+def _port_number(v: str, what: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if not 0 < n < 65536:
+        raise ValueError(f"{what} needs a port number (1-65535), got {v!r}")
+    return n
+
+
+def _arg_value(words: list[str], name: str) -> str | None:
+    """The value of the last ``name V`` / ``name=V`` in ``words``, None if absent."""
+    out = None
+    for i, w in enumerate(words):
+        if w == name and i + 1 < len(words):
+            out = words[i + 1]
+        elif w.startswith(name + "="):
+            out = w.partition("=")[2]
+    return out
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> int | None:
@@ -232,6 +282,45 @@ def split_env(extra: str) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
+def _plan_configs(args: argparse.Namespace) -> list[tuple[str, dict[str, str], list[str], int | None]] | str:
+    """Per --ab configuration (name, environment, server arguments without --port, pinned port or None), or the
+    one-line reason the comparison cannot start: --ab-ports and ARGS' --port disagree, a pinned port is taken
+    on 127.0.0.1, or a configuration's --max-model-len is shorter than the workload needs."""
+    from .runner import context_error
+    from .workload import WorkloadSpec
+
+    ports = getattr(args, "ab_ports", None)
+    if ports is not None and len(ports) != len(args.ab):
+        return (f"--ab-ports lists {len(ports)} port(s) for {len(args.ab)} --ab configuration(s): give one each "
+                "(0: any free port)")
+    lo, hi = args.turns
+    spec = WorkloadSpec(first_turn_tokens=args.first_turn_tokens, turn_tokens=args.turn_tokens, min_turns=lo,
+                        max_turns=hi, max_output_tokens=args.max_output_tokens)
+    plans: list[tuple[str, dict[str, str], list[str], int | None]] = []
+    for i, (name, extra) in enumerate(args.ab):
+        env, words = split_env(extra)
+        try:
+            in_args, words = pop_port(words)
+        except ValueError as e:
+            return f"--ab {name}: {e}"
+        flag = ports[i] if ports else 0
+        if flag and in_args and flag != in_args:
+            return f"--ab {name}: its ARGS say --port {in_args} but --ab-ports gives it {flag}"
+        pinned = flag or in_args
+        plans.append((name, env, words, pinned))
+        mml = _arg_value(words, "--max-model-len")
+        if mml is not None and mml.isdigit():
+            if (msg := context_error(spec, int(mml), source=f"--ab {name}'s --max-model-len")) is not None:
+                return msg
+    # (Two configurations may pin the same port: their servers run one after the other.)
+    for name, _, _, p in plans:
+        if p:
+            if why := port_taken(p):
+                return f"--ab {name}: port {p} is taken on 127.0.0.1 ({why}); stop what listens there or pin " \
+                       "another with --ab-ports"
+    return plans
+
+
 def run_ab(args: argparse.Namespace) -> int:
     from .cli import EXIT_OK, EXIT_SETUP, EXIT_TURNS_FAILED, _nonce, run_one
 
@@ -244,6 +333,10 @@ def run_ab(args: argparse.Namespace) -> int:
         return EXIT_SETUP
     if args.plot_from:
         print("qwen4exp-bench: --ab and --plot-from do not go together", file=sys.stderr)
+        return EXIT_SETUP
+    plans = _plan_configs(args)
+    if isinstance(plans, str):
+        print(f"qwen4exp-bench: {plans}", file=sys.stderr)
         return EXIT_SETUP
     out = Path(args.out or "bench_out/ab")
     out.mkdir(parents=True, exist_ok=True)
@@ -261,15 +354,19 @@ def run_ab(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     interrupted = False
     try:
-        for name, extra in args.ab:
+        for name, env, words, pinned in plans:
             d = out / name
             d.mkdir(parents=True, exist_ok=True)
-            port = free_port()
-            env, words = split_env(extra)
+            port = pinned or free_port()
             cmd = serve_cmd + words + ["--host", "127.0.0.1", "--port", str(port)]
             res: dict[str, Any] = {"name": name, "cmd": cmd, "env": env, "port": port, "pid": None, "rc": None,
                                    "status": "not started", "error": None, "rows": [], "server_rc": None}
             results.append(res)
+            if pinned and (why := port_taken(pinned)):  # taken since the check before the first server
+                res.update(status="failed to start", rc=EXIT_SETUP,
+                           error=f"port {pinned} is taken on 127.0.0.1 ({why})")
+                print(f"[ab] {name}: {res['error']}", file=sys.stderr)
+                continue
             shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
             print(f"[ab] {name}: starting {shown + ' ' if shown else ''}{shlex.join(cmd)} (log {d / 'server.log'})",
                   file=sys.stderr)

@@ -60,13 +60,20 @@ Sessions: every turn sends X-Session-ID (one id per conversation, unique per
 run) and the last turn of a conversation vllm_xargs {"session_close": true};
 --think-time pauses between a reply and the next turn (simulated tool
 execution, outside every request's timing). A/B: --ab NAME='SERVE ARGS' given
-twice or more starts each server in turn (--serve-cmd, default qwen4exp-serve),
-runs the same workload against it into OUT/NAME/, stops it, and writes
-OUT/ab.csv and OUT/ab.png comparing turn-1 and later-turn TTFT, TPOT, cached
-fraction, preemptions and recomputed tokens.
+twice or more starts each server in turn (--serve-cmd, default qwen4exp-serve;
+--ab-ports pins their ports), runs the same workload against it into
+OUT/NAME/, stops it, and writes OUT/ab.csv and OUT/ab.png comparing turn-1
+and later-turn TTFT, TPOT, cached fraction, preemptions and recomputed tokens.
+
+Before any request, the workload's longest conversation is checked against
+the server's max_model_len (GET /v1/models): a workload that cannot fit stops
+with one line naming the flag to lower (on a CPU server serving tiny-coder,
+max_model_len 2048, e.g. --first-turn-tokens 300 --turn-tokens 40 --turns 3
+--max-output-tokens 16).
 
 Exit status: 0 all turns completed, 1 some turns failed (results still
-written), 2 the run could not start (server unreachable, bad flags).
+written), 2 the run could not start (server unreachable, bad flags, a
+workload longer than the server's context).
 """
 
 EPILOG = "summary.csv columns:\n" + "\n".join(f"  {c:24s} {M.COLUMN_DOC[c]}" for c in M.SUMMARY_COLUMNS)
@@ -118,6 +125,16 @@ def _think_time(s: str):
         return parse_think_time(s)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _port_list(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in re.split(r"[,\s]+", s.strip()) if x]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated port numbers, got {s!r}") from e
+    if not vals or any(not 0 <= v < 65536 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected port numbers 1-65535 (0: any free port), got {s!r}")
+    return vals
 
 
 def _ab_spec(s: str) -> tuple[str, str]:
@@ -216,7 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "environment, as in a shell), wait for /v1/models, run the workload "
                         "into OUT/NAME/ (server log OUT/NAME/server.log), stop the server; then OUT/ab.csv and "
                         "OUT/ab.png (OUT: --out, default bench_out/ab; --plot-out names ab.png); --base-url is set per "
-                        "configuration")
+                        "configuration. P: a free port, or the one --ab-ports or a --port N in ARGS pins")
+    g.add_argument("--ab-ports", type=_port_list, default=None, metavar="P1,P2,...",
+                   help="pin each --ab server's port, one per --ab in order (0: any free port; a --port N in that "
+                        "configuration's ARGS does the same); a pinned port that is taken on 127.0.0.1 stops the "
+                        "comparison before any server starts (default: free ports)")
     g.add_argument("--serve-cmd", default=None, metavar="CMD",
                    help="server command of --ab (default: qwen4exp-serve next to this Python, else "
                         "'python -m qwen4exp.serve')")

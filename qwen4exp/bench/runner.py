@@ -37,6 +37,39 @@ class SetupError(RuntimeError):
     """The run could not start (server unreachable, no tokenizer, bad sizes)."""
 
 
+def context_error(spec: WorkloadSpec, max_len: int | None, reply_close: int = 0,
+                  source: str = "the server's max_model_len") -> str | None:
+    """None if the longest conversation of ``spec`` fits a ``max_len`` context, else one line saying what it needs
+    and which flag to lower to what. ``reply_close``: template tokens closing each earlier reply (0 when not
+    known yet, which gives a lower bound of the need)."""
+    if not max_len:
+        return None
+    max_len = int(max_len)
+    first, out, turns = spec.first_turn_tokens, spec.max_output_tokens, spec.max_turns
+    per_turn = spec.turn_tokens + out + reply_close  # what each later turn adds
+    need = first + out + (turns - 1) * per_turn
+    if need <= max_len:
+        return None
+    shape = f"--first-turn-tokens {first} + --max-output-tokens {out}"
+    if turns > 1:
+        shape += (f" + {turns - 1} later turn(s) x (--turn-tokens {spec.turn_tokens} + --max-output-tokens {out}"
+                  + (f" + {reply_close} template" if reply_close else "") + ")")
+    first_max = max_len - out - (turns - 1) * per_turn  # the largest first turn that fits with these turns
+    turns_max = 1 + (max_len - first - out) // per_turn if first + out <= max_len else 0
+    if first_max >= 32:  # (a first turn also holds the chat template's tokens)
+        fix = f"lower --first-turn-tokens to at most {first_max}"
+        if turns_max >= 1:
+            fix += f" (or --turns to at most {turns_max})"
+    elif turns_max >= 1:
+        fix = f"lower --turns to at most {turns_max} (or --first-turn-tokens, --turn-tokens, --max-output-tokens)"
+    elif out < max_len:
+        fix = f"lower --first-turn-tokens to at most {max_len - out} with --turns 1, and less with more turns"
+    else:
+        fix = f"lower --max-output-tokens below {max_len} and --first-turn-tokens"
+    return (f"the longest conversation needs {need} tokens of context ({shape}) but {source} is {max_len}"
+            f": {fix}, or serve a longer context")
+
+
 @dataclass
 class BenchConfig:
     base_url: str
@@ -192,6 +225,9 @@ class Runner:
             self.label = self.model
         card = next((m for m in models if m.get("id") == self.model), {})
         max_len = card.get("max_model_len")
+        # Fail before loading a tokenizer where even the lower bound of the need (no template tokens) is too long.
+        if (msg := context_error(spec, max_len)) is not None:
+            raise SetupError(msg)
 
         if cfg.tokenizer_dir:
             self.tok = HFTokenizer(
@@ -235,13 +271,8 @@ class Runner:
                 f"--turn-tokens {spec.turn_tokens} is not more than the {self.overhead.user_block} template "
                 "tokens a later turn adds"
             )
-        need = spec.max_prompt_tokens() + (spec.max_turns - 1) * self.overhead.reply_close + spec.max_output_tokens
-        if max_len and need > int(max_len):
-            raise SetupError(
-                f"the workload reaches {need} tokens (prompt + output of the longest conversation) "
-                f"but the server's max_model_len is {max_len}; lower --turns/--first-turn-tokens or serve "
-                "a longer context"
-            )
+        if (msg := context_error(spec, max_len, self.overhead.reply_close)) is not None:
+            raise SetupError(msg)
 
     # ------------------------------------------------------------------ planning
 
