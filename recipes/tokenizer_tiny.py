@@ -25,13 +25,12 @@ ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
 HELDOUT_PERMILLE = 40
 
-# ChatML, as Qwen models use it: an optional system turn, then turns; generation prompt opens an assistant turn.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# The chat template is the committed tiny-coder's (one definition): ChatML turns as Qwen models use them (an
+# optional system turn, then turns; the generation prompt opens an assistant turn), with tools, tool calls and tool
+# responses rendered as Qwen3.5's template renders them (vLLM's ``qwen3_coder`` tool parser reads its calls).
+_ASSET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "qwen4exp", "assets", "tiny-coder")
+with open(os.path.join(_ASSET, "tokenizer_config.json")) as _f:
+    CHAT_TEMPLATE = json.load(_f)["chat_template"]
 
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "lib2to3", "__pycache__", "idlelib",
               "turtledemo", "ensurepip", "pydoc_data", "encodings", "config-3", "tkinter"}
