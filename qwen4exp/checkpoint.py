@@ -31,6 +31,46 @@ class CheckpointError(ValueError):
     """A checkpoint that does not fit the model: the message names the tensor (missing, unexpected, mis-shaped)."""
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint directory at the path given (``missing_checkpoint``); also a ``FileNotFoundError``."""
+
+
+# a Hugging Face Hub repo id as the Hub accepts it: ``name`` or ``namespace/name``, each 1-96 of [A-Za-z0-9_.-], not
+# starting or ending with '-' or '.', no '--' or '..' (huggingface_hub.utils.validate_repo_id)
+_HUB_PART = r"(?![-.])[A-Za-z0-9_.-]{1,96}(?<![-.])"
+HUB_ID = re.compile(rf"{_HUB_PART}(/{_HUB_PART})?")
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """``name`` has the form of a Hub repo id (``org/name`` or ``name``); a string that cannot be one (a leading
+    ``.``, ``/`` or ``~``, two or more separators, characters the Hub does not allow) can only be a local path."""
+    return bool(HUB_ID.fullmatch(name)) and "--" not in name and ".." not in name
+
+
+def missing_checkpoint(path, hub: bool = False) -> str | None:
+    """Why ``path`` names no checkpoint directory, in one line (None when it is a directory). ``hub``: the caller
+    also accepts a Hugging Face Hub id (vLLM does), so a missing path that has the form of one (``looks_like_hub_id``)
+    is left to it (None); a file is left to it too (vLLM serves GGUF files)."""
+    path = str(path)
+    if os.path.isdir(path):
+        return None
+    if os.path.exists(path):
+        return None if hub else f"{path!r} is a file, not a checkpoint directory"
+    if hub and looks_like_hub_id(path):
+        return None
+    home = os.path.expanduser(path)
+    if home != path and os.path.isdir(home):  # a quoted ~: no shell expanded it
+        where = f" ('~' is not expanded here: pass {home!r})"
+    else:
+        where = f" (resolved: {os.path.abspath(path)!r})" if not os.path.isabs(path) and home == path else ""
+    if hub:
+        return (f"no checkpoint directory at {path!r}{where}: no such directory, and not a Hugging Face "
+                f"Hub id (org/name) either")
+    hint = (f"; from_pretrained reads a local directory: for a Hub repo, download it first "
+            f"(hf download {path} --local-dir DIR)" if looks_like_hub_id(path) and "/" in path else "")
+    return f"no checkpoint directory at {path!r}{where}: no such directory{hint}"
+
+
 def canonical_name(name: str, composite: bool) -> str | None:
     """Checkpoint name -> our parameter name (None: ignore). ``composite``: the model is the composite one
     (``model.language_model.*``); otherwise text-only (``model.*``, vision tensors ignored)."""
@@ -290,12 +330,13 @@ def validate_checkpoint(path, *, config=None, weights: bool = True, tokenizer: b
     index (``weights``: truncated files, missing shards, tensors no shard holds, names/shapes/dtypes against the model
     the config builds), and the tokenizer's size against ``vocab_size`` (``tokenizer``). Returns our config object
     (``config``, when given, is checked instead of config.json). Raises ConfigError (a field) or CheckpointError (a
-    file or tensor), both ValueError, with one message naming it."""
+    file or tensor), both ValueError, with one message naming it; a path that is no directory raises
+    CheckpointNotFoundError (also a FileNotFoundError) naming the path."""
     from .configuration import load_config, text_config_of, validate_text_config
 
     path = str(path)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"qwen4exp: checkpoint directory {path} does not exist")
+    if (missing := missing_checkpoint(path)) is not None:
+        raise CheckpointNotFoundError(f"qwen4exp: {missing}")
     cfg = load_config(path) if config is None else config
     tc = text_config_of(cfg)
     validate_text_config(tc)

@@ -186,6 +186,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.hf:
         return run_hf(args.prompt, args.max_tokens)
+    from .checkpoint import missing_checkpoint
+
+    if (missing := missing_checkpoint(args.model, hub=True)) is not None:  # one line, not the server's start-up log
+        print(f"qwen4exp.demo: {missing}", file=sys.stderr, flush=True)
+        return 1
     port = args.port or free_port()
     log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"qwen4exp-demo-{port}.log")
     for sig in STOP_SIGNALS:

@@ -104,8 +104,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "tests only: a token id; the vLLM plugin's model forward raises (RuntimeError naming it) in every step "
            "whose input holds that token, to test how the server handles an engine fault; unset: off"),
     Switch("QWEN4EXP_CACHE_DIR", "path", "",
-           "qwen4exp-serve's cache folder (vLLM and inductor caches); default $XDG_CACHE_HOME/qwen4exp or "
-           "~/.cache/qwen4exp"),
+           "qwen4exp-serve's cache folder (vLLM and inductor caches), and recipes/quantize_nvfp4.py's default output "
+           "(checkpoints/<model>-nvfp4); default $XDG_CACHE_HOME/qwen4exp or ~/.cache/qwen4exp"),
 )}
 
 _values: dict[str, Any] = {}

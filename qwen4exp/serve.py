@@ -4,19 +4,30 @@
     python -m qwen4exp.serve <model> [...]
 
 Every argument is forwarded to ``vllm serve``. What this adds:
+* a model path that names no directory and cannot be a Hugging Face Hub id (``org/name``) either: exit status 1 with
+  one line naming it (``qwen4exp-serve: no checkpoint directory at '/no/such/dir': ...``), before vLLM is imported;
 * the model directory checked first (``qwen4exp.checkpoint.validate_checkpoint``: config fields, safetensors files
   and index, tensor names/shapes/dtypes, tokenizer size): a bad one exits with status 1 and one line naming the
   field, file or tensor, before vLLM starts;
 * ``--host 127.0.0.1`` unless you pass ``--host`` (vLLM's default listens on every interface; add ``--api-key`` and
   see the README's "Reliability" section before exposing it);
+* tool calling: ``--enable-auto-tool-choice --tool-call-parser qwen3_coder`` (the Qwen3.5 family's XML tool calls,
+  which Qwen4Exp's chat template asks for) unless you pass ``--no-enable-auto-tool-choice``; a ``--tool-call-parser``
+  of yours replaces ours;
 * the checkpoint's image processor config (``preprocessor_config.json``) required for a composite checkpoint unless
   ``--language-model-only`` is given (vLLM needs it to start; without it the exit names the file);
 * image URLs: ``data:`` URLs only (``VLLM_MEDIA_CONNECTOR=qwen4exp``, ``qwen4exp.vllm.media``, unless you set it):
   http(s) URLs get a 400 saying to send a data URL, without any network attempt (``--allowed-media-domains HOST``
   lets it fetch from those hosts), file URLs a 400 unless ``--allowed-local-media-path``; undecodable data URLs a
   400 naming the problem;
-* ``RequestGuard`` (ASGI middleware): a request body that is not UTF-8, or a chat request with an empty
-  ``messages`` list, gets vLLM's 400 error shape naming the field instead of a bare parser error;
+* ``RequestGuard`` (ASGI middleware): a request body that is not UTF-8, is no valid JSON (one line naming the
+  position, not vLLM's pydantic dump), nests arrays/objects more than ``MAX_JSON_DEPTH`` (128) levels deep (was an
+  HTTP 500), is empty, or is a chat request with an empty ``messages`` list, gets vLLM's 400 error shape naming the
+  field instead of a bare parser error;
+* session ids checked (``check_session_ids``): the ``X-Session-ID`` header, the body's ``session_id`` and
+  ``vllm_xargs.session_id`` must each be 1 to 256 printable ASCII characters (space to ``~``), not all spaces, and
+  agree where more than one is given (vLLM took an empty header as none, kept a 20 kB one, and let the body's id win
+  over the header's silently): a 400 naming the header or field otherwise;
 * agent sessions (with ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``): the ``X-Session-Close: 1``
   header on a session's last turn (chat/completions, completions, responses) closes it as
   ``"vllm_xargs": {"session_close": true}`` does, and ``POST /v1/sessions/{session_id}/close`` releases an idle
@@ -117,14 +128,37 @@ def vllm_argv(args: list[str]) -> list[str]:
     out = list(args)
     if _arg(out, ("--host",)) is None:
         out += ["--host", "127.0.0.1"]
+    out += tool_call_args(out)
     return ["vllm", "serve", *out, "--middleware", GUARD]
+
+
+TOOL_CALL_PARSER = "qwen3_coder"  # vLLM's parser for the Qwen3.5 family's <tool_call><function=...> format
+
+
+def tool_call_args(args: list[str]) -> list[str]:
+    """What ``vllm_argv`` adds for tool calling: ``--enable-auto-tool-choice`` and ``--tool-call-parser qwen3_coder``,
+    each unless the command line has it (or ``--no-enable-auto-tool-choice``: then nothing)."""
+    flags = {a.partition("=")[0] for a in args}
+    if "--no-enable-auto-tool-choice" in flags:
+        return []
+    out = [] if "--enable-auto-tool-choice" in flags else ["--enable-auto-tool-choice"]
+    return out + ([] if "--tool-call-parser" in flags else ["--tool-call-parser", TOOL_CALL_PARSER])
 
 
 def check_model_dir(args: list[str]) -> None:
     """``validate_checkpoint`` on the model argument when it is a local directory; exits with status 1 and the
-    error's one line when the checkpoint is bad (dummy weights, ``--load-format dummy``: config and tokenizer)."""
+    error's one line when the checkpoint is bad (dummy weights, ``--load-format dummy``: config and tokenizer), or
+    when the argument names no directory and cannot be a Hugging Face Hub id either
+    (``qwen4exp.checkpoint.missing_checkpoint``: ``/no/such/dir``, ``./x``, ``a/b/c``; ``org/name`` goes to vLLM)."""
     model = args[0] if args and not args[0].startswith("-") else (_arg(args, ("--model",)) or (None, None))[1]
-    if not model or not os.path.isdir(model):
+    if not model:
+        return
+    from .checkpoint import missing_checkpoint
+
+    if not os.path.isdir(model):
+        if (missing := missing_checkpoint(model, hub=True)) is not None:
+            print(f"qwen4exp-serve: {missing}", file=sys.stderr, flush=True)
+            raise SystemExit(1)
         return
     from .checkpoint import check_image_processor_config, validate_checkpoint
 
@@ -161,21 +195,117 @@ def _error(status: int, message: str, param: str | None, kind: str = "BadRequest
     return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
 
 
-def check_request_body(path: str, body: bytes) -> tuple[str, str] | None:
+_UNPARSED = object()  # (no parsed body given: the check parses it)
+
+
+def check_request_body(path: str, body: bytes, data=_UNPARSED) -> tuple[str, str] | None:
     """(message, field) for a request body that must not reach vLLM's handlers, else None: not UTF-8 (vLLM's
-    parser answers a bare ``{"detail": ...}``), or a chat request whose ``messages`` is an empty list."""
+    parser answers a bare ``{"detail": ...}``), an empty body on a generation route (``SESSION_PATHS``; vLLM's
+    answer is a pydantic dump), or a chat request whose ``messages`` is an empty list. ``data``: the body already
+    parsed (``check_json_body``)."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         return (f"request body is not valid UTF-8: byte {e.start} ({body[e.start:e.start + 1]!r}) cannot be decoded; "
                 f"send the JSON body UTF-8 encoded", "body")
+    if path in SESSION_PATHS and not text.strip():
+        return "request body is empty: send the request as a JSON object", "body"
     if path.endswith("/chat/completions"):
         try:
-            d = json.loads(text)
-        except ValueError:
-            return None  # vLLM names the position of the JSON error
+            d = json.loads(text) if data is _UNPARSED else data
+        except (ValueError, RecursionError):
+            return None  # (check_json_body names the JSON error)
         if isinstance(d, dict) and d.get("messages") == []:
             return "messages must hold at least one message, got an empty list", "messages"
+    return None
+
+
+MAX_JSON_DEPTH = 128  # arrays/objects nested in a request body (a chat request with tools needs about 20)
+
+
+def _json_content(headers) -> bool:
+    """The request's body is parsed as JSON by FastAPI: no content-type, ``application/json`` or
+    ``application/*+json``."""
+    ct = (_header(headers, "content-type") or "").split(";", 1)[0].strip().lower()
+    return not ct or ct == "application/json" or (ct.startswith("application/") and ct.endswith("+json"))
+
+
+def _too_deep(data, limit: int) -> bool:
+    """Arrays/objects in ``data`` nested more than ``limit`` deep (``{}`` is 1 deep; no recursion)."""
+    if not isinstance(data, (dict, list)):
+        return False
+    stack = [(data, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        for x in (v.values() if isinstance(v, dict) else v):
+            if isinstance(x, (dict, list)):
+                stack.append((x, depth + 1))
+    return False
+
+
+def check_json_body(headers, body: bytes) -> tuple[tuple[str, str] | None, object]:
+    """((message, field) or None, the parsed body) for a JSON request body (``_json_content``; else (None,
+    ``_UNPARSED``), as for an empty or non-UTF-8 body, left to ``check_request_body``): a body that is no JSON gets
+    one line naming the position (vLLM's answer is a pydantic error dump), one nested more than ``MAX_JSON_DEPTH``
+    levels deep a refusal (vLLM's parser hit Python's recursion limit: HTTP 500)."""
+    if not body.strip() or not _json_content(headers):
+        return None, _UNPARSED
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, _UNPARSED
+    deep = (f"request body is JSON nested more than {MAX_JSON_DEPTH} levels deep (arrays and objects); at most "
+            f"{MAX_JSON_DEPTH} levels are accepted", "body")
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        return deep, _UNPARSED
+    except json.JSONDecodeError as e:
+        return (f"request body is not valid JSON (JSON decode error at line {e.lineno}, column {e.colno}: "
+                f"{e.msg[:1].lower() + e.msg[1:]})", "body"), _UNPARSED
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _too_deep(data, MAX_JSON_DEPTH):
+        return deep, _UNPARSED
+    return None, data
+
+
+def _short(value: str, n: int = 40) -> str:
+    return repr(value if len(value) <= n else value[:n] + "...")
+
+
+def check_session_ids(path: str, headers, data) -> tuple[str, str] | None:
+    """(message, field) when a session request's ids are bad, else None: the ``X-Session-ID`` header, the body's
+    ``session_id`` and ``vllm_xargs.session_id`` must each be a valid id where given
+    (``qwen4exp.vllm.sessions.session_id_problem``: 1 to 256 printable ASCII characters, not all spaces), the header
+    given once, and all of them the same id (vLLM takes the body's silently over the header's). ``data``: the parsed
+    body (``_UNPARSED`` where it is no JSON: the header alone is checked)."""
+    from .vllm.sessions import SESSION_ID_HEADER as HEADER
+    from .vllm.sessions import SESSION_ID_RULE, session_id_problem
+
+    if path not in SESSION_PATHS:
+        return None
+    key = HEADER.lower().encode()
+    given = [v.decode("latin-1") for k, v in headers or () if k.lower() == key]
+    ids = []  # (where, value)
+    if given:
+        if len(set(given)) > 1:
+            return (f"{HEADER} header given {len(given)} times with different values "
+                    f"({', '.join(_short(v) for v in dict.fromkeys(given))}): send it once", HEADER)
+        if (why := session_id_problem(given[0])) is not None:
+            return f"{HEADER} header {why}: {SESSION_ID_RULE} (leave the header out for no session)", HEADER
+        ids.append((f"the {HEADER} header", given[0]))
+    d = data if isinstance(data, dict) else {}
+    xargs = d.get("vllm_xargs") if isinstance(d.get("vllm_xargs"), dict) else {}
+    for field, value in (("session_id", d.get("session_id")), ("vllm_xargs.session_id", xargs.get("session_id"))):
+        if value is None or (field == "session_id" and not isinstance(value, str)):  # (vLLM names a wrong type)
+            continue
+        if (why := session_id_problem(value)) is not None:
+            return f"{field} {why}: {SESSION_ID_RULE} (leave it out for no session)", field
+        ids.append((f"the body's {field}", value))
+    if len({v for _, v in ids}) > 1:
+        return (f"{' and '.join(f'{w} {_short(v)}' for w, v in ids)} disagree: give the session id once, or the "
+                f"same id in each", HEADER if given else ids[0][0].rsplit(" ", 1)[1])
     return None
 
 
@@ -192,11 +322,12 @@ def _header(headers, name: str) -> str | None:
     return out
 
 
-def session_close(path: str, headers, body: bytes) -> tuple[bytes | None, tuple[str, str] | None]:
+def session_close(path: str, headers, body: bytes, data=_UNPARSED) -> tuple[bytes | None, tuple[str, str] | None]:
     """(new body, None) when an ``X-Session-Close`` header asks to close the session (the body's ``vllm_xargs``
     then carries ``session_close: true``, what ``AgentScheduler`` reads), (None, (message, field)) for a request to
     answer with a 400 (a header or ``vllm_xargs.session_close`` value other than true/1/yes or false/0/no, or a close
-    on a request without a session id), (None, None) to pass the body on unchanged."""
+    on a request without a session id), (None, None) to pass the body on unchanged. ``data``: the body already
+    parsed (``check_json_body``)."""
     from .vllm.sessions import CLOSE_FALSE, CLOSE_TRUE, close_flag
 
     if path not in SESSION_PATHS:
@@ -205,11 +336,12 @@ def session_close(path: str, headers, body: bytes) -> tuple[bytes | None, tuple[
     if header is None and b"session_close" not in body:
         return None, None
     try:
-        d = json.loads(body)
-    except ValueError:
-        return None, None  # (vLLM names the JSON error)
+        d = json.loads(body) if data is _UNPARSED else data
+    except (ValueError, RecursionError):
+        return None, None  # (check_json_body names the JSON error)
     if not isinstance(d, dict):
         return None, None
+    d = dict(d)  # (the caller's parsed body stays as it was)
     xargs = d.get("vllm_xargs")
     if isinstance(xargs, dict) and "session_close" in xargs:
         try:
@@ -240,10 +372,12 @@ def session_close(path: str, headers, body: bytes) -> tuple[bytes | None, tuple[
 
 class RequestGuard:
     """ASGI middleware installed by ``qwen4exp-serve`` (``--middleware qwen4exp.serve.RequestGuard``): reads a POST
-    body under ``/v1/`` and answers what ``check_request_body`` or ``session_close`` rejects with a 400 in vLLM's
-    error shape; an ``X-Session-Close`` header goes on as the body's ``vllm_xargs.session_close``; anything else
-    goes on to vLLM with the same body. It also adds ``qwen4exp.vllm.session_api``'s route to vLLM's app (found in
-    the ASGI scope at start-up), where vLLM's own middleware (``--api-key``) guards it."""
+    body and answers what ``check_json_body`` (any path: malformed JSON, nesting over ``MAX_JSON_DEPTH``) or, under
+    ``/v1/``, ``check_request_body``, ``check_session_ids`` or ``session_close`` rejects with a 400 in vLLM's error
+    shape (one line naming the field or header); an ``X-Session-Close`` header goes on as the body's
+    ``vllm_xargs.session_close``; anything else goes on to vLLM with the same body. It also adds
+    ``qwen4exp.vllm.session_api``'s route to vLLM's app (found in the ASGI scope at start-up), where vLLM's own
+    middleware (``--api-key``) guards it."""
 
     def __init__(self, app):
         self.app = app
@@ -255,7 +389,7 @@ class RequestGuard:
             from .vllm import session_api
 
             session_api.install(scope["app"])
-        if scope["type"] != "http" or scope.get("method") != "POST" or not scope.get("path", "").startswith("/v1/"):
+        if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:
@@ -265,19 +399,22 @@ class RequestGuard:
             chunks.append(msg.get("body", b""))
             more = msg.get("more_body", False)
         body = b"".join(chunks)
-        bad = check_request_body(scope["path"], body)
-        if bad is None:
-            new, bad = session_close(scope["path"], scope.get("headers"), body)
-            if new is not None:
-                body = new
-                scope = dict(scope, headers=[(k, str(len(body)).encode() if k.lower() == b"content-length" else v)
-                                             for k, v in scope.get("headers") or ()])
+        path, headers = scope.get("path", ""), scope.get("headers")
+        bad, data = check_json_body(headers, body)
+        if bad is None and path.startswith("/v1/"):
+            bad = check_request_body(path, body, data) or check_session_ids(path, headers, data)
+            if bad is None:
+                new, bad = session_close(path, headers, body, data)
+                if new is not None:
+                    body = new
+                    scope = dict(scope, headers=[(k, str(len(body)).encode() if k.lower() == b"content-length" else v)
+                                                 for k, v in headers or ()])
         if bad is not None:
-            data = _error(400, *bad)
+            err = _error(400, *bad)
             await send({"type": "http.response.start", "status": 400,
                         "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(data)).encode())]})
-            await send({"type": "http.response.body", "body": data})
+                                    (b"content-length", str(len(err)).encode())]})
+            await send({"type": "http.response.body", "body": err})
             return
         replayed = False
 

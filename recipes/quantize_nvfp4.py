@@ -1,6 +1,6 @@
 """Make an NVFP4 checkpoint of a BF16 Qwen4Exp checkpoint with NVIDIA Model Optimizer (nvidia-modelopt 0.47).
 
-    python recipes/quantize_nvfp4.py --model BF16_DIR --out NVFP4_DIR [--calib-file F] [--calib-tokens N]
+    python recipes/quantize_nvfp4.py --model BF16_DIR [--out NVFP4_DIR] [--calib-file F] [--calib-tokens N]
         [--weight-only] [--mtp-experts fp8_block|bf16] [--ple-table fp8|bf16] [--eval-tokens N] [--modelopt-eval]
 
 (``make quant`` installs modelopt into the venv, ``--no-deps``, with the few packages it needs to import.)
@@ -41,6 +41,12 @@ Steps:
    ``OUT/quality.json``. ``--modelopt-eval`` adds ModelOpt's own fake-quant model (its NVFP4 fake-quant needs CUDA:
    on a CPU the flag only says so).
 
+6. **A model card**, ``OUT/README.md`` (in place of the BF16 checkpoint's, which describes the BF16 weights): the
+   base checkpoint, what is NVFP4 / FP8 / BF16, the calibration, ModelOpt's and this package's versions, the date,
+   the quality table and how to load and serve it.
+
+``--out`` defaults to ``checkpoints/<model name>-nvfp4`` in qwen4exp's cache folder (``$QWEN4EXP_CACHE_DIR``, else
+``$XDG_CACHE_HOME/qwen4exp`` or ``~/.cache/qwen4exp``): outside the source tree, where ``make clean`` does not reach.
 Options: ``--device`` (default cuda when there is one), ``--seq-len`` (default 128), ``--dtype`` (bfloat16).
 A missing model directory, an already-quantized model, a missing or empty calibration file fail with the name.
 """
@@ -247,11 +253,23 @@ def experts_only_config(mtq, weight_only: bool) -> dict:
     return cfg
 
 
+def default_out(model: str, environ=None) -> str:
+    """``--out``'s default: ``<qwen4exp cache folder>/checkpoints/<model dir name>-nvfp4`` (outside the tree)."""
+    from qwen4exp import envs
+
+    env = os.environ if environ is None else environ
+    base = envs.get("QWEN4EXP_CACHE_DIR", env) or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qwen4exp")
+    return os.path.join(base, "checkpoints", os.path.basename(os.path.normpath(model)) + "-nvfp4")
+
+
 def run(args) -> dict:
     """The recipe (see the module docstring) -> a summary: the scales written, the calibration amaxes ModelOpt
     found, the quality figures."""
     t_start = time.time()
     cfg = check_model_dir(args.model)
+    if not args.out:
+        args.out = default_out(args.model)
     if os.path.abspath(args.out) == os.path.abspath(args.model):
         raise RecipeError(f"--out {args.out}: must differ from --model")
     if args.calib_tokens < 1 or args.seq_len < 2 or args.eval_tokens < 0:
@@ -362,8 +380,96 @@ def run(args) -> dict:
     with open(os.path.join(args.out, "quality.json"), "w") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")
+    with open(os.path.join(args.out, "README.md"), "w") as f:
+        f.write(model_card(args, cfg, qc, summary, scales))
+    print(f"model card: {os.path.join(args.out, 'README.md')}")
     summary["scales"] = scales
     return summary
+
+
+def model_card(args, cfg: dict, qc: dict, summary: dict, scales: dict) -> str:
+    """``OUT/README.md``: what the checkpoint is (base, formats, calibration, tools, date), its quality, how to use
+    it. Replaces the base checkpoint's card, which ``quantize_checkpoint`` copied with the other files."""
+    import qwen4exp
+
+    name = os.path.basename(os.path.normpath(args.out))
+    base = os.path.abspath(args.model)
+    algo = "W4A16_NVFP4" if args.weight_only else "NVFP4"
+    layers = qc.get("quantized_layers")
+    if layers is None:  # (the plain form: routed experts only)
+        layers = {b: {"quant_algo": algo} for b in scales["weight_scales_2"]}
+    nvfp4 = sorted(b for b, v in layers.items() if v["quant_algo"] == algo)
+    fp8_block = sorted(b for b, v in layers.items() if v["quant_algo"] == "FP8_PB_WO")
+    ple = sorted(b for b, v in layers.items() if v["quant_algo"] == "FP8")
+    arch = ", ".join(cfg.get("architectures") or ["?"])
+    cal = summary["calibration"]
+    acts = ("weight-only (W4A16: activations stay BF16, no `input_scale`)" if args.weight_only else
+            f"W4A4: a static per-GEMM `input_scale` from ModelOpt's max calibration on {cal['tokens']:,} tokens of "
+            f"{cal['source']} (windows of {cal['seq_len']})")
+    has_mtp = bool((cfg.get("text_config") or cfg).get("mtp_num_hidden_layers"))
+    mtp = ("none (no MTP head)" if not has_mtp else
+           f"FP8 in 128x128 blocks (`weight_scale_inv`): {', '.join(f'`{b}`' for b in fp8_block)}" if fp8_block else
+           "BF16 (`--mtp-experts bf16`)" if args.mtp_experts == "bf16" else
+           "BF16 (block FP8 needs both expert dims to be multiples of 128)")
+    lines = [
+        f"# {name}",
+        "",
+        f"An NVFP4 checkpoint of the BF16 Qwen4Exp checkpoint `{base}` ({arch}), made on "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())} (UTC) by `recipes/quantize_nvfp4.py` of qwen4exp "
+        f"{qwen4exp.__version__} with NVIDIA Model Optimizer (nvidia-modelopt {cal['modelopt']}, "
+        f"`{cal['config']}`" + (", weight-only" if args.weight_only else "") + ").",
+        "",
+        "## What is quantized",
+        f"- `config.json` `quantization_config`: `quant_method` modelopt, `quant_algo` {qc['quant_algo']}.",
+        f"- Routed experts ({len(nvfp4)} module(s), `{nvfp4[0] if nvfp4 else '-'}` ...): {algo}, E2M1 weights in "
+        f"groups of 16 with an E4M3 scale per group (`weight_scale`) and an FP32 global scale per expert and GEMM "
+        f"(`weight_scale_2`); {acts}.",
+        f"- MTP head's experts: {mtp}.",
+        "- PLE n-gram table: " + (f"FP8 (E4M3) per tensor (`weight_scale`): {', '.join(f'`{b}`' for b in ple)}."
+                                  if ple else "BF16" + (" (`--ple-table bf16`)." if args.ple_table == "bf16" else ".")),
+        "- Everything else BF16: attention (QSA) and its indexer, Gated DeltaNet, shared experts and their gates, "
+        "routers, embeddings and `lm_head`, hyper-connections, the PLE projections, norms"
+        + (", the vision tower" if "vision_config" in cfg else "") + ".",
+        "",
+    ]
+    q = summary["quality"]
+    if q:
+        ev = summary["eval"]
+        lines += [f"## Quality (held-out text: {ev['tokens']:,} tokens of {ev['source']})",
+                  "| | perplexity | top-1 vs BF16 |", "| --- | --- | --- |"]
+        lines += [f"| {ROW_NAMES.get(k, k)} | {v['perplexity']:.3f} | {v['top1_vs_bf16']:.3f} |" for k, v in q.items()]
+        lines += ["", "(`quality.json` holds these figures with the run's settings.)", ""]
+    lines += [
+        "## Use",
+        "vLLM reads the quantization from the checkpoint (no flag): on GPUs (Hopper: weight-only FP4 MoE kernels; "
+        "Blackwell: native W4A4) with the qwen4exp plugin installed,",
+        "```bash",
+        f"vllm serve {os.path.abspath(args.out)} --served-model-name {name}",
+        "```",
+        "on CPU (the experts are dequantized to BF16 at load) `qwen4exp-serve` with the same arguments. HF "
+        "transformers: `qwen4exp.Qwen4ExpForCausalLM.from_pretrained(path)` (`Qwen4ExpForConditionalGeneration` for "
+        "a composite checkpoint; `emulate_w4a4=True` runs the expert inputs as Blackwell does).",
+        "",
+        "## Made with",
+        "```bash",
+        "python recipes/quantize_nvfp4.py " + " ".join(_argv(args)),
+        "```",
+        f"The base checkpoint's own card: `{os.path.join(base, 'README.md')}`." if
+        os.path.isfile(os.path.join(base, "README.md")) else "",
+    ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _argv(args) -> list[str]:
+    """The recipe's options as given (those that differ from the defaults), for the card."""
+    defaults = vars(parser().parse_args(["--model", args.model]))
+    out = ["--model", args.model, "--out", args.out]
+    for k, v in vars(args).items():
+        if k in ("model", "out", "device", "verbose") or v == defaults.get(k):
+            continue
+        flag = "--" + k.replace("_", "-")
+        out += [flag] if v is True else [flag, str(v)]
+    return out
 
 
 def _modelopt_version() -> str:
@@ -394,7 +500,8 @@ def print_quality(quality: dict, windows, args) -> None:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the BF16 checkpoint directory")
-    ap.add_argument("--out", required=True, help="the NVFP4 checkpoint directory to write")
+    ap.add_argument("--out", help="the NVFP4 checkpoint directory to write (default: checkpoints/<model>-nvfp4 in "
+                                  "$QWEN4EXP_CACHE_DIR, else ~/.cache/qwen4exp)")
     ap.add_argument("--calib-file", help="a UTF-8 text file to calibrate on (default: the tiny-coder corpus)")
     ap.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (default 4096)")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens a calibration / evaluation window (128)")

@@ -209,7 +209,7 @@ def test_close_endpoint_answers(monkeypatch):
     core = SimpleNamespace(client_index=3, call_utility_all_async=call_utility_all_async)
     agent = SimpleNamespace(scheduler_config=SimpleNamespace(scheduler_cls="qwen4exp.vllm.scheduler.AgentScheduler"))
     app.state.engine_client = SimpleNamespace(vllm_config=agent, engine_core=core)
-    closed = dict(state="closed", released=False, released_blocks=0, turns_in_flight=0)
+    closed = dict(state="unknown", released=False, released_blocks=0, turns_in_flight=0)
     answers["kept"] = [dict(state="retained", released=True, released_blocks=7, turns_in_flight=0)]
     answers["gone"] = [closed]
     answers["busy"] = [dict(closed, state="active", turns_in_flight=1)]
@@ -221,6 +221,7 @@ def test_close_endpoint_answers(monkeypatch):
     assert calls == [(CLOSE_UTILITY, "kept", 3)]
     r = client.post("/v1/sessions/gone/close")
     assert r.status_code == 200 and r.json()["released"] is False and "holds no retained state" in r.json()["message"]
+    assert r.json()["previous_state"] == "unknown" and "never seen" in r.json()["message"]
     r = client.post("/v1/sessions/busy/close")
     assert r.status_code == 409 and "1 turn(s) running or waiting" in r.json()["error"]["message"]
     r = client.post("/v1/sessions/a%2Fb%20c/close")

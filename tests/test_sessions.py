@@ -140,12 +140,13 @@ def test_bound_drops_least_recent_pins_not_running_turns():
 @pytest.mark.parametrize("state", list(State), ids=lambda s: s.value)
 def test_explicit_close_releases_only_an_idle_sessions_pin(state):
     """``Sessions.close`` (the close endpoint): RETAINED -> CLOSED with the pin released and counted as a close; a
-    session with a turn running or waiting (ACTIVE, HANDOFF) is left as it is; an unknown one answers "closed"."""
+    session with a turn running or waiting (ACTIVE, HANDOFF) is left as it is; one without a record (CLOSED: never seen,
+    or ended) answers "unknown", not "closed", which would read as if it had been open."""
     s, pool, _ = make()
     drive_to(s, pool, state)
     held = set(pool.held)
     out = s.close("a")
-    assert out["state"] == state.value
+    assert out["state"] == ("unknown" if state is State.CLOSED else state.value)
     if state is State.RETAINED:
         assert out == {"state": "retained", "released": True, "released_blocks": 3, "turns_in_flight": 0}
         assert s.state("a") is State.CLOSED and not pool.held and s.pinned_blocks() == 0

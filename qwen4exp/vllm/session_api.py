@@ -10,11 +10,14 @@ Answers (JSON):
 
 * 200 ``{"session_id", "released": true, "released_blocks": N, "previous_state": "retained"}``: the session's pin
   was released (its blocks go back to the pool as plain cached blocks; the next turn is a first turn);
-* 200 ``{..., "released": false, "previous_state": "closed", "message"}``: nothing held (an unknown session, one
-  already closed, or one whose pin went at TTL or under memory pressure);
+* 200 ``{..., "released": false, "previous_state": "unknown", "message"}``: this server holds nothing for the
+  session (never seen, or ended: already closed, or its pin went at TTL or under memory pressure; an ended session's
+  record goes, so the two cannot be told apart);
 * 409 (vLLM's error shape): the session has a turn running or waiting; nothing is done (put ``X-Session-Close: 1``
   on the last turn, or close after it ends);
-* 404: the server does not run ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``.
+* 404: the server does not run ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``;
+* 400: the path's session id is no valid one (``qwen4exp.vllm.sessions.session_id_problem``: 1 to 256 printable
+  ASCII characters, not all spaces; URL-decoded).
 
 The route is added to vLLM's FastAPI app by ``qwen4exp.serve.RequestGuard`` (the middleware ``qwen4exp-serve``
 installs in every API-server process), behind vLLM's own middleware: ``--api-key`` guards it like any ``/v1/`` route.
@@ -50,15 +53,18 @@ def combine(session_id: str, results: list[dict]) -> tuple[int, dict]:
     body = {"session_id": session_id, "released": any_released, "released_blocks": released,
             "previous_state": "retained" if any_released else results[0]["state"]}
     if not any_released:
-        body["message"] = (f"session {session_id!r} holds no retained state (unknown, already closed, or released "
-                           f"at its TTL or under memory pressure)")
+        body["message"] = (f"session {session_id!r} holds no retained state: this server has no record of it (never "
+                           f"seen, or ended: already closed, or released at its TTL or under memory pressure)")
     return 200, body
 
 
 async def close_session(session_id: str, raw_request: Request) -> JSONResponse:
     """The route's handler (module docstring)."""
     from qwen4exp.vllm.metrics import uses_agent_scheduler
+    from qwen4exp.vllm.sessions import SESSION_ID_RULE, session_id_problem
 
+    if (why := session_id_problem(session_id)) is not None:
+        return _error(400, f"the session id in the path {why}: {SESSION_ID_RULE}", "BadRequestError")
     engine = getattr(raw_request.app.state, "engine_client", None)
     config = getattr(engine, "vllm_config", None)
     core = getattr(engine, "engine_core", None)

@@ -57,6 +57,30 @@ def close_flag(value: Any) -> bool:
     raise ValueError(f"expected one of {'/'.join(CLOSE_TRUE)} or {'/'.join(CLOSE_FALSE)}, got {value!r}")
 
 
+SESSION_ID_HEADER = "X-Session-ID"  # vLLM's header for a request's session_id
+SESSION_ID_MAX_LEN = 256
+SESSION_ID_RULE = (f"a session id is 1 to {SESSION_ID_MAX_LEN} printable ASCII characters (space to '~'), not all "
+                   f"spaces")
+
+
+def session_id_problem(value: Any) -> str | None:
+    """Why ``value`` is no valid session id, as the end of a sentence naming where it came from (None if it is one).
+    A session id (the ``X-Session-ID`` header, the body's ``session_id``, ``vllm_xargs.session_id``, the close
+    route's path) is 1 to ``SESSION_ID_MAX_LEN`` (256) printable ASCII characters (space to ``~``), not all spaces:
+    ``qwen4exp-serve`` answers any other with a 400 (``qwen4exp.serve.check_session_ids``) instead of vLLM's silent
+    acceptance (an empty header meant no session; a 20 kB one was kept as the key of the session's state)."""
+    if not isinstance(value, str):
+        return f"is a JSON {type(value).__name__}, not a string"
+    if not value.strip(" "):
+        return "is empty" if not value else "is all spaces"
+    if len(value) > SESSION_ID_MAX_LEN:
+        return f"is {len(value)} characters long"
+    for i, c in enumerate(value):
+        if not " " <= c <= "~":
+            return f"holds {c!r} at position {i}"
+    return None
+
+
 class State(enum.Enum):
     CLOSED = "closed"
     ACTIVE = "active"
@@ -230,11 +254,12 @@ class Sessions:
 
     def close(self, session_id: str) -> dict[str, Any]:
         """An explicit close of a session with no turn in flight: its pin released at once. Returns ``state`` (the
-        session's state before), ``released`` (a pin was released), ``released_blocks`` and ``turns_in_flight``
-        (running or waiting turns: then nothing is done; the close belongs on the last turn)."""
+        session's state before; "unknown" where no record is kept: a session never seen, or one that ended, whose
+        record goes), ``released`` (a pin was released), ``released_blocks`` and ``turns_in_flight`` (running or
+        waiting turns: then nothing is done; the close belongs on the last turn)."""
         s = self.sessions.get(session_id)
         state = s.state if s is not None else State.CLOSED
-        out = {"state": state.value, "released": False, "released_blocks": 0,
+        out = {"state": state.value if s is not None else "unknown", "released": False, "released_blocks": 0,
                "turns_in_flight": len(s.active) if s is not None else 0}
         if state is State.RETAINED:
             out["released_blocks"] = s.pin.size

@@ -99,6 +99,44 @@ def test_recipe_output_loads_and_quality_is_within_bounds(w4a4):
     assert s["quality"]["NVFP4 W4A4"]["ce"] == q["quality"]["NVFP4 W4A4"]["ce"]
 
 
+def test_model_card_says_what_the_checkpoint_is(w4a4):
+    """OUT/README.md is the NVFP4 checkpoint's own card, not the BF16 checkpoint's copy: the base checkpoint, what
+    is NVFP4 / FP8 / BF16, the tools and their versions, the date, the quality, how to serve it."""
+    import time
+    from importlib.metadata import version
+
+    out = w4a4["out"]
+    with open(os.path.join(out, "README.md")) as f:
+        card = f.read()
+    with open(os.path.join(TINY_CODER, "README.md")) as f:
+        assert f.read() != card
+    assert card.startswith("# nvfp4\n") and os.path.abspath(TINY_CODER) in card and "Qwen4ExpForCausalLM" in card
+    assert f"qwen4exp {qwen4exp.__version__}" in card and f"nvidia-modelopt {version('nvidia-modelopt')}" in card
+    assert "NVFP4_EXPERTS_ONLY_CFG" in card and time.strftime("%Y-%m-%d", time.gmtime()) in card
+    assert "`quant_algo` MIXED_PRECISION" in card
+    assert f"Routed experts (4 module(s), `{LAYERS[0]}` ...): NVFP4, E2M1 weights in groups of 16" in card
+    assert f"max calibration on {CALIB_TOKENS:,} tokens of tiny-coder corpus, train split" in card
+    assert "MTP head's experts: BF16 (block FP8 needs both expert dims to be multiples of 128)" in card
+    assert "PLE n-gram table: FP8 (E4M3) per tensor" in card and "Everything else BF16" in card
+    q = json.load(open(os.path.join(out, "quality.json")))["quality"]
+    assert f"| NVFP4 W4A4 (Blackwell) | {q['NVFP4 W4A4']['perplexity']:.3f} |" in card
+    assert f"vllm serve {os.path.abspath(out)} --served-model-name nvfp4" in card and "qwen4exp-serve" in card
+    assert f"python recipes/quantize_nvfp4.py --model {TINY_CODER} --out {out} --calib-tokens {CALIB_TOKENS} " \
+           f"--modelopt-eval" in card
+
+
+def test_default_out_is_outside_the_tree(R, tmp_path, monkeypatch):
+    """Without --out the checkpoint goes to qwen4exp's cache folder (checkpoints/<model>-nvfp4), never into the
+    source tree (where `--out tiny-coder-nvfp4` from the repo root left an untracked folder)."""
+    monkeypatch.delenv("QWEN4EXP_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert R.default_out(TINY_CODER) == str(tmp_path / "xdg" / "qwen4exp" / "checkpoints" / "tiny-coder-nvfp4")
+    assert R.default_out(TINY_CODER + "/", {"QWEN4EXP_CACHE_DIR": "/c"}) == "/c/checkpoints/tiny-coder-nvfp4"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert not os.path.abspath(R.default_out(TINY_CODER)).startswith(str(ROOT) + os.sep)
+    assert R.parser().parse_args(["--model", TINY_CODER]).out is None
+
+
 def test_input_scales_are_modelopts_calibration(w4a4, R):
     """ModelOpt's calibrated amax per GEMM = our own observer's on the same windows; input_scale = amax / 2688."""
     s = w4a4["summary"]["scales"]
@@ -167,6 +205,10 @@ def test_weight_only_recipe(R, tmp_path):
     assert not [k for k in sd if k.endswith("input_scale")]
     assert sd["model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight"].dtype == BF16
     assert set(summary["quality"]) == {"BF16", "NVFP4 weight-only"} and "W4A4" not in text
+    card = open(os.path.join(out, "README.md")).read()
+    assert "`quant_algo` W4A16_NVFP4" in card and "weight-only (W4A16: activations stay BF16" in card
+    assert "MTP head's experts: BF16 (`--mtp-experts bf16`)" in card
+    assert "PLE n-gram table: BF16 (`--ple-table bf16`)" in card
     r = summary["quality"]["NVFP4 weight-only"]
     assert r["ce"] < summary["quality"]["BF16"]["ce"] + 0.25 and r["top1_vs_bf16"] > 0.8
     with pytest.raises(Exception, match="emulate_w4a4=True needs"):
