@@ -38,6 +38,22 @@ def post(url, body, timeout=120, headers=None):
         return e.code, json.loads(e.read().decode() or "{}")
 
 
+def wait_healthy(proc, base: str, log_path, t0: float, timeout: float, what: str = "server") -> None:
+    """Until ``base``/health answers 200; RuntimeError with the log's tail when ``proc`` exits or ``timeout`` s
+    after ``t0`` pass."""
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited rc={proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        if time.time() - t0 > timeout:
+            raise RuntimeError(f"{what} not up in {timeout}s:\n{log_path.read_text()[-4000:]}")
+        try:
+            if get(base + "/health")[0] == 200:
+                return
+        except Exception:
+            pass
+        time.sleep(1)
+
+
 @contextlib.contextmanager
 def serve(ckpt: str, work, *args: str, name: str = "tiny", timeout: float = START_TIMEOUT, port: int | None = None):
     """Yield {base, proc, log, startup, ckpt, work} for ``qwen4exp-serve ckpt --served-model-name name *args`` (on
@@ -55,17 +71,7 @@ def serve(ckpt: str, work, *args: str, name: str = "tiny", timeout: float = STAR
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited rc={proc.returncode}:\n{(work / 'server.log').read_text()[-4000:]}")
-            if time.time() - t0 > timeout:
-                raise RuntimeError(f"server not up in {timeout}s:\n{(work / 'server.log').read_text()[-4000:]}")
-            try:
-                if get(base + "/health")[0] == 200:
-                    break
-            except Exception:
-                pass
-            time.sleep(1)
+        wait_healthy(proc, base, work / "server.log", t0, timeout)
         startup = time.time() - t0
         print(f"server start-up: {startup:.1f}s")
         yield dict(base=base, proc=proc, log=work / "server.log", startup=startup, ckpt=ckpt, work=work)

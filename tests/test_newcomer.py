@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from served import free_port, get, post
+from served import free_port, post, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CODER = "qwen4exp/assets/tiny-coder"
@@ -59,17 +59,7 @@ def test_vllm_serve_as_the_readme_writes_it(tmp_path_factory):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"`vllm serve` exited rc={proc.returncode}:\n{log_path.read_text()[-4000:]}")
-                if time.time() - t0 > START_TIMEOUT:
-                    pytest.fail(f"`vllm serve` not up in {START_TIMEOUT} s:\n{log_path.read_text()[-4000:]}")
-                try:
-                    if get(base + "/health")[0] == 200:
-                        break
-                except Exception:
-                    pass
-                time.sleep(1)
+            wait_healthy(proc, base, log_path, t0, START_TIMEOUT, "`vllm serve`")
             print(f"vllm serve start-up: {time.time() - t0:.1f} s")
             status, r = post(base + "/v1/chat/completions", {
                 "model": "tiny-coder", "max_tokens": 8, "temperature": 0,

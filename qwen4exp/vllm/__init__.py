@@ -131,17 +131,12 @@ def default_cpu_kv_cache() -> None:
 
     if not current_platform.is_cpu():
         return
-    cls = type(current_platform)
-    if getattr(cls.check_and_update_config, "_qwen4exp_cpu_kv_default", False):
-        return
-    orig = cls.check_and_update_config.__func__
 
-    def check_and_update_config(klass, vllm_config) -> None:
+    def check_and_update_config(orig, klass, vllm_config) -> None:
         from vllm.config import CacheConfig
 
-        cc = getattr(vllm_config, "cache_config", None)
-        arch = getattr(getattr(vllm_config, "model_config", None), "architecture", None)
-        if (cc is not None and arch in ARCHITECTURES and cc.kv_cache_memory_bytes is None
+        cc = _our_cache_config(vllm_config)
+        if (cc is not None and cc.kv_cache_memory_bytes is None
                 and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")
                 and cc.gpu_memory_utilization == CacheConfig.gpu_memory_utilization):
             cc.kv_cache_memory_bytes = CPU_KV_CACHE_GIB << 30
@@ -149,7 +144,31 @@ def default_cpu_kv_cache() -> None:
                            "kv_cache_memory_bytes for another size)", CPU_KV_CACHE_GIB)
         orig(klass, vllm_config)
 
-    check_and_update_config._qwen4exp_cpu_kv_default = True
+    _wrap_platform_config_hook("cpu_kv_default", check_and_update_config)
+
+
+def _our_cache_config(vllm_config):
+    """``vllm_config.cache_config`` where a Qwen4Exp architecture is served, else None."""
+    arch = getattr(getattr(vllm_config, "model_config", None), "architecture", None)
+    return getattr(vllm_config, "cache_config", None) if arch in ARCHITECTURES else None
+
+
+def _wrap_platform_config_hook(name: str, hook) -> None:
+    """Wrap the current platform's ``check_and_update_config`` with ``hook(orig, klass, vllm_config)``, once per
+    ``name`` per process, whatever other wrappers sit above it (each wrapper carries the names of all below)."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    current = cls.check_and_update_config
+    done = getattr(current, "_qwen4exp_wraps", frozenset())
+    if name in done:
+        return
+    orig = current.__func__
+
+    def check_and_update_config(klass, vllm_config) -> None:
+        hook(orig, klass, vllm_config)
+
+    check_and_update_config._qwen4exp_wraps = done | {name}
     cls.check_and_update_config = classmethod(check_and_update_config)
 
 
@@ -291,17 +310,10 @@ def keep_resolved_block_size() -> None:
     sent three times). The in-process engine shares the workers' config object, so it never saw this. Wraps the
     platform's hook: with ``num_gpu_blocks`` set (the KV cache is sized), the block size the cache was sized with is
     put back after it runs (and, in "align" mode, the Mamba block size set to it, as the workers have it)."""
-    from vllm.platforms import current_platform
 
-    cls = type(current_platform)
-    if getattr(cls.check_and_update_config, "_qwen4exp_keeps_block_size", False):
-        return
-    orig = cls.check_and_update_config.__func__
-
-    def check_and_update_config(klass, vllm_config) -> None:
-        cc = getattr(vllm_config, "cache_config", None)
-        arch = getattr(getattr(vllm_config, "model_config", None), "architecture", None)
-        sized = cc is not None and cc.num_gpu_blocks is not None and arch in ARCHITECTURES
+    def check_and_update_config(orig, klass, vllm_config) -> None:
+        cc = _our_cache_config(vllm_config)
+        sized = cc is not None and cc.num_gpu_blocks is not None
         block_size = cc.block_size if sized else None
         orig(klass, vllm_config)
         if sized:
@@ -309,5 +321,4 @@ def keep_resolved_block_size() -> None:
             if cc.mamba_cache_mode == "align":  # (the workers' value; this copy may still hold the pre-load one)
                 cc.mamba_block_size = block_size
 
-    check_and_update_config._qwen4exp_keeps_block_size = True
-    cls.check_and_update_config = classmethod(check_and_update_config)
+    _wrap_platform_config_hook("keeps_block_size", check_and_update_config)
