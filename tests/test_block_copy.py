@@ -101,3 +101,26 @@ def test_vllms_own_copy_misses_layers_on_this_layout():
     import vllm.v1.worker.gpu_model_runner as runner
 
     assert runner.copy_kv_cache_blocks_inplace is copy_blocks
+
+
+@pytest.mark.parametrize("layers_outer", [True, False])
+def test_page_padding_is_copied_and_nothing_past_the_page(layers_outer):
+    """Pages padded past every view (the QSA layers keep their index keys in a page's tail): the whole page of
+    each layer is copied, padding included, and not a byte of any other block or layer. Both vLLM layout
+    families: layers outermost (each layer's blocks one after another) and blocks outermost (a block holds every
+    layer's page side by side)."""
+    L, page, shown = 3, 1024, 600  # layers, padded page bytes, bytes a view shows
+    raw = torch.randint(0, 256, (L * NB * page,), dtype=torch.uint8)
+    storage = raw.untyped_storage()
+    views = []
+    for layer in range(L):
+        offset, stride = (layer * NB * page, page) if layers_outer else (layer * page, L * page)
+        views.append(torch.empty(0, dtype=torch.uint8).set_(storage, offset, (NB, shown), (stride, 1)))
+    before = raw.clone()
+    copy_blocks(views, NB, [Copy(2, 5), Copy(11, 0)])
+    want = before.clone()
+    for layer in range(L):
+        for s, d in ((2, 5), (11, 0)):
+            at = (lambda b: layer * NB * page + b * page) if layers_outer else (lambda b: b * L * page + layer * page)
+            want[at(d): at(d) + page] = before[at(s): at(s) + page]
+    assert torch.equal(raw, want)

@@ -47,6 +47,7 @@ def copy_blocks(kv_caches: Iterable[torch.Tensor], num_blocks: int, copies: Sequ
         key = (cache.device, storage.data_ptr(), s[0], s[1])
         entry = slots.setdefault(key, [storage, 0])
         entry[1] = max(entry[1], s[2])
+    _whole_pages(slots, num_blocks)
     pairs = torch.tensor([tuple(c) for c in copies], dtype=torch.long)  # (src, dst) pairs
     on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for (device, _, offset, stride), (storage, extent) in slots.items():
@@ -56,6 +57,32 @@ def copy_blocks(kv_caches: Iterable[torch.Tensor], num_blocks: int, copies: Sequ
         src, dst = on[device]
         rows = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, offset, (num_blocks, extent), (stride, 1))
         rows[dst] = rows[src]
+
+
+def _whole_pages(slots: dict, num_blocks: int) -> None:
+    """Widen each page's extent to the whole page, padding included: vLLM pads pages past what any view shows (the
+    QSA layers keep their index keys there, ``ops.qsa.layout``). Per storage and block stride: views that overlap
+    form one page (a GDN SSM state behind the conv state); a page ends where the next page begins (block-outermost
+    layouts put the layers' pages side by side within a block), at most one block stride on, and never past the
+    storage."""
+    groups: dict[tuple, list] = {}
+    for key in slots:
+        groups.setdefault((key[0], key[1], key[3]), []).append(key)
+    for (_, _, stride), keys in groups.items():
+        keys.sort(key=lambda k: k[2])
+        pages = []  # [first slot key, end of what its views cover]
+        for key in keys:
+            if pages and key[2] < pages[-1][1]:
+                pages[-1][1] = max(pages[-1][1], key[2] + slots[key][1])
+            else:
+                pages.append([key, key[2] + slots[key][1]])
+        for i, (key, _) in enumerate(pages):
+            start = key[2]
+            nxt = pages[i + 1][0][2] if i + 1 < len(pages) else pages[0][0][2] + stride
+            end = min(start + stride, nxt) if nxt > start else start + stride
+            storage = slots[key][0]
+            room = storage.nbytes() - start - (num_blocks - 1) * stride  # (the last block's)
+            slots[key][1] = max(slots[key][1], min(end - start, room))
 
 
 def install() -> None:

@@ -1,13 +1,11 @@
 """QSA in vLLM's terms.
 
 Caches: ONE vLLM attention layer ``{prefix}.attn`` per QSA layer (paged, prefix-cached and freed with the request
-like any attention cache), with n_kv + 1 KV heads of the attention head width:
-* heads [0, n_kv): the main K/V (post-norm, post-RoPE), one row per token;
-* head n_kv: the index rows. Per token, in its first d_i elements the indexer's raw key of that token (where the
-  open block's raw keys live between steps), in the next d_i the block key of the block that the token completes
-  ((pos + 1) % r == 0; zeros otherwise). A block key is computed once, when its last token is processed, and read
-  back for every later query; nothing is recomputed per step.
-``_CacheView`` hands each part to the code below as its own [blocks, heads, block_size, 2 * width] view.
+like any attention cache) with the main K/V's heads, whose pages vLLM pads (the layer's spec asks for it) to also
+hold the indexer's keys: per page, the key of each of its blocks of r tokens, and a ring of the raw keys of its open
+block (``qwen4exp.ops.qsa.layout``). A block key is computed once, when its last token is processed, and read back
+for every later query; a raw key lives only until its block completes. Per token that is the main K/V plus d_i / r
+key elements, as upstream's separate compressed-key cache, in one KV-cache group.
 
 Selection + attention run through ``qwen4exp.ops.qsa`` over the paged views. No vLLM attention kernel ever reads
 this cache, so the plugin owns its layout: each token row is [K | V], written at vLLM's slot mapping
@@ -17,6 +15,7 @@ attention ISA (vec / AMX / NEON packs K differently) and of the dtype (fp32, bf1
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -26,9 +25,9 @@ from vllm.model_executor.layers.attention import Attention
 
 from .. import envs
 from ..layers.qsa import QSAAttention
-from ..ops.qsa import (block_mean, index_update_decode, paged_rows, qsa_attend_paged, qsa_decode_paged,
-                       qsa_prefill_paged, qsa_select_paged, reused_block_ids, warm_up_decode, warm_up_prefill,
-                       write_paged)
+from ..ops.qsa import (block_mean, index_update_decode, qsa_attend_paged, qsa_decode_paged, qsa_prefill_paged,
+                       qsa_select_paged, reused_block_ids, warm_up_decode, warm_up_prefill, write_paged)
+from ..ops.qsa import layout as qlayout
 from .layers import eager_segment, vllm_linear
 
 # Requests of a mixed step with up to this many queries (decodes, MTP verifications, short prefill chunks) are
@@ -137,40 +136,31 @@ def _to_device(lists: list[list[int]], device) -> list[torch.Tensor]:
     return list(torch.split(flat, sizes))
 
 
-class _CacheView:
-    """Part of a QSA layer's single vLLM cache layer: KV heads [h0, h1), each head's [K half | V half] narrowed to
-    ``width`` per half. Same layer name (so the same attention metadata); FP8 dtype and scales of the layer."""
+class QSACacheLayer(Attention):
+    """A QSA layer's vLLM cache layer: vLLM's attention layer for the main K/V (its backend and metadata), whose
+    spec pads each page by the index tail (``ops.qsa.layout.tail_elements``: block keys, raw-key ring, M-RoPE
+    stash). vLLM pads the other layers' pages to the same size; nothing else changes for it."""
 
-    def __init__(self, attn: Attention, h0: int, h1: int, width: int):
-        self._attn, self._h, self._width = [attn], (h0, h1), width
+    def __init__(self, *args, index_dim: int, r: int, ring: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.qsa_index = (index_dim, r, ring)
 
-    def __getattr__(self, name):  # layer_name, kv_cache_dtype, _k_scale_float, ...
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.__dict__["_attn"][0], name)
-
-    def _view(self, kv):
-        if not isinstance(kv, torch.Tensor) or kv.dim() != 4:
-            return kv
-        v = kv[:, self._h[0]:self._h[1]]
-        return v if self._width == kv.shape[3] // 2 else v[..., : 2 * self._width]  # [K | V] at the narrower width
-
-    @property
-    def kv_cache(self):
-        kv = self._attn[0].kv_cache
-        if isinstance(kv, (list, tuple)):
-            return type(kv)(self._view(k) for k in kv)
-        return self._view(kv)
+    def get_kv_cache_spec(self, vllm_config):
+        spec = super().get_kv_cache_spec(vllm_config)
+        if spec is None:
+            return spec
+        d_i, r, rr = self.qsa_index
+        tail = qlayout.tail_elements(spec.block_size, d_i, r, rr) * spec.dtype.itemsize
+        return dataclasses.replace(spec, page_size_padded=spec.real_page_size_bytes + tail)
 
 
 class QSAMixer(QSAAttention):
     """Our QSA math (``QSAAttention``: same parameter names as the checkpoint) plus its caches, held in ONE vLLM
-    attention layer of n_kv + 1 KV heads of the attention head width: heads [0, n_kv) are the main K/V, the extra
-    head holds the index cache rows (raw key | block key, each indexer-wide; the rest of the row unused). One layer,
-    so one KV-cache group with the main K/V's block size: prefix-cache hits land on its block boundaries (a separate,
-    narrower index cache got 4x longer blocks, and hits had to end on those), and vLLM's MTP proposer, which wants
-    every draft layer in one group, takes the same class. Costs the unused half of the index head's rows (~20% more
-    QSA cache than two layers at the real widths)."""
+    attention layer (``QSACacheLayer``): the main K/V rows, and in each page's tail the indexer's block keys and the
+    ring of its open block's raw keys (``ops.qsa.layout``). One layer, so one KV-cache group with the main K/V's
+    block size: prefix-cache hits land on its block boundaries (a separate, narrower index cache got 4x longer
+    blocks, and hits had to end on those), and vLLM's MTP proposer, which wants every draft layer in one group,
+    takes the same class."""
 
     def __init__(self, config, vllm_config, prefix: str, rotary, share_selection: bool = False):
         super().__init__(config, vllm_linear, prefix)
@@ -186,18 +176,22 @@ class QSAMixer(QSAAttention):
         sc = vllm_config.scheduler_config  # the most single-query rows an eager step batches (``_decode_batch``)
         self._max_rows = min(sc.max_num_batched_tokens or 1 << 30, BATCHED_MAX_QUERIES * sc.max_num_seqs)
         self.rotary = [rotary]  # shared module, kept out of this module's parameters
-        d_i = self.indexer.head_dim
-        if d_i > self.head_dim:
-            raise ValueError(f"qwen4exp QSA {prefix}: indexer head ({d_i}) wider than the attention head "
-                             f"({self.head_dim}) is not supported (its rows live in an attention-head-wide cache)")
-        nkv = self.n_kv + 1
-        self.cache_layer = Attention(nkv, self.head_dim, self.scale, num_kv_heads=nkv,
-                                     cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
+        self.ring_rows = qlayout.ring_rows(self.r, UNIFORM_MAX_QUERIES)
+        self.cache_layer = QSACacheLayer(self.n_kv, self.head_dim, self.scale, num_kv_heads=self.n_kv,
+                                         cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn",
+                                         index_dim=self.indexer.head_dim, r=self.r, ring=self.ring_rows)
         # (the implementation object stays FlashAttention's where the lean subclass is swapped in: only vLLM's
         # metadata builder, looked up through the layer's backend class, changes)
         self.cache_layer.attn_backend = qsa_cache_backend(self.cache_layer.attn_backend)
-        self.attn = _CacheView(self.cache_layer, 0, self.n_kv, self.head_dim)
-        self.index_cache = _CacheView(self.cache_layer, self.n_kv, nkv, d_i)
+        self.attn = self.cache_layer
+        self._views: tuple | None = None  # (cache tensor key, IndexViews)
+
+    def index_views(self, kv: torch.Tensor) -> qlayout.IndexViews:
+        """The index views of the layer's cache ``kv`` (made once per cache tensor)."""
+        key = (kv.data_ptr(), tuple(kv.shape), kv.stride(), kv.dtype)
+        if self._views is None or self._views[0] != key:
+            self._views = (key, qlayout.index_views(kv, self.indexer.head_dim, self.r, self.ring_rows))
+        return self._views[1]
 
     _scales_checked = False
 
@@ -252,15 +246,15 @@ class QSAMixer(QSAAttention):
         r = self.r
         # 1. main K/V into the paged cache
         kv = _kv_cache(self.attn)
-        write_paged(kv, m.slot_mapping[:n].long(), k[:n], v[:n])
-        # 2. block keys of the blocks completed by this step's tokens (open-block raw keys from the index cache)
-        ikv = _kv_cache(self.index_cache)
-        d_i = ikv.shape[3] // 2
+        slots = m.slot_mapping[:n].long()
+        write_paged(kv, slots, k[:n], v[:n])
+        # 2. the keys of the blocks this step's tokens complete (earlier raw keys of their blocks from the pages'
+        #    rings), then the raw keys of the blocks still open into the rings
+        views = self.index_views(kv)
+        ikv = views.index_kv
         raw = index_k_raw[:n]
-        bk_rows = self._completed_block_keys(raw, qsl, seq_lens, m, ikv, d_i, pos3)
-        if pos3 is not None:
-            stash_block_start_positions(bk_rows, pos1, pos3, r)
-        write_paged(ikv, m.slot_mapping[:n].long(), raw.unsqueeze(1), bk_rows.unsqueeze(1))
+        self._complete_blocks(raw, qsl, seq_lens, m, views, slots, pos3)
+        self._keep_open(raw, qsl, seq_lens, views, slots, pos1, pos3)
         # 3. selection + attention: the queries of requests with few of them (decodes, MTP verifications, short
         #    chunks) in one batched call, each longer chunk through the paged prefill op (Triton on GPUs)
         few = [b for b in range(nreq) if 0 < qsl[b + 1] - qsl[b] <= BATCHED_MAX_QUERIES]
@@ -294,7 +288,8 @@ class QSAMixer(QSAAttention):
         kv = _kv_cache(self.attn)
         if kv.dim() != 4 or kv.numel() == 0:
             return False  # the profiling run, before the caches exist
-        ikv = _kv_cache(self.index_cache)
+        views = self.index_views(kv)
+        ikv = views.index_kv
         key = (str(kv.device), kv.dtype, q.dtype, tuple(kv.shape[1:]), kv.stride(), tuple(ikv.shape[1:]),
                ikv.stride(), self.n_heads, self.indexer.n_heads, self.r, self.budget, self._max_len, self._max_rows)
         if key in _WARMED:
@@ -309,10 +304,16 @@ class QSAMixer(QSAAttention):
                                     self.scale, self.index_scale, q.dtype)
             cases += warm_up_decode(kv, ikv, self.n_heads, self.indexer.n_heads, self._max_len, self._max_rows,
                                     self.r, self.budget, self.scale, self.index_scale, q.dtype)
-            # the block keys a prefill step completes (its index-key norm kernel), as ``_completed_block_keys``
+            # the block keys a prefill step completes (its index-key norm kernel), as ``_complete_blocks``, and the
+            # writes of keys, ring and stash rows (one padding row each: stores nothing)
+            d_i = self.indexer.head_dim
             cb, sb = self.rotary[0](torch.arange(0, 16 * self.r, self.r, device=q.device), q.dtype)
-            self.block_keys(block_mean(torch.zeros(16 * self.r, ikv.shape[-1] // 2, dtype=q.dtype, device=q.device),
-                                       self.r), cb, sb)
+            self.block_keys(block_mean(torch.zeros(16 * self.r, d_i, dtype=q.dtype, device=q.device), self.r), cb,
+                            sb)
+            none = torch.full((1,), -1, dtype=torch.long, device=q.device)
+            for view in (views.keys, views.ring, views.stash):
+                half = torch.zeros(1, 1, view.shape[-1] // 2, dtype=view.dtype, device=q.device)
+                write_paged(view, none, half, half)
             torch.cuda.synchronize(q.device)
         except Exception as e:  # (e.g. out of memory): the kernels then compile on first use, as without it
             _logger().warning("qwen4exp QSA: the kernel warm-up stopped (%s: %s); kernels compile on first use",
@@ -322,12 +323,11 @@ class QSAMixer(QSAAttention):
                        "%.1f s", self._max_len, len(cases), time.perf_counter() - t0)
         return True
 
-    def _completed_block_keys(self, raw, qsl, seq_lens, m, ikv, d_i: int, pos3=None) -> torch.Tensor:
-        """Index-cache block-key column of this step's rows [n, d_i]: at the row of each block's last position, the
-        key of every block completed by this step's tokens (zeros elsewhere). All requests at once: which blocks
-        complete and where each of their r raw keys comes from (this step's rows, or the index cache for positions
-        of earlier steps) is worked out on the host from the step's lengths, then ONE gather of the earlier raw
-        keys, one mean-pool and one norm + RoPE for all blocks."""
+    def _complete_blocks(self, raw, qsl, seq_lens, m, views, slots, pos3=None) -> None:
+        """The key of every block completed by this step's tokens, into its page's key row. All requests at once:
+        which blocks complete and where each of their r raw keys comes from (this step's rows, or the page's ring
+        for positions of earlier steps) is worked out on the host from the step's lengths, then ONE gather of the
+        earlier raw keys, one mean-pool, one norm + RoPE and one write for all blocks."""
         r = self.r
         n = raw.shape[0]
         prev_owner, prev_pos = [], []  # earlier positions of blocks completed now: request, position
@@ -352,24 +352,48 @@ class QSAMixer(QSAAttention):
                 last.append(s + base + j * r + r - 1 - start)
                 first_rows.append(s + base + j * r - start if base + j * r >= start else -1)
                 block_owner.append(b)
-        bk_rows = torch.zeros(raw.shape, dtype=raw.dtype, device=raw.device)  # (dense rows, unlike raw's view)
         if not first:
-            return bk_rows
+            return
         idx = _to_device([src, first, last, prev_owner, prev_pos], raw.device)
         src_t, first_t, last_t = idx[0], idx[1], idx[2]
         rows = raw
+        bs = views.index_kv.shape[2]
         if prev_pos:
             owner_t, pos_t = idx[3], idx[4]
-            prev = paged_rows(ikv, m.block_table[owner_t], pos_t.unsqueeze(1))[:, 0, 0, :d_i]
+            pages = m.block_table[owner_t].gather(1, (pos_t // bs).unsqueeze(1)).squeeze(1).long()
+            prev = views.ring[pages, 0, pos_t % self.ring_rows]
             rows = torch.cat([raw, prev.to(raw.dtype)], 0)
         if pos3 is None:
             cb, sb = self.rotary[0](first_t, raw.dtype)
         else:  # M-RoPE: rotate at the (t, h, w) position of each block's first token
-            cb, sb = self.rotary[0](block_start_positions(pos3, first, first_rows, block_owner, qsl, ikv, m, d_i),
+            cb, sb = self.rotary[0](block_start_positions(pos3, first, first_rows, block_owner, qsl, views, m),
                                     raw.dtype)
-        keys = self.block_keys(block_mean(rows[src_t], r), cb, sb)
-        bk_rows[last_t] = keys.to(bk_rows.dtype)
-        return bk_rows
+        keys = self.block_keys(block_mean(rows[src_t], r), cb, sb).to(raw.dtype)
+        ks = slots[last_t]
+        h = keys.shape[1] // 2
+        write_paged(views.keys, (ks // bs) * (bs // r) + (ks % bs) // r, keys[:, None, :h], keys[:, None, h:])
+
+    def _keep_open(self, raw, qsl, seq_lens, views, slots, pos1, pos3=None) -> None:
+        """The raw keys of this step's tokens whose block is still open after it, into their pages' rings (and,
+        with M-RoPE, their positions into the stash), for the step that completes the block."""
+        r, rr = self.r, self.ring_rows
+        rows = []
+        for b in range(len(seq_lens)):
+            s, e = qsl[b], qsl[b + 1]
+            if e > s:
+                rows.extend(range(max(s, e - seq_lens[b] % r), e))  # positions from the last block start on
+        if not rows:
+            return
+        rows_t = _to_device([rows], raw.device)[0]
+        sl = slots[rows_t]
+        bs = views.index_kv.shape[2]
+        p = pos1[rows_t]
+        ring_slots = torch.where(sl >= 0, (sl // bs) * rr + p % rr, -1)
+        x = raw[rows_t]
+        h = x.shape[1] // 2
+        write_paged(views.ring, ring_slots, x[:, None, :h], x[:, None, h:])
+        if pos3 is not None:
+            stash_positions(views.stash, ring_slots, p, pos3[:, rows_t])
 
     def _decode_step(self, out, q, k, v, index_q, index_k_raw, m, positions=None, nq: int = 1) -> None:
         """A batch of ``nq`` queries per request (decode: 1; MTP verification and draft prefill: 1 + k): cache
@@ -377,20 +401,23 @@ class QSAMixer(QSAAttention):
         sync, so a FULL CUDA graph can capture it. Row b * nq + j is query j of request b. Requests that pad a
         captured batch have seq_len 0, slot -1 and a null block table: they write nothing and read the null block
         (finite, discarded)."""
-        n, valid, pos, slots, bt, cb, sb = self._decode_inputs(m, index_k_raw.dtype, positions, nq)
+        kv = _kv_cache(self.attn)
+        views = self.index_views(kv)
+        ikv = views.index_kv
+        n, valid, pos, slots, ring_slots, bt, cb, sb = self._decode_inputs(m, index_k_raw.dtype, positions, nq,
+                                                                           ikv.shape[2])
         r = self.r
         if out.shape[0] > n:
             out[n:].zero_()
-        kv, ikv = _kv_cache(self.attn), _kv_cache(self.index_cache)
         write_paged(kv, slots, k[:n], v[:n])
         raw = index_k_raw[:n]
-        if nq > 1:  # every raw key first: a token completing a block reads its block's earlier keys from the cache,
-            # some of them this step's (one launch per row cannot see another row's write)
-            zero = torch.zeros(raw.shape, dtype=raw.dtype, device=raw.device)  # (dense: one kernel variant)
-            write_paged(ikv, slots, raw.unsqueeze(1), zero.unsqueeze(1))
-        # the index cache row: raw key, and the key of the block this token completes (zeros if none)
+        if nq > 1:  # every raw key into the rings first: a token completing a block reads its block's earlier keys
+            # from there, some of them this step's (one program per row cannot see another row's write)
+            h = raw.shape[1] // 2
+            write_paged(views.ring, ring_slots, raw[:, None, :h], raw[:, None, h:])
+        # the raw key into the ring, and the key of the block this token completes (if any) into its key row
         kn = self.indexer.k_layernorm
-        index_update_decode(ikv, slots, bt, pos, valid, raw, kn.weight, kn.eps, cb, sb, r)
+        index_update_decode(ikv, views.ring, slots, pos, valid, raw, kn.weight, kn.eps, cb, sb, r)
         # n_blocks: every block the table can hold while capturing (replays serve any length), else the step's max
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             n_blocks = bt.shape[1] * kv.shape[2] // r
@@ -400,12 +427,13 @@ class QSAMixer(QSAAttention):
             n_blocks = max(1, int(m.max_seq_len) // r)
         out[:n] = self._attend_decodes(q[:n], index_q[:n], pos, bt, kv, ikv, n_blocks)
 
-    def _decode_inputs(self, m, dtype, positions=None, nq: int = 1):
-        """(rows, valid, pos, slots, block table, cos, sin) of a batch of ``nq`` queries per request: its rows, which
-        rows are real tokens, their positions and cache slots (int64), each row's block-table row, and the rotation
-        of the block key that each token may complete (at the block's first position). The same for every QSA
-        layer of the step (one KV-cache group: one metadata object), so computed once a forward pass
-        (``_once_per_forward``; inside a captured graph the first layer's kernels serve the later layers)."""
+    def _decode_inputs(self, m, dtype, positions=None, nq: int = 1, bs: int = 1):
+        """(rows, valid, pos, slots, ring slots, block table, cos, sin) of a batch of ``nq`` queries per request: its
+        rows, which rows are real tokens, their positions, cache slots and ring slots (int64; -1: padding), each
+        row's block-table row, and the rotation of the block key that each token may complete (at the block's first
+        position). The same for every QSA layer of the step (one KV-cache group: one metadata object), so computed
+        once a forward pass (``_once_per_forward``; inside a captured graph the first layer's kernels serve the
+        later layers)."""
         def compute():
             B, r = m.seq_lens.shape[0], self.r
             n = B * nq
@@ -422,9 +450,11 @@ class QSAMixer(QSAAttention):
                 cb, sb = self.rotary[0]((positions[:, :n].long() - (r - 1)).clamp(min=0), dtype)
             else:
                 cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), dtype)
-            return n, valid, pos, m.slot_mapping[:n].long(), bt, cb, sb
+            slots = m.slot_mapping[:n].long()
+            ring_slots = torch.where(slots >= 0, (slots // bs) * self.ring_rows + pos % self.ring_rows, -1)
+            return n, valid, pos, slots, ring_slots, bt, cb, sb
 
-        return _once_per_forward("_qwen4exp_decode_inputs", m, (dtype, self.r, nq), compute)
+        return _once_per_forward("_qwen4exp_decode_inputs", m, (dtype, self.r, nq, bs, self.ring_rows), compute)
 
     def _decode_batch(self, out, q, index_q, pos1, reqs, qsl, seq_lens, m, kv, ikv) -> None:
         """Every query of the requests ``reqs`` of a mixed step in one batched call, one row per query with its own
@@ -475,12 +505,11 @@ class QSAMixer(QSAAttention):
 
 
 # -- M-RoPE (images / video): the block key of a block rotates at the (t, h, w) position of its first token -------
-# Blocks completed in the step of their first token read it from the step's positions. For the first block of a
-# step, which may start in an earlier step, the first token's row in the index cache keeps its position: at rows of
-# block-starting tokens (index % r == 0, r >= 2) the block-key half (unused there: block keys live at block-ending
-# rows) holds the three axes as base-8 digits + 1, exact in every cache dtype (FP8 included); 0 = not stored (a
-# token written by a decode step), then the position is extrapolated from this step's first token (exact for text
-# after the last image).
+# Blocks completed in the step of their first token read it from the step's positions. For a block that started in
+# an earlier step, its first token's (t, h, w) position was stashed beside its ring row (``stash_positions``): four
+# numbers (t, h, w and the token's index, to tell a current entry from an older token's), base-8 digits + 1, exact
+# in every cache dtype (FP8 included). A token written by a decode step stashes nothing; its position is then
+# extrapolated from this step's first token (exact for text after the last image).
 _DIGITS, _BASE = 8, 8  # positions < 8^8
 
 
@@ -492,17 +521,22 @@ def token_indices(qsl: list[int], seq_lens: list[int], device) -> torch.Tensor:
     return idx.to(device)
 
 
-def stash_block_start_positions(bk_rows: torch.Tensor, pos1: torch.Tensor, pos3: torch.Tensor, r: int) -> None:
-    if r < 2 or bk_rows.shape[1] < 3 * _DIGITS:
-        return
-    rows = torch.nonzero(pos1 % r == 0).flatten()
-    if rows.numel():
-        p = pos3[:, rows].clamp(min=0)  # [3, k]
-        digits = torch.stack([(p // _BASE ** i) % _BASE for i in range(_DIGITS)], -1) + 1  # [3, k, D]
-        bk_rows[rows, : 3 * _DIGITS] = digits.permute(1, 0, 2).reshape(rows.numel(), -1).to(bk_rows.dtype)
+def _digits(x: torch.Tensor) -> torch.Tensor:
+    """[..., k] non-negative ints -> [..., k * _DIGITS] base-8 digits + 1."""
+    d = torch.stack([(x // _BASE ** i) % _BASE for i in range(_DIGITS)], -1) + 1
+    return d.reshape(*x.shape[:-1], -1)
 
 
-def block_start_positions(pos3, first, first_rows, owners, qsl, ikv, m, d_i) -> torch.Tensor:
+def stash_positions(stash: torch.Tensor, ring_slots: torch.Tensor, idx: torch.Tensor, pos3: torch.Tensor) -> None:
+    """Stash (t, h, w) positions ``pos3`` [3, k] and token indices ``idx`` [k] at the ring slots of their tokens."""
+    vals = torch.cat([pos3.T.clamp(min=0), idx.unsqueeze(1)], 1).long()  # [k, 4]
+    row = torch.zeros(vals.shape[0], stash.shape[-1], dtype=stash.dtype, device=stash.device)
+    row[:, : 4 * _DIGITS] = _digits(vals).to(stash.dtype)
+    h = stash.shape[-1] // 2
+    write_paged(stash, ring_slots, row[:, None, :h], row[:, None, h:])
+
+
+def block_start_positions(pos3, first, first_rows, owners, qsl, views, m) -> torch.Tensor:
     """(t, h, w) positions [3, nblocks] of the blocks' first tokens (indices ``first``; ``first_rows``: their rows
     in this step, -1 for a token of an earlier step; ``owners``: each block's request)."""
     dev = pos3.device
@@ -512,13 +546,16 @@ def block_start_positions(pos3, first, first_rows, owners, qsl, ikv, m, d_i) -> 
         return out
     owner_t = torch.tensor([owners[j] for j in early], dtype=torch.long, device=dev)
     pp = torch.tensor([first[j] for j in early], dtype=torch.long, device=dev)
-    row = paged_rows(ikv, m.block_table[owner_t], pp.unsqueeze(1))[:, 0, 0, d_i: d_i + 3 * _DIGITS]
-    digits = row.float().round().long().view(len(early), 3, _DIGITS) - 1
+    bs, rr = views.index_kv.shape[2], views.ring.shape[2]
+    pages = m.block_table[owner_t].gather(1, (pp // bs).unsqueeze(1)).squeeze(1).long()
+    row = views.stash[pages, 0, pp % rr, : 4 * _DIGITS]
+    digits = row.float().round().long().view(len(early), 4, _DIGITS) - 1
     weights = torch.tensor([_BASE ** i for i in range(_DIGITS)], device=dev)
-    stored_pos = (digits.clamp(min=0) * weights).sum(-1).T  # [3, early]
+    stored = (digits.clamp(min=0) * weights).sum(-1)  # [early, 4]
+    ok = ((digits >= 0).all(-1).all(-1) & (stored[:, 3] == pp)).tolist()
     for k, j in enumerate(early):
-        if bool((digits[k] >= 0).all()):
-            out[:, j] = stored_pos[:, k]
+        if ok[k]:
+            out[:, j] = stored[k, :3]
         else:  # not stored: extrapolate back from the request's first row s of this step (token index start)
             s0 = qsl[owners[j]]
             start = _request_start(m, owners[j], qsl)

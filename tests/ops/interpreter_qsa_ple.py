@@ -340,10 +340,16 @@ def check_qsa_write_paged():
 
 @check("qsa_index_update")
 def check_qsa_index_update():
+    from qwen4exp.ops.qsa import layout
     from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
     g = torch.Generator().manual_seed(12)
-    B, di, RD, ibs, nb, r = 9, 64, 32, 16, 60, 4
-    ikv = (torch.randn(nb, 1, ibs, 2 * di, generator=g) * 2).to(BF)
+    B, di, RD, ibs, nb, r, rr = 9, 64, 32, 16, 60, 4, 20
+    kv = layout.paged_cache(nb, 1, ibs, 16, di, r, rr, pad=8)
+    n = kv.untyped_storage().nbytes() // 2
+    kv.as_strided((n,), (1,), 0).copy_((torch.randn(n, generator=g) * 2).to(BF))
+    kv2 = layout.paged_cache(nb, 1, ibs, 16, di, r, rr, pad=8)
+    kv2.untyped_storage().copy_(kv.untyped_storage())
+    a, b = layout.index_views(kv, di, r, rr), layout.index_views(kv2, di, r, rr)
     bt = (torch.randperm(nb - 1, generator=g)[: B * 6] + 1).view(B, 6).int()
     pos = torch.tensor([0, 1, 2, 3, 4, 7, 11, 63, 90])
     slots = bt.gather(1, (pos // ibs).unsqueeze(1)).squeeze(1).long() * ibs + pos % ibs
@@ -352,10 +358,10 @@ def check_qsa_index_update():
     w = (torch.randn(di, generator=g) * 0.2).to(BF)
     ang = torch.randn(B, RD // 2, generator=g) * 30
     cos, sin = torch.cat([ang, ang], -1).cos().to(BF), torch.cat([ang, ang], -1).sin().to(BF)
-    a, b = ikv.clone(), ikv.clone()
-    tk.index_update_triton(a, slots, bt, pos, slots >= 0, raw, w, 1e-6, cos, sin, r)
-    ref.index_update_decode(b, slots, bt, pos, slots >= 0, raw, w, 1e-6, cos, sin, r)
-    close(a, b, 1e-3, "index_update_decode", rtol=2 ** -7)
+    tk.index_update_triton(a.index_kv, a.ring, slots, pos, slots >= 0, raw, w, 1e-6, cos, sin, r)
+    ref.index_update_decode(b.index_kv, b.ring, slots, pos, slots >= 0, raw, w, 1e-6, cos, sin, r)
+    flat = lambda t: t.as_strided((n,), (1,), 0)  # noqa: E731
+    close(flat(kv), flat(kv2), 1e-3, "index_update_decode", rtol=2 ** -7)
 
 
 @check("qsa_real_widths")
@@ -401,7 +407,7 @@ def check_qsa_registration():
         assert ops["qsa_prefill_paged"](t(7, 6, 64), t(7, **i64), t(7, 4, 32), t(9, 2, 16, 128), t(5, **i32),
                                         t(9, 1, 16, 64), 70, 4, 32, 0.3, 0.4).shape == (7, 6, 64)
         assert ops["qsa_write_paged"](t(4, 2, 16, 64), t(3, **i64), t(3, 2, 32), t(3, 2, 32)) is None
-        assert ops["qsa_index_update_decode"](t(9, 1, 16, 64), t(3, **i64), t(3, 5, **i32), t(3, **i64),
+        assert ops["qsa_index_update_decode"](t(9, 1, 16, 64), t(9, 1, 20, 32), t(3, **i64), t(3, **i64),
                                               t(3, dtype=torch.bool), t(3, 32), t(32), 1e-6, t(3, 16), t(3, 16),
                                               4) is None
     _registration("qwen4exp.ops.qsa.cuda",

@@ -117,14 +117,14 @@ CONFIGS = (Config("FN-24L"),
 
 
 def caches(cfg: Config, device="cpu"):
-    """The layer's one vLLM cache [blocks, Hkv + 1, bs, 2 HD] (each block's page padded past its rows) and the two
-    views the plugin reads (``_CacheView``): main K|V heads, and the index head narrowed to 2 DI."""
-    nb, H, bs, W = 3, cfg.Hkv + 1, cfg.block_size, 2 * cfg.HD
-    page = H * bs * W + cfg.page_pad
-    buf = torch.zeros(nb * page, dtype=BF, device=device).view(cfg.cache_dtype) if cfg.cache_dtype.itemsize == 2 \
-        else torch.zeros(nb * page, dtype=torch.uint8, device=device).view(cfg.cache_dtype)
-    cache = buf.as_strided((nb, H, bs, W), (page, bs * W, W, 1))
-    return cache[:, : cfg.Hkv], cache[:, cfg.Hkv:][..., : 2 * cfg.DI]
+    """The layer's one vLLM cache [blocks, Hkv, bs, 2 HD], each block's page holding the index tail (block keys,
+    raw-key ring: ``ops.qsa.layout``) and padded past it, and the index view the plugin's readers take
+    (``QSAMixer.index_views``)."""
+    from qwen4exp.ops.qsa import layout
+    rr = layout.ring_rows(cfg.r, 8)
+    kv = layout.paged_cache(3, cfg.Hkv, cfg.block_size, cfg.HD, cfg.DI, cfg.r, rr, dtype=cfg.cache_dtype,
+                            device=device, pad=cfg.page_pad)
+    return kv, layout.index_views(kv, cfg.DI, cfg.r, rr).index_kv
 
 
 def block_keys(cfg: Config, raw: torch.Tensor):

@@ -469,14 +469,16 @@ def test_cache_write_covers():
     assert not host.write_paged_covers(kv, slots[:8], k, v)
     assert not host.write_paged_covers(kv, slots, _bf(9, 2, 128)[..., ::2], v)
     B, di, RD = 5, 128, 64
-    ikv, bt = _bf(8, 1, 64, 2 * di), torch.zeros(B, 3, dtype=torch.int32)
+    ikv, ring = _bf(8, 1, 64, 2 * di), _bf(8, 1, 20, di)
     s, pos, valid = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long), torch.ones(B, dtype=torch.bool)
     raw, w, cos, sin = _bf(B, di), _bf(di), _bf(B, RD), _bf(B, RD)
-    assert host.index_update_covers(ikv, s, bt, pos, valid, raw, w, cos, sin, 4)
-    assert not host.index_update_covers(ikv, s, bt, pos, valid, raw, w, cos, sin, 65)  # blocks of up to 64
-    assert not host.index_update_covers(ikv, s, bt, pos, valid, raw, w, _bf(B, 63), _bf(B, 63), 4)  # odd RoPE
-    assert not host.index_update_covers(ikv, s, bt, pos, valid, raw.float(), w, cos, sin, 4)
-    assert not host.index_update_covers(_bf(8, 2, 64, 2 * di), s, bt, pos, valid, raw, w, cos, sin, 4)
+    assert host.index_update_covers(ikv, ring, s, pos, valid, raw, w, cos, sin, 4)
+    assert not host.index_update_covers(ikv, ring, s, pos, valid, raw, w, cos, sin, 65)  # blocks of up to 64
+    assert not host.index_update_covers(ikv, ring[:, :, :3], s, pos, valid, raw, w, cos, sin, 4)  # ring < r rows
+    assert not host.index_update_covers(ikv, ring[..., :64], s, pos, valid, raw, w, cos, sin, 4)  # narrow ring
+    assert not host.index_update_covers(ikv, ring, s, pos, valid, raw, w, _bf(B, 63), _bf(B, 63), 4)  # odd RoPE
+    assert not host.index_update_covers(ikv, ring, s, pos, valid, raw.float(), w, cos, sin, 4)
+    assert not host.index_update_covers(_bf(8, 2, 64, 2 * di), ring, s, pos, valid, raw, w, cos, sin, 4)
 
 
 def test_decode_select_picks_dense_vllm_or_triton(monkeypatch):
@@ -1001,32 +1003,110 @@ def test_write_paged_matches_reference(dtype):
         assert torch.equal(kv, kv2)
 
 
-@pytest.mark.gpu
-def test_index_update_decode_matches_reference():
-    """Decode-time index-cache row (raw key + the completed block's normed, rotated key, or zeros), real widths
-    (d_i 128, RoPE on 64 dims, r 4), shuffled block table, a padding row: equal to the reference (bf16 rounding
-    points reproduced; the fp32 mean/norm sums may differ in order, so allow a rare one-unit difference)."""
-    from op_helpers import bf16_close
-    g = gen(21, "cuda")
-    B, di, RD, ibs, nb = 33, 128, 64, 64, 300
-    ikv = rnd((nb, 1, ibs, 2 * di), g, 2.0)
-    bt = (torch.randperm(nb - 1, device="cuda")[: B * 8] + 1).view(B, 8).int()
-    pos = torch.randint(0, 8 * ibs, (B,), generator=g, device="cuda")
-    pos[:8] = torch.tensor([0, 1, 2, 3, 4, 7, 11, 511], device="cuda")
-    slots = bt.gather(1, (pos // ibs).unsqueeze(1)).squeeze(1).long() * ibs + pos % ibs
+def _packed_index_case(g, dev, B=33, di=128, RD=64, bs=64, pages=300, r=4, rr=20, hd=32):
+    """A packed QSA cache (``ops.qsa.layout``: page tail of block keys + ring) with random contents, B tokens on a
+    shuffled block table (positions at block starts, ends and page edges; a padding row), their raw keys, norm
+    weight and RoPE."""
+    from qwen4exp.ops.qsa import layout
+    kv = layout.paged_cache(pages, 1, bs, hd, di, r, rr, device=dev, pad=24)
+    kv.as_strided((kv.untyped_storage().nbytes() // 2,), (1,), 0).copy_(
+        torch.randn(kv.untyped_storage().nbytes() // 2, generator=g, device=dev).to(BF) * 2)
+    bt = (torch.randperm(pages - 1, generator=g, device=dev)[: B * 8] + 1).view(B, 8).int()
+    pos = torch.randint(0, 8 * bs, (B,), generator=g, device=dev)
+    pos[:8] = torch.tensor([0, 1, 2, 3, 4, 7, 11, 511], device=dev)
+    slots = bt.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long() * bs + pos % bs
     slots[-1] = -1
-    valid = slots >= 0
     raw = rnd((B, di + 16), g, 2.0)[:, :di]
     w = rnd((di,), g, 0.2)
-    ang = torch.randn(B, RD // 2, generator=g, device="cuda") * 30
+    ang = torch.randn(B, RD // 2, generator=g, device=dev) * 30
     cos, sin = torch.cat([ang, ang], -1).cos().to(BF), torch.cat([ang, ang], -1).sin().to(BF)
-    a, b = page_padded(ikv), ikv.clone()  # the Triton path on vLLM's page-padded layout
-    assert _cuda().index_update_supported(a, slots, bt, pos, valid, raw, w, cos, sin, 4)
+    return kv, slots, pos, raw, w, cos, sin
+
+
+@pytest.mark.gpu
+def test_index_update_decode_matches_reference():
+    """Decode-time index update (raw key into the page's ring; the completed block's normed, rotated key into its
+    key row, nothing else), real widths (d_i 128, RoPE on 64 dims, r 4), on the plugin's packed page layout,
+    shuffled block table, a padding row: the whole cache equal to the reference's (bf16 rounding points reproduced;
+    the fp32 mean/norm sums may differ in order, so allow a rare one-unit difference)."""
+    from op_helpers import bf16_close
+
+    from qwen4exp.ops.qsa import layout
+    g = gen(21, "cuda")
+    kv, slots, pos, raw, w, cos, sin = _packed_index_case(g, "cuda")
+    kv2 = layout.paged_cache(kv.shape[0], 1, kv.shape[2], kv.shape[3] // 2, 128, 4, 20, device="cuda", pad=24)
+    kv2.untyped_storage().copy_(kv.untyped_storage())
+    a, b = layout.index_views(kv, 128, 4, 20), layout.index_views(kv2, 128, 4, 20)
+    valid = slots >= 0
+    assert _cuda().index_update_supported(a.index_kv, a.ring, slots, pos, valid, raw, w, cos, sin, 4)
     poison()
     with expect_kernel("qsa_index_update_decode"):
-        qsa_ops.index_update_decode(a, slots, bt, pos, valid, raw, w, 1e-6, cos, sin, 4)
-    qsa_ref.index_update_decode(b, slots, bt, pos, valid, raw, w, 1e-6, cos, sin, 4)
-    bf16_close(a.contiguous(), b, min_equal=0.999)
+        qsa_ops.index_update_decode(a.index_kv, a.ring, slots, pos, valid, raw, w, 1e-6, cos, sin, 4)
+    qsa_ref.index_update_decode(b.index_kv, b.ring, slots, pos, valid, raw, w, 1e-6, cos, sin, 4)
+    n = kv.untyped_storage().nbytes() // 2
+    flat = lambda t: t.as_strided((n,), (1,), 0)  # noqa: E731
+    bf16_close(flat(kv), flat(kv2), min_equal=0.999)
+
+
+def test_index_update_decode_builds_every_block_key_through_the_ring():
+    """The reference index update, stepped over whole sequences as a server steps them, against block keys
+    computed from each sequence's raw keys at once (``block_mean`` -> norm -> RoPE at the block start, what the
+    HF model computes): one token a step, and MTP-like steps of 4 queries whose rejected drafts write garbage
+    that the next step rewrites. Several requests share the cache; blocks wrap the ring many times and cross
+    pages (bs 8, r 4)."""
+    from qwen4exp.ops.norm import grouped_rms_norm
+    from qwen4exp.ops.qsa import layout
+    from qwen4exp.ops.rope import apply_rope
+    g = torch.Generator().manual_seed(5)
+    di, RD, r, bs, L, nreq = 16, 8, 4, 8, 61, 3
+    rr = layout.ring_rows(r, 8)
+    pages_per = -(-L // bs) + 1
+    kv = layout.paged_cache(nreq * pages_per + 1, 1, bs, 8, di, r, rr)
+    v = layout.index_views(kv, di, r, rr)
+    bt = torch.randperm(nreq * pages_per, generator=g).view(nreq, pages_per) + 1
+    raws = (torch.randn(nreq, L, di, generator=g)).to(BF)
+    w = (torch.randn(di, generator=g) * 0.2).to(BF)
+    inv = 1.0 / (10000 ** (torch.arange(0, RD, 2).float() / RD))
+
+    def rope(p):
+        ang = p.float().unsqueeze(-1) * inv
+        return torch.cat([ang, ang], -1).cos().to(BF), torch.cat([ang, ang], -1).sin().to(BF)
+
+    def step(req, positions, values):
+        positions = torch.tensor(positions)
+        slots = bt[req].gather(0, positions // bs) * bs + positions % bs
+        cos, sin = rope((positions - (r - 1)).clamp(min=0))
+        h = di // 2
+        rs = (slots // bs) * rr + positions % rr  # every raw key first (a 4-query step reads its own rows)
+        qsa_ref.write_paged(v.ring, rs, values[:, None, :h], values[:, None, h:])
+        qsa_ref.index_update_decode(v.index_kv, v.ring, slots, positions, torch.ones(len(positions), dtype=torch.bool),
+                                    values, w, 1e-6, cos, sin, r)
+
+    done = [0] * nreq
+    rounds = 0
+    while min(done) < L:
+        rounds += 1
+        for req in range(nreq):
+            p0 = done[req]
+            if p0 >= L:
+                continue
+            if req == 1 and p0 + 4 <= L:  # MTP: 4 queries, 1-3 accepted; rejected drafts write garbage keys
+                acc = 1 + (rounds % 3)
+                vals = raws[req, p0:p0 + 4].clone()
+                vals[acc:] = (torch.randn(4 - acc, di, generator=g) * 9).to(BF)
+                step(req, list(range(p0, p0 + 4)), vals)
+                done[req] = p0 + acc
+            else:
+                step(req, [p0], raws[req, p0:p0 + 1])
+                done[req] = p0 + 1
+    nb = L // r
+    for req in range(nreq):
+        ends = torch.arange(nb) * r + r - 1
+        got = qsa_ref.paged_rows(v.index_kv, bt[req:req + 1], ends.unsqueeze(0))[0, :, 0, di:]
+        mean = qsa_ref.block_mean(raws[req, : nb * r], r)
+        cos, sin = rope(torch.arange(nb) * r)
+        want = apply_rope(grouped_rms_norm(mean, w, di, 1e-6).unsqueeze(1), cos, sin).squeeze(1).to(BF)
+        assert torch.equal(got, want), (req, (got.float() - want.float()).abs().max())
 
 
 # =====================================================================================================================

@@ -3,7 +3,7 @@ kernels), ``cuda`` (their registration as custom operators and the host wrappers
 and which top-k select runs; Triton-free). Tests: ``tests/ops/test_qsa.py``."""
 
 from .. import _registry
-from . import reference
+from . import layout, reference
 from .reference import (block_mean, indexer_scores, num_complete_blocks, paged_rows, qsa_attention_gathered,
                         qsa_decode_batched, reused_block_ids, select_blocks, selected_token_indices, selection_mask,
                         sparse_attention)
@@ -17,9 +17,11 @@ def qsa_attention(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_s
     return fn(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_scale)
 
 
-def index_update_decode(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos, sin, r):
+def index_update_decode(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r):
+    """One token per row: its raw key into its page's ring, and the key of the block it completes (if any) into
+    the index cache (``reference.index_update_decode``; the page layout: ``layout``)."""
     fn = pick("qsa_index_update_decode", index_kv.device, reference.index_update_decode)
-    return fn(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos, sin, r)
+    return fn(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r)
 
 
 def write_paged(kv, slots, k, v):
@@ -66,7 +68,7 @@ def warm_up_decode(kv, index_kv, n_heads, index_heads, max_len, max_rows, r, bud
     return fn(kv, index_kv, n_heads, index_heads, max_len, max_rows, r, budget, scale, index_scale, dtype=dtype)
 
 
-__all__ = ["qsa_attention", "qsa_decode_paged", "qsa_select_paged", "qsa_attend_paged", "qsa_prefill_paged",
+__all__ = ["layout", "qsa_attention", "qsa_decode_paged", "qsa_select_paged", "qsa_attend_paged", "qsa_prefill_paged",
            "warm_up_prefill", "warm_up_decode", "paged_rows", "write_paged", "index_update_decode",
            "qsa_attention_gathered", "qsa_decode_batched", "reused_block_ids", "block_mean", "indexer_scores",
            "num_complete_blocks",

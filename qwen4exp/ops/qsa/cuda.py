@@ -43,8 +43,8 @@ def write_paged_supported(kv, slots, k, v) -> bool:
     return kv.is_cuda and host.write_paged_covers(kv, slots, k, v)
 
 
-def index_update_supported(index_kv, slots, block_table, pos, valid, raw, norm_weight, cos, sin, r) -> bool:
-    return index_kv.is_cuda and host.index_update_covers(index_kv, slots, block_table, pos, valid, raw, norm_weight,
+def index_update_supported(index_kv, ring, slots, pos, valid, raw, norm_weight, cos, sin, r) -> bool:
+    return index_kv.is_cuda and host.index_update_covers(index_kv, ring, slots, pos, valid, raw, norm_weight,
                                                          cos, sin, r)
 
 
@@ -169,22 +169,22 @@ def write_paged(kv, slots, k, v):
     write_paged_op(kv, slots, k, v)
 
 
-@_registry.custom_op("qwen4exp::qsa_index_update_decode", mutates_args=("index_kv",))
-def index_update_op(index_kv: Tensor, slots: Tensor, block_table: Tensor, pos: Tensor, valid: Tensor, raw: Tensor,
+@_registry.custom_op("qwen4exp::qsa_index_update_decode", mutates_args=("index_kv", "ring"))
+def index_update_op(index_kv: Tensor, ring: Tensor, slots: Tensor, pos: Tensor, valid: Tensor, raw: Tensor,
                     norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor, r: int) -> None:
-    tk.index_update_triton(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos, sin, r)
+    tk.index_update_triton(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r)
 
 
 @index_update_op.register_fake
-def _(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos, sin, r):
+def _(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r):
     return None
 
 
-def index_update_decode(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos, sin, r):
-    if not index_update_supported(index_kv, slots, block_table, pos, valid, raw, norm_weight, cos, sin, r):
-        return ref.index_update_decode(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos, sin, r)
+def index_update_decode(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r):
+    if not index_update_supported(index_kv, ring, slots, pos, valid, raw, norm_weight, cos, sin, r):
+        return ref.index_update_decode(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r)
     _registry.ran("qsa_index_update_decode", "kernel")
-    index_update_op(index_kv, slots, block_table, pos, valid, raw, norm_weight, float(eps), cos, sin, int(r))
+    index_update_op(index_kv, ring, slots, pos, valid, raw, norm_weight, float(eps), cos, sin, int(r))
 
 
 KERNELS = {

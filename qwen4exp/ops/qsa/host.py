@@ -83,16 +83,19 @@ def write_paged_covers(kv, slots, k, v) -> bool:
             and kv.dtype in (torch.bfloat16, torch.float16, torch.float32) and k.dtype == v.dtype == kv.dtype)
 
 
-def index_update_covers(index_kv, slots, block_table, pos, valid, raw, norm_weight, cos, sin, r) -> bool:
-    """``index_update_triton``: bf16, one index head, RoPE on an even prefix of the row, blocks of up to 64."""
+def index_update_covers(index_kv, ring, slots, pos, valid, raw, norm_weight, cos, sin, r) -> bool:
+    """``index_update_triton``: bf16, one index head, a ring as wide as the raw keys, RoPE on an even prefix of the
+    row, blocks of up to 64 that the ring holds."""
     B, di = raw.shape if raw.dim() == 2 else (0, 0)
-    if not (index_kv.dtype == raw.dtype == cos.dtype == sin.dtype == torch.bfloat16):
+    if not (index_kv.dtype == ring.dtype == raw.dtype == cos.dtype == sin.dtype == torch.bfloat16):
         return False
     RD = cos.shape[-1] if cos.dim() == 2 else 0
     return (index_kv.dim() == 4 and index_kv.shape[1] == 1 and index_kv.shape[-1] == 2 * di and raw.dim() == 2
+            and ring.dim() == 4 and ring.shape[0] == index_kv.shape[0] and ring.shape[1] == 1
+            and ring.shape[-1] == di and r <= ring.shape[2] and ring.stride(-1) == 1
             and 0 < RD <= di and RD % 2 == 0 and cos.shape == sin.shape == (B, RD) and cos.stride() == sin.stride()
             and cos.stride(-1) == 1 and raw.stride(-1) == 1 and index_kv.stride(-1) == 1 and 1 <= r <= 64
-            and norm_weight.numel() == di and norm_weight.is_contiguous() and block_table.dim() == 2
+            and norm_weight.numel() == di and norm_weight.is_contiguous()
             and slots.shape == pos.shape == valid.shape == (B,))
 
 

@@ -246,33 +246,50 @@ def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def index_update_decode(
-    index_kv: torch.Tensor,  # [num_blocks, 1, block_size, 2 * d_i] paged raw key | block key
-    slots: torch.Tensor,  # [B] flat slots of this step's tokens (negative: padding, nothing stored)
-    block_table: torch.Tensor,  # [B, nbt]
+    index_kv: torch.Tensor,  # [pages, 1, bs, 2 * d_i]: block j's key at row j * r + r - 1, columns [d_i, 2 d_i)
+    ring: torch.Tensor,  # [pages, 1, rr, d_i]: raw keys of each page's open block, position p at row p % rr
+    slots: torch.Tensor,  # [B] flat slots of this step's tokens (page * bs + row; negative: padding)
     pos: torch.Tensor,  # [B] the tokens' positions
     valid: torch.Tensor,  # [B] bool: a real token (padding rows compute no block key)
     raw: torch.Tensor,  # [B, d_i] the tokens' raw indexer keys
     norm_weight: torch.Tensor,  # [d_i] the indexer's key norm (zero-centred)
     eps: float,
-    cos: torch.Tensor,  # [B, R] RoPE at each token's block start (pos - r + 1)
+    cos: torch.Tensor,  # [B, RD] RoPE at each token's block start (pos - r + 1)
     sin: torch.Tensor,
     r: int,
 ) -> None:
-    """The index cache's row for one new token per sequence (decode): its raw key, and when it completes a block
-    ((pos + 1) % r == 0) that block's key = RoPE(norm(fp32 mean of the block's r raw keys)) (the other r - 1 read
-    back from the cache), else zeros. What ``QSAAttention.block_keys`` computes, with fixed shapes and no host
-    sync."""
+    """The index cache's update for one new token per row (decode, MTP verification): its raw key into its page's
+    ring, and when it completes a block ((pos + 1) % r == 0) that block's key = RoPE(norm(fp32 mean of the block's r
+    raw keys)) (the other r - 1 read back from the ring: a block never spans two pages) at the block's key row. What
+    ``QSAAttention.block_keys`` computes, with fixed shapes and no host sync. Rows of one request that complete a
+    block read raw keys that other rows of the step wrote: write them into the ring first (``write_paged``)."""
     from ..norm import grouped_rms_norm
     from ..rope import apply_rope
 
     B, di = raw.shape
-    back = pos.unsqueeze(1) - (r - 1) + torch.arange(r - 1, device=pos.device)
-    prev = paged_rows(index_kv, block_table, back.clamp(min=0))[:, :, 0, :di].to(raw.dtype)
+    bs, rr = index_kv.shape[2], ring.shape[2]
+    keep = slots >= 0
+    s = slots.clamp(min=0)
+    page, row = s // bs, s % bs
+    back = (pos.unsqueeze(1) - (r - 1) + torch.arange(r - 1, device=pos.device)).clamp(min=0) % rr
+    prev = ring[page.unsqueeze(1), 0, back].to(raw.dtype)  # [B, r - 1, d_i]
     mean = block_mean(torch.cat([prev, raw.unsqueeze(1)], 1).reshape(B * r, di), r)
     keys = apply_rope(grouped_rms_norm(mean, norm_weight, di, eps).unsqueeze(1), cos, sin).squeeze(1)
-    completes = ((pos + 1) % r == 0) & valid
-    bk = torch.where(completes.unsqueeze(1), keys.to(raw.dtype), torch.zeros_like(raw))
-    write_paged(index_kv, slots, raw.unsqueeze(1), bk.unsqueeze(1))
+    completes = ((pos + 1) % r == 0) & valid & keep
+    write_paged(ring, torch.where(keep, page * rr + pos % rr, -1), raw[:, None, : di // 2], raw[:, None, di // 2:])
+    kslots = torch.where(completes, page * (bs // r) + row // r, -1)
+    key = keys.to(raw.dtype)
+    write_paged(key_rows(index_kv, r), kslots, key[:, None, : di // 2], key[:, None, di // 2:])
+
+
+def key_rows(index_kv: torch.Tensor, r: int) -> torch.Tensor:
+    """The block keys of an index cache as [pages, 1, bs // r, d_i] rows (block j of a page: its row j), for
+    writers: a view of the same memory, for the plugin's packed pages and a dense per-token cache alike."""
+    pages, _, bs, w = index_kv.shape
+    st = index_kv.stride()
+    di = w // 2
+    return index_kv.as_strided((pages, 1, bs // r, di), (st[0], st[1], st[2] * r, st[3]),
+                               index_kv.storage_offset() + (r - 1) * st[2] + di * st[3])
 
 
 def _paged_block_keys(index_kv, index_block_table, B: int):

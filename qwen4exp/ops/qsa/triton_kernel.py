@@ -932,47 +932,49 @@ def write_paged_triton(kv, slots, k, v) -> None:
 
 
 @triton.jit
-def _block_mean_seg(IKV, RAW, BT, b, pos, ok, offs, m, stride_raw, stride_kvb, stride_kvl, stride_bt, n_bt,
-                    R: tl.constexpr, IBS: tl.constexpr):
+def _block_mean_seg(RING, RAW, b, pos, ok, offs, m, stride_raw, stride_rl, RR: tl.constexpr, R: tl.constexpr):
     """fp32 mean of the raw keys of tokens pos-R+1 .. pos at columns ``offs`` (the last from RAW, the rest from
-    the paged index cache), rounded to bf16 (``block_mean``)."""
+    the page's ring ``RING``: position p at row p % RR), rounded to bf16 (``block_mean``)."""
     acc = tl.zeros(offs.shape, dtype=tl.float32)
     for j in tl.static_range(R - 1, 0, -1):  # oldest first
         p = tl.maximum(pos - j, 0)
-        phys = tl.load(BT + b * stride_bt + tl.minimum(p // IBS, n_bt - 1), mask=ok, other=0).to(tl.int64)
-        acc += tl.load(IKV + phys * stride_kvb + (p % IBS) * stride_kvl + offs, mask=m & ok, other=0.0).to(tl.float32)
+        acc += tl.load(RING + (p % RR) * stride_rl + offs, mask=m & ok, other=0.0).to(tl.float32)
     acc += tl.load(RAW + b * stride_raw + offs, mask=m, other=0.0).to(tl.float32)
     return _rbf(acc / R)
 
 
 @triton.jit(do_not_specialize_on_alignment=_ROW_VIEWS)
-def _index_update_kernel(IKV, SLOTS, BT, POS, VALID, RAW, NW, COS, SIN, eps, n_bt,
-                         stride_kvb, stride_kvl, stride_bt, stride_raw, stride_c,
-                         DI: tl.constexpr, RD: tl.constexpr, R: tl.constexpr, IBS: tl.constexpr,
+def _index_update_kernel(IKV, RING, SLOTS, POS, VALID, RAW, NW, COS, SIN, eps,
+                         stride_kvb, stride_kvl, stride_rb, stride_rl, stride_raw, stride_c,
+                         DI: tl.constexpr, RD: tl.constexpr, R: tl.constexpr, IBS: tl.constexpr, RR: tl.constexpr,
                          H_P: tl.constexpr, P_P: tl.constexpr):
-    """One program per sequence: the raw key into the K half of its row; the completed block's key (mean, zero-
-    centred RMSNorm, RoPE on the first RD dims, each rounded to bf16 where the reference rounds) or zeros into the
-    V half. The row is split into the two rotated halves and the pass-through part, so RoPE needs no shuffle."""
+    """One program per token: its raw key into its page's ring (row pos % RR); when it completes a block, the
+    block's key (mean, zero-centred RMSNorm, RoPE on the first RD dims, each rounded to bf16 where the reference
+    rounds) into the block's key row (row ``slot % IBS`` of the ``index_kv`` view, columns [DI, 2 DI)); nothing
+    there otherwise (the view's other rows overlap other blocks' keys). The row is split into the two rotated
+    halves and the pass-through part, so RoPE needs no shuffle."""
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + b).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int64)
     real = slot >= 0
     ok = real & (tl.load(VALID + b) != 0) & ((pos + 1) % R == 0)
-    row = IKV + (tl.maximum(slot, 0) // IBS) * stride_kvb + (tl.maximum(slot, 0) % IBS) * stride_kvl
+    page = tl.maximum(slot, 0) // IBS
+    ring = RING + page * stride_rb
+    row = IKV + page * stride_kvb + (tl.maximum(slot, 0) % IBS) * stride_kvl
     HALF: tl.constexpr = RD // 2
     o1 = tl.arange(0, H_P)
     m1 = o1 < HALF
     o3 = RD + tl.arange(0, P_P)
     m3 = o3 < DI
-    # raw key -> K half
-    tl.store(row + o1, tl.load(RAW + b * stride_raw + o1, mask=m1, other=0.0), mask=m1 & real)
-    tl.store(row + HALF + o1, tl.load(RAW + b * stride_raw + HALF + o1, mask=m1, other=0.0), mask=m1 & real)
-    tl.store(row + o3, tl.load(RAW + b * stride_raw + o3, mask=m3, other=0.0), mask=m3 & real)
-    # block key
-    x1 = _block_mean_seg(IKV, RAW, BT, b, pos, ok, o1, m1, stride_raw, stride_kvb, stride_kvl, stride_bt, n_bt, R, IBS)
-    x2 = _block_mean_seg(IKV, RAW, BT, b, pos, ok, HALF + o1, m1, stride_raw, stride_kvb, stride_kvl, stride_bt,
-                         n_bt, R, IBS)
-    x3 = _block_mean_seg(IKV, RAW, BT, b, pos, ok, o3, m3, stride_raw, stride_kvb, stride_kvl, stride_bt, n_bt, R, IBS)
+    # block key (the ring's earlier rows: not this token's own row, written below)
+    x1 = _block_mean_seg(ring, RAW, b, pos, ok, o1, m1, stride_raw, stride_rl, RR, R)
+    x2 = _block_mean_seg(ring, RAW, b, pos, ok, HALF + o1, m1, stride_raw, stride_rl, RR, R)
+    x3 = _block_mean_seg(ring, RAW, b, pos, ok, o3, m3, stride_raw, stride_rl, RR, R)
+    # raw key -> the ring
+    own = ring + (pos % RR) * stride_rl
+    tl.store(own + o1, tl.load(RAW + b * stride_raw + o1, mask=m1, other=0.0), mask=m1 & real)
+    tl.store(own + HALF + o1, tl.load(RAW + b * stride_raw + HALF + o1, mask=m1, other=0.0), mask=m1 & real)
+    tl.store(own + o3, tl.load(RAW + b * stride_raw + o3, mask=m3, other=0.0), mask=m3 & real)
     ss = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0) + tl.sum(x3 * x3, axis=0)
     rstd = _rsqrt(ss / DI + eps)
     y1 = _rbf((x1 * rstd) * (1.0 + tl.load(NW + o1, mask=m1, other=0.0).to(tl.float32)))
@@ -984,18 +986,18 @@ def _index_update_kernel(IKV, SLOTS, BT, POS, VALID, RAW, NW, COS, SIN, eps, n_b
     s2 = tl.load(SIN + b * stride_c + HALF + o1, mask=m1, other=0.0).to(tl.float32)
     k1 = _rbf(_rbf(y1 * c1) + _rbf(-y2 * s1))
     k2 = _rbf(_rbf(y2 * c2) + _rbf(y1 * s2))
-    zero = 0.0
-    tl.store(row + DI + o1, tl.where(ok, k1, zero).to(IKV.dtype.element_ty), mask=m1 & real)
-    tl.store(row + DI + HALF + o1, tl.where(ok, k2, zero).to(IKV.dtype.element_ty), mask=m1 & real)
-    tl.store(row + DI + o3, tl.where(ok, y3, zero).to(IKV.dtype.element_ty), mask=m3 & real)
+    tl.store(row + DI + o1, k1.to(IKV.dtype.element_ty), mask=m1 & ok)
+    tl.store(row + DI + HALF + o1, k2.to(IKV.dtype.element_ty), mask=m1 & ok)
+    tl.store(row + DI + o3, y3.to(IKV.dtype.element_ty), mask=m3 & ok)
 
 
-def index_update_triton(index_kv, slots, block_table, pos, valid, raw, norm_weight, eps, cos, sin, r: int) -> None:
+def index_update_triton(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r: int) -> None:
     B, di = raw.shape
     RD = cos.shape[-1]
     if B:
         _index_update_kernel[(B,)](
-            index_kv, slots, block_table, pos, valid, raw, norm_weight, cos, sin, float(eps), block_table.shape[1],
-            index_kv.stride(0), index_kv.stride(2), block_table.stride(0), raw.stride(0), cos.stride(0),
-            DI=di, RD=RD, R=r, IBS=index_kv.shape[2], H_P=triton.next_power_of_2(RD // 2),
+            index_kv, ring, slots, pos, valid, raw, norm_weight, cos, sin, float(eps),
+            index_kv.stride(0), index_kv.stride(2), ring.stride(0), ring.stride(2), raw.stride(0), cos.stride(0),
+            DI=di, RD=RD, R=r, IBS=index_kv.shape[2], RR=ring.shape[2], H_P=triton.next_power_of_2(RD // 2),
             P_P=triton.next_power_of_2(max(di - RD, 1)), num_warps=1 if di <= 256 else 4)
+
