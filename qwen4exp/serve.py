@@ -10,10 +10,12 @@ Every argument is forwarded to ``vllm serve``. What this adds:
   and index, tensor names/shapes/dtypes, tokenizer size): a bad one exits with status 1 and one line naming the
   field, file or tensor, before vLLM starts;
 * ``--host 127.0.0.1`` unless you pass ``--host`` (vLLM's default listens on every interface; add ``--api-key`` and
-  see the README's "Reliability" section before exposing it);
+  see docs/reliability.md, "Exposing the server", before exposing it);
 * tool calling: ``--enable-auto-tool-choice --tool-call-parser qwen3_coder`` (the Qwen3.5 family's XML tool calls,
   which Qwen4Exp's chat template asks for) unless you pass ``--no-enable-auto-tool-choice``; a ``--tool-call-parser``
   of yours replaces ours;
+* ``--max-model-len`` over the checkpoint's ``max_position_embeddings``: exit status 1 with one line naming both
+  (vLLM's own refusal is a long traceback);
 * the checkpoint's image processor config (``preprocessor_config.json``) required for a composite checkpoint unless
   ``--language-model-only`` is given (vLLM needs it to start; without it the exit names the file);
 * image URLs: ``data:`` URLs only (``VLLM_MEDIA_CONNECTOR=qwen4exp``, ``qwen4exp.vllm.media``, unless you set it):
@@ -172,6 +174,41 @@ def check_model_dir(args: list[str]) -> None:
         msg = " ".join(str(e).split())
         print(f"qwen4exp-serve: bad checkpoint: {msg}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    if (msg := max_model_len_error(args, cfg, model)) is not None:
+        print(f"qwen4exp-serve: {msg}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
+
+def _human_int(value: str) -> int | None:
+    """vLLM's ``--max-model-len`` forms ``8192``, ``8k`` (x 1000), ``8K`` (x 1024), ``1m``/``1M``; None for another
+    (``auto``, ``-1``, anything vLLM itself should judge)."""
+    v = value.strip()
+    if v.isdigit():
+        return int(v)
+    mult = {"k": 10**3, "m": 10**6, "K": 2**10, "M": 2**20}.get(v[-1:])
+    if mult and v[:-1].isdigit():
+        return int(v[:-1]) * mult
+    return None
+
+
+def max_model_len_error(args: list[str], cfg, model: str) -> str | None:
+    """One line when ``--max-model-len`` is over the checkpoint's ``max_position_embeddings`` (plain RoPE, no
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``): vLLM refuses that with a 56-line pydantic traceback while it builds its config
+    (e.g. the tiny composite checkpoint's 4096 against ``--max-model-len 8192``)."""
+    found = _arg(args, ("--max-model-len",))
+    if found is None or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true"):
+        return None
+    want = _human_int(found[1])
+    tc = getattr(cfg, "text_config", None) or cfg
+    limit = getattr(tc, "max_position_embeddings", None)
+    rope = getattr(tc, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, Mapping) else None
+    if not want or not isinstance(limit, int) or rope_type != "default":
+        return None  # (RoPE scaling may lengthen vLLM's limit: vLLM judges)
+    if want <= limit:
+        return None
+    return (f"{found[0]} {found[1]} is longer than the checkpoint's max_position_embeddings {limit} "
+            f"({os.path.join(model, 'config.json')}): pass {found[0]} {limit} or less")
 
 
 def _language_model_only(args: list[str]) -> bool:

@@ -283,7 +283,7 @@ def test_mini_run_succeeds(mini: Run):
 
 
 def test_readme_cpu_example_on_make_serve(server: Server, tmp_path):
-    """The README's CPU benchmark line (tests/test_bench_readme.py) against ``make serve``'s server: the
+    """docs/benchmarks.md's CPU benchmark line (tests/test_bench_readme.py) against ``make serve``'s server: the
     ``qwen4exp`` server here is started as ``make serve`` starts it (``qwen4exp.demo.start_server``)."""
     if server.kind != "qwen4exp":
         pytest.skip("needs the make-serve server (tiny-coder); the fake one: tests/test_bench_readme.py")

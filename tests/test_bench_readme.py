@@ -1,14 +1,15 @@
-"""The README's ``qwen4exp-bench`` examples run as written on the CPU setup.
+"""The docs' ``qwen4exp-bench`` examples run as written on the CPU setup (the README's details moved to docs/: the
+constants keep their names).
 
-``README_CPU_EXAMPLE`` is the README's benchmark line for ``make serve PORT=8000`` (tiny-coder on CPU, max model
-length 2048), word for word: ``test_readme_shows_the_tested_examples`` checks that the README (and
+``README_CPU_EXAMPLE`` is docs/benchmarks.md's benchmark line for ``make serve PORT=8000`` (tiny-coder on CPU, max
+model length 2048), word for word: ``test_readme_shows_the_tested_examples`` checks that docs/benchmarks.md (and
 ``qwen4exp/bench/README.md``) hold it.
 Here it runs against the fake server dressed as that server (tiny-coder's tokenizer and model name, max_model_len
 2048, ChatML as tiny-coder's template renders plain messages); ``tests/test_bench.py::test_readme_cpu_example_on_
 make_serve`` runs it against the real ``make serve`` server (marker ``vllm``, sharing that module's server).
-``README_AB_EXAMPLE`` is the README's ``--ab`` example: parsed as bash would, and its configurations planned (ports
-pinned, each server's --max-model-len long enough), without starting servers (``tests/test_agent_ab.py`` runs the
-same two configurations).
+``README_AB_EXAMPLE`` is docs/scheduling.md's ``--ab`` example: parsed as bash would, and its configurations planned
+(ports pinned, each server's --max-model-len long enough), without starting servers (``tests/test_agent_ab.py`` runs
+the same two configurations).
 """
 
 from __future__ import annotations
@@ -59,13 +60,14 @@ def replace_value(argv: list[str], flag: str, value: str) -> list[str]:
 
 
 def test_readme_shows_the_tested_examples():
-    text = (ROOT / "README.md").read_text()
-    flat = " ".join(text.split())  # (a block inside a list item is indented)
-    for name, block in (("README_CPU_EXAMPLE", README_CPU_EXAMPLE), ("README_AB_EXAMPLE", README_AB_EXAMPLE)):
-        assert " ".join(block.split()) in flat, f"README.md should show {name} of tests/test_bench_readme.py"
+    for name, block, doc in (("README_CPU_EXAMPLE", README_CPU_EXAMPLE, "docs/benchmarks.md"),
+                             ("README_AB_EXAMPLE", README_AB_EXAMPLE, "docs/scheduling.md")):
+        flat = " ".join((ROOT / doc).read_text().split())  # (a block inside a list item is indented)
+        assert " ".join(block.split()) in flat, f"{doc} should show {name} of tests/test_bench_readme.py"
     bench_readme = " ".join((ROOT / "qwen4exp" / "bench" / "README.md").read_text().split())
     assert " ".join(README_CPU_EXAMPLE.split()) in bench_readme and " ".join(README_AB_EXAMPLE.split()) in bench_readme
-    assert "--ab default='ARGS'" not in text  # the placeholder is gone
+    for doc in ("README.md", "docs/benchmarks.md", "docs/scheduling.md"):
+        assert "--ab default='ARGS'" not in (ROOT / doc).read_text()  # the placeholder is gone
 
 
 def run_readme_cpu_example(base_url: str, out: Path, timeout: float = 90.0):

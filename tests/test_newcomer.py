@@ -18,6 +18,10 @@ from served import free_port, post, wait_healthy
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CODER = "qwen4exp/assets/tiny-coder"
 START_TIMEOUT = 240
+# the README's `vllm serve` line (tests/test_readme_commands.py checks that the README holds it), run below
+README_VLLM_SERVE = (".venv/bin/vllm serve qwen4exp/assets/tiny-coder --served-model-name tiny-coder "
+                     "--max-model-len 2048")
+DOCS = ("README.md", "docs/serving.md", "docs/scheduling.md", "docs/images.md", "docs/benchmarks.md")
 
 
 def _vllm_version() -> str:
@@ -51,8 +55,9 @@ def test_vllm_serve_as_the_readme_writes_it(tmp_path_factory):
         env[var] = str(tmp_path / sub)
         os.makedirs(env[var])
     env["TMPDIR"] = str(tmp_path)
-    cmd = [exe, "serve", TINY_CODER, "--served-model-name", "tiny-coder", "--max-model-len", "2048",
-           "--host", "127.0.0.1", "--port", str(port)]
+    words = README_VLLM_SERVE.split()
+    assert words[:2] == [".venv/bin/vllm", "serve"]
+    cmd = [exe, *words[1:], "--host", "127.0.0.1", "--port", str(port)]
     log_path = tmp_path / "server.log"
     base = f"http://127.0.0.1:{port}"
     t0 = time.time()
@@ -98,10 +103,12 @@ def test_cpu_kv_cache_default_and_what_overrides_it(monkeypatch):
 
 
 def test_readme_serve_lines_name_the_model():
-    """Every README line serving the tiny-coder passes --served-model-name, so a client sending "model": "tiny-coder"
-    (the name the README uses) does not get a 404; the vllm.LLM example names the CPU KV cache default; the close
-    answer the README quotes for an unknown session is the one the server sends."""
-    text = (ROOT / "README.md").read_text()
+    """Every line of the README and the docs serving the tiny-coder passes --served-model-name, so a client sending
+    "model": "tiny-coder" (the name they use) does not get a 404; the vllm.LLM example (docs/serving.md) names the CPU
+    KV cache default; the close answer docs/scheduling.md quotes for an unknown session is the one the server
+    sends."""
+    text = "\n".join((ROOT / d).read_text() for d in DOCS)
+    assert README_VLLM_SERVE in (ROOT / "README.md").read_text()
     lines = re.findall(r"^.*(?:qwen4exp-serve|vllm serve) qwen4exp/assets/tiny-coder.*(?:\n.*\\$)*(?:\n.*)?", text,
                        flags=re.M)
     assert lines

@@ -1,4 +1,5 @@
-"""The README's HF snippet runs as written (so it cannot rot), it names no removed switch, and the docs' links resolve."""
+"""The README's HF snippet runs as written (so it cannot rot), it names no removed switch, and the docs' links resolve
+(the README's other commands: tests/test_readme_commands.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ def python_blocks(text: str) -> list[str]:
 
 
 def test_readme_hf_snippet_runs_and_generates_text(tmp_path):
+    """The README's first python block, the HF snippet (its other blocks, OpenAI clients:
+    tests/test_readme_commands.py)."""
     blocks = python_blocks(README.read_text())
-    assert len(blocks) == 1, "README.md should hold exactly one python block (the HF snippet)"
+    assert blocks and "from transformers import AutoTokenizer" in blocks[0], \
+        "README.md's first python block should be the HF snippet"
     script = tmp_path / "readme_snippet.py"
     script.write_text(blocks[0])
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -3,7 +3,7 @@ the HF reference's greedy tokens (fp32, a tiny random composite checkpoint made 
 here); remote and file URLs (no connection made), undecodable data URLs, an image over ``max_model_len``, more images
 than ``--limit-mm-per-prompt`` and an image sent to the text-only tiny-coder get a 400 naming the problem, each
 followed by a normal request that gets 200; a composite checkpoint without ``preprocessor_config.json`` is refused at
-start with one line and serves text with ``--language-model-only``; the README's image request runs as written.
+start with one line and serves text with ``--language-model-only``; docs/images.md's curl image request runs as written.
 One server per checkpoint (ports 18650-18652; 18653: a listener that must see no connection; 18654: an HTTP
 server for the connector test)."""
 
@@ -240,17 +240,18 @@ class TestCompositeServer:
         assert_still_serving(vl_server["base"])
 
     def test_readme_image_request_runs(self, vl_server, tmp_path):
-        """The README's image chat request (the block after its ``qwen4exp-serve`` line) against this server, as
-        written but for the address, the model name and the image file."""
+        """docs/images.md's curl image chat request against this server, as written but for the address and the
+        model name (the image file: ``.cache/tiny-vl/example.png`` under the directory it runs in). The README's
+        own image quick start: tests/test_readme_commands.py."""
         from vision_checkpoint import test_image
 
-        blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
+        blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "docs" / "images.md").read_text(), flags=re.S | re.M)
         block = next(b for b in blocks if "image_url" in b and "curl" in b)
-        lines = block.splitlines()
-        assert "qwen4exp-serve" in lines[0] and "--limit-mm-per-prompt" in lines[0], lines[0]
-        photo = tmp_path / "photo.png"
+        assert block.startswith("python3 -c ") and '"model": "tiny-vl"' in block, block
+        photo = tmp_path / ".cache" / "tiny-vl" / "example.png"
+        photo.parent.mkdir(parents=True)
         test_image(40, 24, 1).save(photo)
-        script = "\n".join(lines[1:]).replace("http://127.0.0.1:8000", vl_server["base"]).replace('"vl"', '"tiny"')
+        script = block.replace("http://127.0.0.1:8000", vl_server["base"]).replace('"tiny-vl"', '"tiny"')
         assert shutil.which("curl"), "the README's example uses curl"
         env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
         p = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,

@@ -63,7 +63,7 @@ class WordIndex:
 MARGIN = 2.0
 
 # MTP mean acceptance length (1 + accepted drafts per verification, 3 drafted tokens) on tiny-coder, the range the
-# README states: these PROMPTS give 2.29 in the HF reference (fp32); tests/test_vllm_mtp.py's prompts 2.45 (HF) and
+# docs/hf.md states: these PROMPTS give 2.29 in the HF reference (fp32); tests/test_vllm_mtp.py's prompts 2.45 (HF) and
 # 2.35 (vLLM), and must stay in the same range.
 MTP_ACCEPTANCE = (2.2, 2.7)
 

@@ -71,7 +71,7 @@ ENGINE = dict(dtype="float32", enforce_eager=not torch.cuda.is_available(), skip
               max_model_len=512, max_num_seqs=8,
               enable_chunked_prefill=True, max_num_batched_tokens=48, disable_log_stats=False)
 MTP = dict(speculative_config={"method": "mtp", "num_speculative_tokens": K})
-MTP_ACCEPTANCE = (2.2, 2.7)  # mean acceptance length on tiny-coder: the README's range (test_tiny_checkpoint.py)
+MTP_ACCEPTANCE = (2.2, 2.7)  # mean acceptance length on tiny-coder: docs/hf.md's range (test_tiny_checkpoint.py)
 
 
 def _spec(model, setup, **engine):
@@ -111,7 +111,7 @@ def test_mtp_acceptance_reported(setup, runs):
     print(f"vLLM MTP mean acceptance length {mean:.2f} ({drafts} drafts); HF reference {setup['hf_acceptance']:.2f}")
     assert 1.5 <= mean <= 1 + K
     assert abs(mean - setup["hf_acceptance"]) < 0.5
-    lo, hi = MTP_ACCEPTANCE  # the README's range (vLLM CPU and H200: 2.35; HF: 2.45)
+    lo, hi = MTP_ACCEPTANCE  # docs/hf.md's range (vLLM CPU and H200: 2.35; HF: 2.45)
     assert lo <= mean <= hi and lo <= setup["hf_acceptance"] <= hi
     assert "vllm:spec_decode_num_drafts" not in runs["plain"]["metrics"] or not runs["plain"]["metrics"][
         "vllm:spec_decode_num_drafts"]

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
 
-WORDS = ("the a an of to in and is was for on that with as by at from it this be are or his her their which one "
-         "all were when we there can an has more if no out so said what up its about into than them only other new "
-         "some could time these two may then do first any my now such like our over man me even most made after also "
-         "did many before must through back years where much your way well down should because each just those people "
-         "how too little state good very make world still own see men work long get here between both life being under "
-         "never day same another know while last might us great old year off come since against go came right used take "
-         "three hello world user assistant system question answer yes no cat dog tree house water fire sky blue red "
-         "green quick brown fox jumps lazy").split()
+# the word list (one definition: recipes/vision_tiny.py, whose tokenizer trains on it too)
+_RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+if _RECIPES not in sys.path:
+    sys.path.insert(0, _RECIPES)
+from vision_tiny import WORDS  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
+import sys
 import tomllib
 
 import pytest
@@ -52,8 +53,13 @@ def require(module: str):
 UC = require("configuration_qwen4_exp")
 UM = require("modeling_qwen4_exp")
 
-_OURS_ONLY = ("model_type", "transformers_version", "architectures", "mtp_num_hidden_layers",
-              "mtp_use_dedicated_embeddings", "mamba_ssm_dtype")
+# the random upstream models' helpers are recipes/vision_tiny.py's (one definition: it builds the tiny composite
+# checkpoint users try images with, and the tests' own)
+_RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+if _RECIPES not in sys.path:
+    sys.path.insert(0, _RECIPES)
+from vision_tiny import OURS_ONLY as _OURS_ONLY  # noqa: E402
+from vision_tiny import randomize, upstream_conditional  # noqa: E402,F401
 
 
 def upstream_text_config(cfg):
@@ -63,43 +69,8 @@ def upstream_text_config(cfg):
     return UC.Qwen4ExpTextConfig(**d)
 
 
-def randomize(model, head_scale: float = 8.0, seed: int = 0):
-    """Make every mechanism matter: non-zero norm weights and PLE conv (upstream inits them to zero), and a larger
-    output head so that argmaxes are not decided by rounding."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight") or "layernorm" in n or "hc_norm" in n or n.endswith(("norm_key.weight",
-                                                                                              "norm_query.weight",
-                                                                                              "norm_conv.weight")):
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-            elif "ple.conv1d" in n:
-                p.normal_(0, 0.3, generator=g)
-        head = model.lm_head.weight
-        head.mul_(head_scale)
-    return model
-
-
 def upstream_causal_lm(cfg, seed: int = 0, attn: str = "eager"):
     torch.manual_seed(seed)
     ucfg = upstream_text_config(cfg)
     ucfg._attn_implementation = attn
     return randomize(UM.Qwen4ExpForCausalLM(ucfg).float().eval(), seed=seed)
-
-
-def upstream_conditional(cfg, seed: int = 0):
-    torch.manual_seed(seed)
-    d = cfg.to_dict()
-    for k in ("transformers_version", "architectures", "model_type"):
-        d.pop(k, None)
-    td = d.pop("text_config").to_dict() if hasattr(d.get("text_config"), "to_dict") else d.pop("text_config")
-    vd = d.pop("vision_config").to_dict() if hasattr(d.get("vision_config"), "to_dict") else d.pop("vision_config")
-    for k in _OURS_ONLY:
-        td.pop(k, None)
-    for k in ("model_type", "transformers_version", "architectures"):
-        vd.pop(k, None)
-    ucfg = UC.Qwen4ExpConfig(text_config=td, vision_config=vd, **{k: v for k, v in d.items()
-                                                                     if k.endswith("token_id")})
-    ucfg._attn_implementation = "eager"
-    ucfg.text_config._attn_implementation = "eager"
-    return randomize(UM.Qwen4ExpForConditionalGeneration(ucfg).float().eval(), seed=seed)
