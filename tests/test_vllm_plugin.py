@@ -276,3 +276,29 @@ def test_qsa_cache_backend_lean_where_flash_attention(monkeypatch):
     assert qsa.qsa_cache_backend(OtherBackend) is OtherBackend
     monkeypatch.setenv("QWEN4EXP_QSA_METADATA", "vllm")
     assert qsa.qsa_cache_backend(FlashAttentionBackend) is lean
+
+
+def test_eager_steps_keep_every_raw_key_a_later_step_may_read():
+    """After any eager step, whatever its requests' MTP verifications accept, the rings hold the raw keys of every
+    position of each request's open block that the step wrote (the next step reads them to complete the block).
+    A verification completing a block with drafts that are then rejected leaves that block open: before
+    ``ring_rows_of_step`` kept every verification row, the step kept only the rows past its last block start, and
+    a block completed by a rejected draft later read a raw key that was never written."""
+    from qwen4exp.vllm.qsa import BATCHED_MAX_QUERIES, ring_rows_of_step
+
+    r = 4
+    # requests: (position of the step's first row, queries): verifications of 4 at every offset in a block,
+    # a decode, a short chunk, a long chunk ending mid-block and one ending on a block boundary
+    reqs = [(a, 4) for a in range(8, 12)] + [(13, 1), (21, 6), (30, 40), (28, 36)]
+    qsl, seq_lens = [0], []
+    for a, q in reqs:
+        qsl.append(qsl[-1] + q)
+        seq_lens.append(a + q)
+    kept = set(ring_rows_of_step(qsl, seq_lens, r))
+    for b, (a, q) in enumerate(reqs):
+        accepted = range(1, q + 1) if q <= BATCHED_MAX_QUERIES else [q]  # (a chunk accepts all its tokens)
+        for c in accepted:
+            end = a + c  # the request's length after the step
+            for p in range(max(a, end // r * r), end):  # this step's positions of the block left open
+                assert qsl[b] + p - a in kept, (reqs[b], c, p)
+    assert len(kept) < qsl[-1] - 40  # (a long chunk keeps only its open block's rows)

@@ -374,19 +374,16 @@ class QSAMixer(QSAAttention):
         write_paged(views.keys, (ks // bs) * (bs // r) + (ks % bs) // r, keys[:, None, :h], keys[:, None, h:])
 
     def _keep_open(self, raw, qsl, seq_lens, views, slots, pos1, pos3=None) -> None:
-        """The raw keys of this step's tokens whose block is still open after it, into their pages' rings (and,
-        with M-RoPE, their positions into the stash), for the step that completes the block."""
-        r, rr = self.r, self.ring_rows
-        rows = []
-        for b in range(len(seq_lens)):
-            s, e = qsl[b], qsl[b + 1]
-            if e > s:
-                rows.extend(range(max(s, e - seq_lens[b] % r), e))  # positions from the last block start on
+        """The raw keys of this step's tokens whose block may still be open after it, into their pages' rings
+        (and, with M-RoPE, their positions into the stash), for the step that completes the block: of a long chunk,
+        the positions from its last block start on; of a request with few queries (decodes, MTP verifications),
+        all of them, as drafts it rejects leave blocks open that this step completed."""
+        rows = ring_rows_of_step(qsl, seq_lens, self.r)
         if not rows:
             return
         rows_t = _to_device([rows], raw.device)[0]
         sl = slots[rows_t]
-        bs = views.index_kv.shape[2]
+        bs, rr = views.index_kv.shape[2], self.ring_rows
         p = pos1[rows_t]
         ring_slots = torch.where(sl >= 0, (sl // bs) * rr + p % rr, -1)
         x = raw[rows_t]
@@ -511,6 +508,20 @@ class QSAMixer(QSAAttention):
 # in every cache dtype (FP8 included). A token written by a decode step stashes nothing; its position is then
 # extrapolated from this step's first token (exact for text after the last image).
 _DIGITS, _BASE = 8, 8  # positions < 8^8
+
+
+def ring_rows_of_step(qsl: list[int], seq_lens: list[int], r: int) -> list[int]:
+    """The rows of an eager step whose raw keys go into the rings (``QSAMixer._keep_open``): every row of a request
+    with few queries (a decode or an MTP verification, whose rejected drafts may leave open a block this step
+    completed), and of a longer chunk the rows from its last block start on."""
+    rows = []
+    for b in range(len(seq_lens)):
+        s, e = qsl[b], qsl[b + 1]
+        if e - s > BATCHED_MAX_QUERIES:
+            rows.extend(range(max(s, e - seq_lens[b] % r), e))
+        elif e > s:
+            rows.extend(range(s, e))
+    return rows
 
 
 def token_indices(qsl: list[int], seq_lens: list[int], device) -> torch.Tensor:

@@ -247,6 +247,36 @@ def compare(cfg: Config, vllm_select: bool, quick: bool) -> dict:
     return out
 
 
+CAPTURE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)  # vLLM's default CUDA-graph capture sizes (max_num_seqs 32: up to 128)
+
+
+def hc_compare() -> dict:
+    """The hyper-connection mixer's decode launches (``hc_mix_triton``, with and without the injection weights and
+    the norm handed in) at the real widths (n 4, D 2560, rank 320): the start-up runs the step at vLLM's capture
+    sizes (dummy runs and graph captures), serving at every token count its decode path takes (MTP: a multiple of
+    4 for any number of requests, mixed steps: anything)."""
+    from qwen4exp.ops.hyper_connection import host as hc_host, triton_kernel as hc_tk
+    n, D, R = 4, 2560, 320
+    NK = n * D
+    down, up, inj = torch.zeros(R, NK, dtype=BF), torch.zeros(NK, R, dtype=BF), torch.zeros(n, NK, dtype=BF)
+    nw = torch.zeros(NK, dtype=BF)
+
+    def launches(counts):
+        for T in counts:
+            H = torch.zeros(T, NK, dtype=BF)
+            for wi in (inj, None):
+                for Hn in (None, H):
+                    if hc_host.decode_covers(H, nw, down, up, wi, n, Hn):
+                        hc_tk.hc_mix_triton(H, nw, down, up, wi, n, 1e-6, Hn)
+
+    with launch_keys() as warm:
+        launches(CAPTURE_TOKENS)
+    with launch_keys() as served:
+        launches(range(1, max(CAPTURE_TOKENS) + 1))
+    return {name: dict(warm=len(warm.get(name, {})), serve=len(k),
+                       missing=[k[x] for x in k if x not in warm.get(name, {})]) for name, k in served.items()}
+
+
 def on_gpu(quick: bool) -> int:
     """The same warm-up and serving calls run for real on a CUDA GPU (FN-24L, bf16 cache, our select): the kernels
     Triton compiles after the warm-up (its post-compile hook, as vLLM's JIT monitor uses it)."""
@@ -306,6 +336,13 @@ def main(argv=None) -> int:
                 for k in r["missing"]:
                     print(f"    MISSING {name}({k})")
                 bad += len(r["missing"])
+    res = results["hyper-connection mixer, FN widths"] = hc_compare()
+    for name, r in res.items():
+        print(f"hyper-connection mixer: {name}: {r['warm']} warm-up keys, {r['serve']} serving keys, "
+              f"{len(r['missing'])} missing", flush=True)
+        for k in r["missing"]:
+            print(f"    MISSING {name}({k})")
+        bad += len(r["missing"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

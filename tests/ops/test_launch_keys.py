@@ -3,7 +3,8 @@ binds each launch of the warm-up (``QSAMixer._warm_up``'s calls) and of the serv
 offset of a step, mixed-step decode rows, MTP verifications of up to 4 x max_num_seqs rows, draft steps, the block
 keys a step completes) with Triton's own binder for sm_90, and asserts each serving launch's cache key (types,
 constexprs, options, integer / pointer specialisation) is one the warm-up produced: at the real widths (FN-24L, bf16
-and FP8 caches, vLLM's select loaded or not), a 4-KV-head / budget-4096 variant and a small model. No GPU: nothing
+and FP8 caches, vLLM's select loaded or not), a 4-KV-head / budget-4096 variant and a small model; the hyper-connection mixer's decode launches at every token count against vLLM's capture sizes.
+No GPU: nothing
 is compiled or launched. Needs the Triton beside the venv (``make test`` installs it in .cache/triton)."""
 
 from __future__ import annotations
@@ -35,3 +36,5 @@ def test_warm_up_covers_every_serving_launch_key(tmp_path):
     for kernel in ("_qsa_merge_kernel", "_qsa_score_prefill_kernel", "_qsa_topk_small_kernel", "_rms_norm_kernel",
                    "_qsa_score_paged_kernel", "_qsa_attn_loop_kernel", "_qsa_attn_kernel"):
         assert f"FN-24L, vLLM select loaded: {kernel}:" in out, (kernel, out[-4000:])
+    for kernel in ("_hc_down_kernel", "_hc_up_kernel"):  # (FN-24L's JIT monitor named both mid-serving)
+        assert f"hyper-connection mixer: {kernel}:" in out, (kernel, out[-4000:])

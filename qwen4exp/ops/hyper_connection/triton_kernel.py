@@ -90,7 +90,10 @@ def _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid_r, pid
              mask=tmask[:, None] & rmask[None, :])
 
 
-@triton.jit
+# T (the step's token count) is not specialised: Triton would compile a variant per T % 16 == 0 or not within each
+# BLOCK_T bucket, and serving reaches counts the start-up's captures did not (e.g. 7 requests x 4 MTP queries = 28:
+# FN-24L's JIT monitor named both kernels mid-serving). T only bounds masks.
+@triton.jit(do_not_specialize=['T'])
 def _hc_down_kernel(
     H, NW, WD, WI, RSTD, PART,
     T, eps, inv_d,
@@ -195,7 +198,7 @@ def _hc_up_finish(w, hk, nw, RSTD, PART, X, C, T, n_split, inv_n, stride_x, pid,
             tl.store(C + offs_t[:, None] * NI + offs_c[None, :], _inj_weight(lg, inv_n), mask=lmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])
 def _hc_up_kernel(
     H, NW, WU, RSTD, PART, X, C,
     T, n_split, inv_n,
