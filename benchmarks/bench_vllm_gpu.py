@@ -127,6 +127,29 @@ def copy_bandwidth() -> float:
 
 
 # ------------------------------------------------------------------------------------------------- one engine
+TRACE_WAIT_S = 180  # how long the engine core may take to write its trace after stop_profile (gzip at 5 steps: ~s)
+
+
+def _await_trace(d: str, prefix: str, wait_s: float) -> str | None:
+    """The newest trace vLLM's profiler wrote into ``d`` for ``prefix`` (a name starting with it, or holding it
+    after a worker prefix, with ".json"), once its size stops changing: the engine core process writes it after
+    ``stop_profile`` returns. None if none appears within ``wait_s``."""
+    import time
+
+    deadline, last = time.monotonic() + wait_s, None
+    while True:
+        found = sorted((os.path.join(d, f) for f in os.listdir(d) if prefix in f and ".json" in f),
+                       key=os.path.getmtime)
+        if found:
+            size = os.path.getsize(found[-1])
+            if last == (found[-1], size) and size:
+                return found[-1]
+            last = (found[-1], size)
+        if time.monotonic() > deadline:
+            return found[-1] if found else None
+        time.sleep(2)
+
+
 def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None, gpu_only: bool = False) -> None:
     """Run n engine steps under the torch profiler (their outputs are dropped) and write its tables to ``path``:
     by GPU time (CPU time without a GPU), then by CPU time, then ``tools/trace_summary.py``'s report of the
@@ -150,11 +173,12 @@ def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None, gpu_only
         llm.start_profile(prefix)
         steps()
         llm.stop_profile()
-        traces = sorted((os.path.join(d, f) for f in os.listdir(d) if f.startswith(prefix) and ".json" in f),
-                        key=os.path.getmtime)
-        if not traces:
+        trace = _await_trace(d, prefix, TRACE_WAIT_S)
+        if trace is None:  # say so where the table would be (run 28's --mp profile left nothing and no word)
+            with open(path, "w") as f:
+                f.write(f"no profile: vLLM's profiler wrote no trace named {prefix}* in {d} within "
+                        f"{TRACE_WAIT_S} s of stop_profile (files there: {sorted(os.listdir(d))[:20]})\n")
             return
-        trace = traces[-1]
     else:
         cuda = torch.cuda.is_available()
         acts = ([] if cuda and gpu_only else [torch.profiler.ProfilerActivity.CPU]) + (

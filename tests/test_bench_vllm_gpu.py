@@ -509,3 +509,40 @@ def test_table_csv_and_ratios_say_why_instead_of_nan(tmp_path):
     assert "bs32_step_ms: ours/upstream n/a (ours: KV 30/32)" in lines
     assert "bs32_decode_tok_s: ours/upstream n/a (ours: KV 30/32)" in lines
     assert not any("nan" in line for line in lines), lines
+
+
+def test_profile_of_an_engine_in_its_own_process_waits_for_its_trace_or_says_why(tmp_path):
+    """--mp --profile: vLLM's engine core writes the trace after stop_profile returns (run 28 found no table and no
+    word why): the trace named after the profile is awaited until its size holds; none at all is said in the table
+    file instead."""
+    import threading
+
+    d = tmp_path
+    trace = d / "ours_profile.pt.trace.json.gz"
+
+    def write_late():  # the engine core's write, a moment after stop_profile
+        import time
+        time.sleep(0.5)
+        trace.write_bytes(b"x" * 100)
+
+    t = threading.Thread(target=write_late)
+    t.start()
+    got = bench._await_trace(str(d), "ours_profile", wait_s=20)
+    t.join()
+    assert got == str(trace)
+
+    class LLM:
+        def start_profile(self, prefix):
+            pass
+
+        def stop_profile(self):
+            pass
+
+    engine = types.SimpleNamespace(has_unfinished_requests=lambda: False, step=lambda: None)
+    bench.TRACE_WAIT_S, old = 0.1, bench.TRACE_WAIT_S
+    try:
+        bench._profile_steps(engine, 8, str(d / "other_profile.txt"), 40, llm=LLM())
+    finally:
+        bench.TRACE_WAIT_S = old
+    text = (d / "other_profile.txt").read_text()
+    assert text.startswith("no profile: vLLM's profiler wrote no trace named other_profile*"), text
