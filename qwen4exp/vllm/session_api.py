@@ -19,20 +19,28 @@ Answers (JSON):
 * 400: the path's session id is no valid one (``qwen4exp.vllm.sessions.session_id_problem``: 1 to 256 printable
   ASCII characters, not all spaces; URL-decoded).
 
-The route is added to vLLM's FastAPI app by ``qwen4exp.serve.RequestGuard`` (the middleware ``qwen4exp-serve``
-installs in every API-server process), behind vLLM's own middleware: ``--api-key`` guards it like any ``/v1/`` route.
+The route is added to vLLM's FastAPI app (``install``, once per app) by either of:
+
+* ``SessionClosePlugin``, this package's ``vllm.endpoint_plugins`` entry point (``qwen4exp``): plain ``vllm serve``
+  loads it when ``VLLM_PLUGINS`` names it (vLLM 0.32 loads endpoint plugins only on that explicit allowlist, which
+  then also applies to the other plugin groups: ``VLLM_PLUGINS=qwen4exp`` keeps the model plugin and the stat logger,
+  both named ``qwen4exp`` too); vLLM's ``build_app`` attaches it after its own routers, in every API-server process;
+* ``qwen4exp.serve.RequestGuard``, the middleware ``qwen4exp-serve`` installs, at the first request, where the
+  plugin did not add it already (so ``qwen4exp-serve`` has the route with or without ``VLLM_PLUGINS``).
+
+Either way it sits behind vLLM's own middleware: ``--api-key`` guards it like any ``/v1/`` route.
 """
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-
-from qwen4exp.serve import _error as error_body
 
 AGENT_SCHEDULER = "qwen4exp.vllm.scheduler.AgentScheduler"
 CLOSE_PATH = "/v1/sessions/{session_id:path}/close"
 
 
 def _error(status: int, message: str, kind: str) -> Response:
+    from qwen4exp.serve import _error as error_body  # (vLLM's error shape; not at import: a plugin entry point)
+
     return Response(error_body(status, message, None, kind), status_code=status, media_type="application/json")
 
 
@@ -90,3 +98,20 @@ def install(app) -> bool:
                       summary="Release an idle agent session's retained KV blocks and hybrid states now (qwen4exp)")
     app.state.qwen4exp_session_routes = True
     return True
+
+
+class SessionClosePlugin:
+    """The ``vllm.endpoint_plugins`` entry point (vLLM's ``EndpointPlugin`` protocol: a zero-argument factory, then
+    ``attach_router`` while vLLM builds the app and ``init_state`` once its state is set up). Loaded only when
+    ``VLLM_PLUGINS`` names ``qwen4exp``; only for servers that generate (not vLLM's engine-less render server). The
+    engine side is the ``vllm.general_plugins`` entry's ``AgentScheduler``, which installs the utility the route
+    calls on the engine core."""
+
+    name = "qwen4exp"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app) -> None:
+        install(app)
+
+    async def init_state(self, engine_client, state, args) -> None:
+        """Nothing to set up: the route reads ``app.state.engine_client`` per request."""
