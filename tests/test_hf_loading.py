@@ -47,6 +47,29 @@ def test_roundtrip_and_official_names(ckpt):
         torch.testing.assert_close(m2(_ids(cfg)).logits, m(_ids(cfg)).logits)
 
 
+def test_save_shards_past_max_shard_size_and_loads_back(ckpt, tmp_path):
+    """``save_pretrained(max_shard_size=...)`` writes numbered files (each within the limit, a tensor never split)
+    and the index; they load back to the same logits; a second save into the same folder leaves no stale file."""
+    import json
+
+    cfg, m, d = ckpt
+    total = sum(t.numel() * t.element_size() for t in load_file(d / "model.safetensors").values())
+    limit = total // 5
+    m.save_pretrained(tmp_path, max_shard_size=limit)
+    files = sorted(p.name for p in tmp_path.glob("model*.safetensors"))
+    assert len(files) >= 5 and files[0] == f"model-00001-of-{len(files):05d}.safetensors", files
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files) and index["metadata"]["total_size"] == total
+    for f in files:
+        sd = load_file(tmp_path / f)
+        assert len(sd) == 1 or sum(t.numel() * t.element_size() for t in sd.values()) <= limit, f
+    m2 = Qwen4ExpForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(m2(_ids(cfg)).logits, m(_ids(cfg)).logits)
+    m.save_pretrained(tmp_path)  # the default limit: one file again, the shards and the index gone
+    assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
+
+
 def test_per_expert_layout_and_shard_order(ckpt, tmp_path):
     cfg, m, d = ckpt
 

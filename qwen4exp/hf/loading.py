@@ -235,10 +235,14 @@ def mod_config(model):
     return model.config.get_text_config()
 
 
-def save_pretrained(model, save_directory, max_shard_bytes: int | None = None, **_):
-    """Write config.json + model.safetensors in the official layout (PLE tables as shards); a model loaded from a
-    quantized checkpoint writes its quantized experts (``QuantizedExperts.checkpoint_tensors``) and its quantization
-    config back."""
+def save_pretrained(model, save_directory, max_shard_size: int | str = "50GB", **_):
+    """Write config.json + the weights in the official layout (PLE tables as shards): one model.safetensors, or past
+    ``max_shard_size`` (bytes, or a size such as "5GB", as transformers takes it; its default) numbered files
+    with a model.safetensors.index.json, a tensor never split. A model loaded from a quantized checkpoint writes
+    its quantized experts (``QuantizedExperts.checkpoint_tensors``) and its quantization config back."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    limit = convert_file_size_to_int(max_shard_size)
     os.makedirs(save_directory, exist_ok=True)
     quant = getattr(model, "_qwen4exp_quant", None)
     model.config.save_pretrained(save_directory)
@@ -268,4 +272,31 @@ def save_pretrained(model, save_directory, max_shard_bytes: int | None = None, *
                 out[f"{m.group(1)}.shard_{s}.weight"] = part.contiguous()
             continue
         out[k] = t.contiguous()
-    save_file(out, os.path.join(save_directory, "model.safetensors"), metadata={"format": "pt"})
+    _save_shards(out, save_directory, limit)
+
+
+def _save_shards(tensors: dict, directory: str, limit: int) -> None:
+    """``tensors`` as model.safetensors, or, past ``limit`` bytes, as model-0000i-of-0000n.safetensors in order,
+    each up to ``limit`` (a larger tensor alone), with the index transformers and vLLM read."""
+    shards, size = [{}], 0
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > limit:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += n
+    for stale in os.listdir(directory):  # (a previous save's files would mix with these)
+        if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", stale):
+            os.remove(os.path.join(directory, stale))
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

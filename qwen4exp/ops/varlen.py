@@ -9,12 +9,6 @@ def seq_lens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return cu_seqlens[1:] - cu_seqlens[:-1]
 
 
-def token_to_seq(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:
-    """Sequence index of every packed token."""
-    lens = seq_lens(cu_seqlens)
-    return torch.repeat_interleave(torch.arange(lens.numel(), device=cu_seqlens.device), lens, output_size=total)
-
-
 def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int | None = None, value=0.0):
     """[T, ...] packed -> ([N, L, ...] right-padded, valid mask [N, L])."""
     lens = seq_lens(cu_seqlens)
@@ -25,7 +19,3 @@ def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int | None = 
     out = x.new_full((n, L, *x.shape[1:]), value)
     out[valid] = x
     return out, valid
-
-
-def unpad(xp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    return xp[valid]

@@ -26,7 +26,6 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
                            r"(weight|weight_scale|weight_scale_2|input_scale|weight_scale_inv)$")
 NVFP4_FIELDS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
-FP8_BLOCK_SCALES = ("weight_scale_inv", "weight_scale")
 
 
 def is_quantized(t: torch.Tensor, field: str) -> bool:

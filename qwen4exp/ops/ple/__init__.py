@@ -12,8 +12,9 @@ pick = KERNELS.pick
 
 
 def ngram_ids(ctx, multipliers, head_sizes, head_offsets, heads_per_ngram):
-    fn = pick("ple_ngram_ids", ctx.device, reference.ngram_ids)
-    return fn(ctx, multipliers, head_sizes, head_offsets, heads_per_ngram)
+    """The hashed n-gram row ids (the reference on every device: a few integer ops a token, which the CUDA path
+    folds into ``ngram_lookup_decode`` at decode)."""
+    return reference.ngram_ids(ctx, multipliers, head_sizes, head_offsets, heads_per_ngram)
 
 
 def ple_lookup(table, rows, scale=None, out_dtype=None):
