@@ -108,6 +108,34 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "(checkpoints/<model>-nvfp4); default $XDG_CACHE_HOME/qwen4exp or ~/.cache/qwen4exp"),
 )}
 
+# Read by the tests, tools, benchmarks and the Makefile (not by the package, so not through ``get``): declared here
+# so that every QWEN4EXP_* name has one place that says what it does (``tests/test_envs.py`` checks both tables).
+DEV_SWITCHES: dict[str, Switch] = {s.name: s for s in (
+    Switch("QWEN4EXP_BENCH_BASE_URL", "path", "",
+           "tests/test_bench.py: also run the benchmark's tests against this OpenAI server (an `external` case)"),
+    Switch("QWEN4EXP_BENCH_MODEL", "path", "", "tests/test_bench.py: the model name of QWEN4EXP_BENCH_BASE_URL"),
+    Switch("QWEN4EXP_BENCH_TOKENIZER", "path", "",
+           "tests/test_bench.py: the tokenizer for QWEN4EXP_BENCH_BASE_URL's model (default: its name)"),
+    Switch("QWEN4EXP_BENCH_DIR", "path", "", "benchmarks/bench_vllm_cpu.py: where its work folders go (default: "
+           "the system's temporary folder)"),
+    Switch("QWEN4EXP_CHECK_EAGER", "bool", False, "tools/vllm_gpu_check.py: run the engines eagerly (no CUDA graphs)"),
+    Switch("QWEN4EXP_CHECK_TIMEOUT", "float", 300.0, "tools/vllm_gpu_check.py: seconds per engine run"),
+    Switch("QWEN4EXP_FAILURE_LOG", "path", "", "tests/conftest.py: append each failed test's report to this file as "
+           "it fails (the GPU suite sets it: tools/gpu_device.sh)"),
+    Switch("QWEN4EXP_INTERPRETER_TIMEOUT", "float", 2400.0,
+           "tests/ops: seconds for the Triton checks under the CPU interpreter (one subprocess a session)"),
+    Switch("QWEN4EXP_PYSPY", "path", "", "benchmarks/bench_vllm_gpu.py (set by --py-spy): the py-spy executable "
+           "that records each timed window"),
+    Switch("QWEN4EXP_PYSPY_OUT", "path", "", "benchmarks/bench_vllm_gpu.py: the py-spy tables' path prefix"),
+    Switch("QWEN4EXP_PYSPY_RATE", "int", 1000, "benchmarks/bench_vllm_gpu.py: py-spy samples a second"),
+    Switch("QWEN4EXP_REQUIRE_MODELOPT", "bool", False, "tests/quant: fail (not skip) without nvidia-modelopt "
+           "(`make test` sets it: its set-up installs modelopt)"),
+    Switch("QWEN4EXP_TEST_GPU_SHARE", "bool", False, "GPU tests: each engine takes a small share of the GPU and a "
+           "fixed KV cache, so the suite's parts run at once on one GPU (tools/gpu_device.sh SUITE_SHARE=1)"),
+    Switch("QWEN4EXP_TRITON_PATH", "path", "", "tests: the Triton the offline kernel checks import (default "
+           ".cache/triton, which `make test` installs)"),
+)}
+
 _values: dict[str, Any] = {}
 
 
@@ -138,10 +166,11 @@ def __dir__() -> list[str]:
     return sorted(list(globals()) + list(SWITCHES))
 
 
-def table(current: Callable[[str], Optional[str]] = os.environ.get) -> str:
-    """A Markdown table of the switches (the README links this module; ``python -m qwen4exp.envs`` prints it)."""
+def table(current: Callable[[str], Optional[str]] = os.environ.get, switches: Optional[dict] = None) -> str:
+    """A Markdown table of the switches (the README links this module; ``python -m qwen4exp.envs`` prints it, then
+    the development switches' table)."""
     rows = ["| switch | values | default | set here | what |", "| --- | --- | --- | --- | --- |"]
-    for s in SWITCHES.values():
+    for s in (SWITCHES if switches is None else switches).values():
         values = {"bool": "0 / 1", "path": "a folder", "float": "seconds", "int": "an integer"}.get(s.kind, " / ".join(s.choices))
         default = {True: "1", False: "0"}.get(s.default, s.default) if s.kind == "bool" else (s.default or "(see doc)")
         rows.append(f"| `{s.name}` | {values} | {default} | {current(s.name) or ''} | {s.doc} |")
@@ -150,3 +179,5 @@ def table(current: Callable[[str], Optional[str]] = os.environ.get) -> str:
 
 if __name__ == "__main__":
     print(table())
+    print("\nRead by the tests, tools, benchmarks and the Makefile:\n")
+    print(table(switches=DEV_SWITCHES))

@@ -165,3 +165,32 @@ def test_readme_names_only_declared_switches():
         pytest.skip("README.md names no QWEN4EXP_* switch")
     undeclared = sorted(named - set(envs.SWITCHES))
     assert not undeclared, f"README.md names switches that qwen4exp/envs.py does not declare: {undeclared}"
+
+
+def test_every_name_the_tests_tools_and_benchmarks_read_is_declared():
+    """Every QWEN4EXP_* name read from an environment by the tests, tools, benchmarks and recipes (Python reads,
+    and names the Makefile and the shell tools set or read) is declared in ``envs.SWITCHES`` or
+    ``envs.DEV_SWITCHES``; the two tables do not overlap."""
+    assert not set(envs.SWITCHES) & set(envs.DEV_SWITCHES)
+    declared = set(envs.SWITCHES) | set(envs.DEV_SWITCHES)
+    undeclared = []
+    for top in ("tests", "tools", "benchmarks", "recipes"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                path = os.path.join(dirpath, f)
+                if f.endswith(".py") and f != "test_envs.py":
+                    with open(path, encoding="utf-8") as fh:
+                        names = [n for _, n in _env_reads(fh.read())]
+                elif f.endswith(".sh"):
+                    with open(path, encoding="utf-8") as fh:
+                        names = re.findall(r"\b(QWEN4EXP_[A-Z0-9_]+)=", fh.read())
+                else:
+                    continue
+                undeclared += [f"{os.path.relpath(path, ROOT)}: {n}" for n in names if n not in declared]
+    with open(os.path.join(ROOT, "Makefile"), encoding="utf-8") as fh:
+        undeclared += [f"Makefile: {n}" for n in re.findall(r"\b(QWEN4EXP_[A-Z0-9_]+)=", fh.read())
+                       if n not in declared]
+    gone = {"QWEN4EXP_QSA_METADATA"}  # (a removed switch a test sets to show it changes nothing)
+    assert not [u for u in undeclared if u.split(": ")[1] not in gone], undeclared
+    rows = envs.table(switches=envs.DEV_SWITCHES).splitlines()
+    assert len(rows) == 2 + len(envs.DEV_SWITCHES)
