@@ -1,4 +1,6 @@
-"""The private vLLM 0.32 scheduler interface ``qwen4exp.vllm.scheduler.AgentScheduler`` relies on, pinned: vLLM says
+"""The private vLLM scheduler interface ``qwen4exp.vllm.scheduler.AgentScheduler`` relies on, pinned against the
+installed vLLM (imported; the part every supported minor must keep is read from each minor's source by
+tests/test_vllm_patch_contract.py): vLLM says
 ``--scheduler-cls`` classes use a non-public interface that changes between minor versions (0.33 renames
 ``has_requests``; plugins written for 0.25 broke on a removed ``skipped_waiting``). When vLLM is upgraded this file
 fails first, naming what moved; the scheduler itself refuses other minor versions at start-up."""
@@ -24,13 +26,24 @@ def params(fn):
     return list(inspect.signature(fn).parameters)
 
 
-def test_vllm_is_the_pinned_minor_version():
-    assert vllm.__version__.startswith(agent.SUPPORTED_VLLM), vllm.__version__
+def test_vllm_is_a_supported_minor_version():
+    from qwen4exp.vllm.patches import vllm_minor
+
+    assert vllm_minor(vllm.__version__) in agent.SUPPORTED_VLLM, vllm.__version__
 
 
 def test_other_minor_versions_are_refused(monkeypatch):
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x .* this is vLLM 0\.33\.0"):
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32, 0\.33, 0\.34 .* this is vLLM 0\.35\.0"):
+        agent.AgentScheduler.__init__(object.__new__(agent.AgentScheduler))
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
+def test_newer_checked_minors_pass_the_gate(monkeypatch, version):
+    """0.33 and 0.34 pass the version gate (their source contract: tests/test_vllm_patch_contract.py); here the
+    constructor then goes on to vLLM's, which wants its arguments."""
+    monkeypatch.setattr(vllm, "__version__", version)
+    with pytest.raises(TypeError):
         agent.AgentScheduler.__init__(object.__new__(agent.AgentScheduler))
 
 

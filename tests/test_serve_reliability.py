@@ -153,12 +153,20 @@ def test_token_ids_checked_without_a_tokenizer():
 
     plugin.validate_token_ids_without_tokenizer()
     assert getattr(BaseRenderer.validate_token_ids, "_qwen4exp", False)
-    r = types.SimpleNamespace(tokenizer=None, model_config=types.SimpleNamespace(get_vocab_size=lambda: 2048))
+    r = types.SimpleNamespace(tokenizer=None, model_config=types.SimpleNamespace(
+        get_vocab_size=lambda: 2048, architecture="Qwen4ExpForCausalLM"))
     BaseRenderer.validate_token_ids(r, [0, 5, 2047])
     for bad in (2048, -1):
         with pytest.raises(VLLMValidationError, match=f"prompt: token id {bad} is out of vocabulary") as e:
             BaseRenderer.validate_token_ids(r, [1, bad])
         assert e.value.parameter == "prompt"
+    # another model's renderer goes straight to vLLM's method (the patch's reach: Qwen4Exp models only)
+    other = types.SimpleNamespace(tokenizer=None, model_config=types.SimpleNamespace(
+        get_vocab_size=lambda: 2048, architecture="LlamaForCausalLM"))
+    try:
+        BaseRenderer.validate_token_ids(other, [1, 4096])  # vLLM 0.32 skips the check without a tokenizer
+    except VLLMValidationError as e:  # (0.33+ check it themselves, without our "prompt: " prefix)
+        assert not str(e).startswith("prompt:"), e
 
 
 def test_logprob_ranks_eager_on_cpu():

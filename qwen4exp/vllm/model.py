@@ -40,7 +40,7 @@ from ..layers.hyper_connection import HyperConnection
 from ..modeling import DecoderLayer, embed_streams, next_mixer
 from .layers import (FusedMoEBlock, StateSlots, check_cudagraph_mode, colocate_projections, eager_segment,
                      gdn_mixer, ngram_table_factory, our_gdn, ple_state_shapes, rotary_embedding, vllm_linear)
-from . import block_copy, memory
+from . import memory, patches
 from . import multimodal as mm
 from .qsa import QSAMixer
 from .weights import load_qwen4exp_weights
@@ -304,7 +304,9 @@ class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         colocate_projections(self.model)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
-        block_copy.install()  # whole-page copies for partial prefix-cache hits (vLLM's skip some layers' bytes)
+        # the "model" stage of the patch table (qwen4exp.vllm.patches): whole-page copies for partial prefix-cache
+        # hits (vLLM's skip some layers' bytes), eager logprob ranks on CPU
+        patches.apply("model")
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu() and memory.start_idle_trim():

@@ -1,4 +1,4 @@
-"""Agent-aware scheduling for vLLM 0.32: ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``.
+"""Agent-aware scheduling for vLLM 0.32-0.34: ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``.
 
 Without ``--scheduler-cls`` vLLM schedules as it always does; with it, requests that carry a ``session_id`` (the body
 field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) get:
@@ -37,8 +37,9 @@ field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) get:
   ``--max-num-batched-tokens`` prefill chunks of first turns.
 
 The class is vLLM's ``Scheduler`` on CPU and ``AsyncScheduler`` where async scheduling is on (GPUs): subclassing
-``Scheduler`` there would turn the async overlap off. The private vLLM attributes used here are pinned to vLLM
-0.32 by ``tests/test_scheduler_contract.py``; another vLLM minor version is refused at start-up.
+``Scheduler`` there would turn the async overlap off. The private vLLM attributes used here are pinned by
+``tests/test_scheduler_contract.py`` (the installed vLLM, imported) and, for each supported minor (0.32, 0.33, 0.34),
+by ``tests/test_vllm_patch_contract.py`` (that vLLM's source); another vLLM minor version is refused at start-up.
 """
 
 from __future__ import annotations
@@ -56,12 +57,12 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, Mamb
 from vllm.v1.request import RequestStatus
 
 from qwen4exp import envs
-from qwen4exp.vllm import metrics
+from qwen4exp.vllm import metrics, patches
 from qwen4exp.vllm.sessions import Event, IllegalTransition, Sessions, State, close_flag
 
 logger = init_logger("vllm.plugins.qwen4exp.scheduler")
 
-SUPPORTED_VLLM = "0.32."
+SUPPORTED_VLLM = patches.SUPPORTED_VLLM_MINORS  # the minors whose scheduler contract is checked (patches)
 CONTINUATIONS_PER_STEP = 4  # continuation turns moved ahead of the queue per step
 HEAD_WAIT_S = 2.0  # ... unless the head of the queue has waited this long (first turns are never starved)
 _RETAINABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -186,11 +187,22 @@ def _close_session_utility(self, session_id: str, client_index: int = 0) -> dict
     return out
 
 
-def _install_close_utility() -> None:
+def _install_close_utility(scheduler=None) -> None:
+    """``EngineCore.qwen4exp_close_session`` (the ``engine_core_close_utility`` entry of ``qwen4exp.vllm.patches``)."""
     from vllm.v1.engine.core import EngineCore
 
     if getattr(EngineCore, CLOSE_UTILITY, None) is not _close_session_utility:
         setattr(EngineCore, CLOSE_UTILITY, _close_session_utility)
+
+
+def _install_kv_cache_hooks(scheduler) -> None:
+    """The scheduler's own coordinator ``cache_blocks`` and manager ``allocate_slots`` go through its checkpoint
+    and pin-release hooks (the ``kv_cache_hooks`` entry of ``qwen4exp.vllm.patches``; instance attributes only)."""
+    coordinator = scheduler.kv_cache_manager.coordinator
+    scheduler._cache_blocks = coordinator.cache_blocks
+    coordinator.cache_blocks = scheduler._cache_blocks_with_turn_checkpoint
+    scheduler._allocate_slots = scheduler.kv_cache_manager.allocate_slots
+    scheduler.kv_cache_manager.allocate_slots = scheduler._allocate_slots_releasing_pins
 
 
 class AgentScheduler(Scheduler):
@@ -205,9 +217,10 @@ class AgentScheduler(Scheduler):
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
-        if not vllm.__version__.startswith(SUPPORTED_VLLM):
-            raise RuntimeError(f"qwen4exp.vllm.scheduler.AgentScheduler supports vLLM {SUPPORTED_VLLM}x (it uses the "
-                               f"scheduler's private interface); this is vLLM {vllm.__version__}")
+        if patches.vllm_minor(vllm.__version__) not in SUPPORTED_VLLM:
+            raise RuntimeError(f"qwen4exp.vllm.scheduler.AgentScheduler supports vLLM {', '.join(SUPPORTED_VLLM)} "
+                               f"(it uses the scheduler's private interface, checked per minor version by "
+                               f"tests/test_vllm_patch_contract.py); this is vLLM {vllm.__version__}")
         super().__init__(*args, **kwargs)
         self.sessions = Sessions(self._release_blocks, ttl=envs.QWEN4EXP_SESSION_TTL)
         self._favouring = True  # (priority policy: off while a first turn of the best class has waited HEAD_WAIT_S)
@@ -232,11 +245,7 @@ class AgentScheduler(Scheduler):
             type(m) is FullAttentionManager and m.enable_caching
             or isinstance(m, MambaManager) and m.enable_caching and m.mamba_cache_mode == "align"
             and m.num_speculative_blocks == 0 for m in managers)
-        self._cache_blocks = coordinator.cache_blocks
-        coordinator.cache_blocks = self._cache_blocks_with_turn_checkpoint
-        self._allocate_slots = self.kv_cache_manager.allocate_slots
-        self.kv_cache_manager.allocate_slots = self._allocate_slots_releasing_pins
-        _install_close_utility()
+        patches.apply("scheduler", self)  # this scheduler's cache_blocks / allocate_slots, EngineCore's utility
         logger.info("%s: session TTL %.1f s, end-of-turn checkpoint in %d hybrid-state group(s), exact resume %s",
                     type(self).__name__, self.sessions.ttl, len(self._mamba_groups),
                     "on" if self._exact_resume else "off")
@@ -315,16 +324,19 @@ class AgentScheduler(Scheduler):
         return Resume(n, hashes, list(request.all_token_ids[len(hashes) * self.hash_block_size: n]), tuple(groups),
                       request.cache_salt, _lora_id(request), _mm_before(request, n))
 
-    def _get_local_prefix_cache_hit(self, request):
+    def _get_local_prefix_cache_hit(self, request, *args, **kwargs):
         """vLLM's prefix-cache lookup, or, for a session's next turn whose prompt starts with everything the previous
         turn computed, that turn's blocks up to its exact end (the attention tail block and the hybrid state are
-        copied on write by vLLM's partial-hit path): the next turn prefills only its new tokens."""
-        hit = super()._get_local_prefix_cache_hit(request)
+        copied on write by vLLM's partial-hit path): the next turn prefills only its new tokens. vLLM 0.33+ pass
+        ``max_cache_hit_length`` (an upper bound on the hit, None for none): a resume point past it is not offered."""
+        hit = super()._get_local_prefix_cache_hit(request, *args, **kwargs)
         if request.session_id is None or request.num_computed_tokens or request.prompt_token_ids is None:
             return hit
         self._resume_offered.discard(request.request_id)  # (offered at an earlier try that did not fit)
         r = self.sessions.resume_point(request.session_id)
+        bound = args[0] if args else kwargs.get("max_cache_hit_length")
         if (r is None or r.tokens <= hit[1] or r.tokens > request.num_tokens - 1
+                or bound is not None and r.tokens > bound
                 or not self.kv_cache_manager.prefix_cache_lookup_enabled(request)
                 or request.cache_salt != r.cache_salt or _lora_id(request) != r.lora_id
                 or request.block_hashes[: len(r.block_hashes)] != r.block_hashes
@@ -544,6 +556,7 @@ class AgentScheduler(Scheduler):
         config = self.scheduler_config
         saved, saved_budget = config.long_prefill_token_threshold, self.max_num_scheduled_tokens
         capped = 0 < cap < self.max_num_scheduled_tokens and not 0 < saved <= cap  # (else it would not bind)
+        # the per_step_scheduler_config entry of qwen4exp.vllm.patches: set for this step, restored below
         if capped:  # (vLLM reads the threshold at the start of its schedule and where it aligns a chunk)
             config.long_prefill_token_threshold = cap
             self.capped_steps += 1
@@ -571,7 +584,7 @@ class AgentScheduler(Scheduler):
 
     def make_stats(self, *args, **kwargs):
         stats = super().make_stats(*args, **kwargs)
-        if stats is not None:  # carried to the API server's AgentStatLogger (qwen4exp.vllm.metrics)
+        if stats is not None:  # carried to the API server's AgentStatLogger (stats_carrier in qwen4exp.vllm.patches)
             stats.running_lora_adapters.update(metrics.payload(
                 self.sessions, self._metrics_sent,
                 {"exact_resumes": self.exact_resumes, "preempted_tokens": self.preempted_tokens,
