@@ -398,3 +398,10 @@ def test_register_applies_the_register_stage(monkeypatch):
     monkeypatch.delenv("QWEN4EXP_VLLM", raising=False)
     monkeypatch.setattr(envs, "_values", {})
     assert plugin.register() is True and applied == ["register"]
+
+
+@pytest.mark.vllm
+def test_every_apply_function_resolves():
+    for p in patches.PATCHES:
+        if p.apply is not None:
+            assert callable(patches.resolve(p.apply)), p.apply
