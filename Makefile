@@ -87,6 +87,18 @@ $(TRITON_DIR)/.stamp: | $(VENV)/.stamp
 	$(PIP) install -q --no-deps --target $(TRITON_DIR) triton==3.6.0 fla-core==0.6.0 einops==0.8.2
 	touch $@
 
+# The newest transformers (and the kernels package its from_pretrained wants) BESIDE the venv, for the parity job
+# against its in-tree qwen4_exp (tests/test_parity_newest_transformers.py, which builds the same when it is missing):
+# --no-deps, so the venv stays on its lock; the stamp is a copy of the lock. A failed install does not stop the
+# suite: that test fails, with pip's error.
+NEWEST_TF_DIR := .cache/transformers-newest
+$(NEWEST_TF_DIR)/.stamp: requirements-transformers-newest.lock | $(VENV)/.stamp
+	@mkdir -p .cache .tmp
+	rm -rf $(NEWEST_TF_DIR)
+	$(PIP) install -q --no-deps --target $(NEWEST_TF_DIR) -r requirements-transformers-newest.lock \
+	  && cp requirements-transformers-newest.lock $@ \
+	  || echo "transformers-newest: install failed; tests/test_parity_newest_transformers.py will fail naming it"
+
 # NVIDIA ModelOpt 0.47 in the venv, for recipes/quantize_nvfp4.py and its test: with --no-deps, as its own pins would
 # move the locked stack; requirements-quant.lock names it and the three packages its import needs beyond that stack.
 QUANT_STAMP := $(VENV)/.quant-stamp
@@ -110,7 +122,7 @@ $(VLLM_SRC_STAMP): qwen4exp/vllm/patches.py tools/vllm_source.py | $(VENV)/.stam
 vllm-src: $(VLLM_SRC_STAMP)
 
 # QWEN4EXP_REQUIRE_MODELOPT: the recipe's test fails (not skips) without modelopt, as this target installs it
-test: venv $(TRITON_DIR)/.stamp $(QUANT_STAMP) $(VLLM_SRC_STAMP)
+test: venv $(TRITON_DIR)/.stamp $(QUANT_STAMP) $(NEWEST_TF_DIR)/.stamp $(VLLM_SRC_STAMP)
 	@mkdir -p .cache .tmp
 	QWEN4EXP_REQUIRE_MODELOPT=1 $(VPY) -m pytest -q -ra --durations=15 tests
 

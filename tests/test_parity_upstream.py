@@ -2,8 +2,12 @@
 
 Checkpoints are made by upstream (``save_pretrained``) and loaded by ``qwen4exp.Qwen4ExpForCausalLM.from_pretrained``.
 Prompts are several times the QSA budget (block selection active) and hold EOS tokens (PLE context resets).
+Configs: three fixed ones and two drawn by ``random_config`` from fixed seeds (depth, layer pattern, streams, PLE
+layers, QSA budget and ratio, experts, EOS id). ``tests/test_parity_newest_transformers.py`` runs this file again
+against the newest transformers release's ``qwen4_exp``.
 """
 
+import random
 
 import pytest
 import torch
@@ -22,6 +26,24 @@ CONFIGS = {
     "deep_ratio8": dict(num_hidden_layers=6, full_attention_every=3, ple_layer_ids=(2,), indexer_budget=32,
                         indexer_compress_ratio=8, eos_token_id=5),
 }
+
+
+def random_config(seed: int) -> dict:
+    """A tiny config's ``presets.tiny_text`` arguments drawn from ``seed``: 2-6 layers, an indexed layer every 2 or 3,
+    2-4 streams, 1-2 PLE layers among the linear ones, compress ratio 2/4/8 with a budget of 2-4 compressed blocks,
+    4 or 8 experts (1-3 a token), EOS id 1-9."""
+    r = random.Random(seed)
+    n = r.randint(2, 6)
+    every = r.choice([e for e in (2, 3) if e <= n])
+    linear = [i + 1 for i in range(n) if (i + 1) % every]
+    ratio = r.choice((2, 4, 8))
+    return dict(num_hidden_layers=n, full_attention_every=every, hc_count=r.randint(2, 4),
+                ple_layer_ids=tuple(sorted(r.sample(linear, r.randint(1, min(2, len(linear)))))),
+                indexer_compress_ratio=ratio, indexer_budget=ratio * r.randint(2, 4), num_experts=r.choice((4, 8)),
+                num_experts_per_tok=r.randint(1, 3), eos_token_id=r.randint(1, 9))
+
+
+CONFIGS.update({f"random{seed}": random_config(seed) for seed in (0, 1)})
 
 
 def rel_err(a, b):
