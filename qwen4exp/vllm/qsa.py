@@ -254,7 +254,7 @@ class QSAMixer(QSAAttention):
         ikv = views.index_kv
         raw = index_k_raw[:n]
         self._complete_blocks(raw, qsl, seq_lens, m, views, slots, pos3)
-        self._keep_open(raw, qsl, seq_lens, views, slots, pos1, pos3)
+        self._keep_open(raw, qsl, seq_lens, m, views, slots, pos1, pos3)
         # 3. selection + attention: the queries of requests with few of them (decodes, MTP verifications, short
         #    chunks) in one batched call, each longer chunk through the paged prefill op (Triton on GPUs)
         few = [b for b in range(nreq) if 0 < qsl[b + 1] - qsl[b] <= BATCHED_MAX_QUERIES]
@@ -326,46 +326,26 @@ class QSAMixer(QSAAttention):
     def _complete_blocks(self, raw, qsl, seq_lens, m, views, slots, pos3=None) -> None:
         """The key of every block completed by this step's tokens, into its page's key row. All requests at once:
         which blocks complete and where each of their r raw keys comes from (this step's rows, or the page's ring
-        for positions of earlier steps) is worked out on the host from the step's lengths, then ONE gather of the
-        earlier raw keys, one mean-pool, one norm + RoPE and one write for all blocks."""
+        for positions of earlier steps) is worked out on the host from the step's lengths (``block_plan``: once a
+        forward pass, the same for every QSA layer), then ONE gather of the earlier raw keys, one mean-pool, one
+        norm + RoPE and one write for all blocks."""
         r = self.r
         n = raw.shape[0]
-        prev_owner, prev_pos = [], []  # earlier positions of blocks completed now: request, position
-        src, first, last = [], [], []  # per block: r source rows (< n: this step; n + i: prev row i), start, last row
-        first_rows, block_owner = [], []  # per block: its first token's row in this step (-1: earlier), request
-        for b in range(len(seq_lens)):
-            s, e = qsl[b], qsl[b + 1]
-            if e <= s:
-                continue
-            start = seq_lens[b] - (e - s)  # position of row s
-            base = (start // r) * r
-            nfull = (seq_lens[b] - base) // r  # blocks from base on that end within this step
-            if not nfull:
-                continue
-            for p in range(base, start):
-                src.append(n + len(prev_pos))  # (only the first block reaches back)
-                prev_owner.append(b)
-                prev_pos.append(p)
-            src.extend(range(s, s + base + nfull * r - start))
-            for j in range(nfull):
-                first.append(base + j * r)
-                last.append(s + base + j * r + r - 1 - start)
-                first_rows.append(s + base + j * r - start if base + j * r >= start else -1)
-                block_owner.append(b)
-        if not first:
+        plan = _once_per_forward("_qwen4exp_block_plan", m, (r, n),
+                                 lambda: block_plan(qsl, seq_lens, r, n, raw.device))
+        if plan is None:
             return
-        idx = _to_device([src, first, last, prev_owner, prev_pos], raw.device)
-        src_t, first_t, last_t = idx[0], idx[1], idx[2]
+        src_t, first_t, last_t, owner_t, pos_t, host = plan
         rows = raw
         bs = views.index_kv.shape[2]
-        if prev_pos:
-            owner_t, pos_t = idx[3], idx[4]
+        if pos_t.numel():
             pages = m.block_table[owner_t].gather(1, (pos_t // bs).unsqueeze(1)).squeeze(1).long()
             prev = views.ring[pages, 0, pos_t % self.ring_rows]
             rows = torch.cat([raw, prev.to(raw.dtype)], 0)
         if pos3 is None:
             cb, sb = self.rotary[0](first_t, raw.dtype)
         else:  # M-RoPE: rotate at the (t, h, w) position of each block's first token
+            first, first_rows, block_owner = host
             cb, sb = self.rotary[0](block_start_positions(pos3, first, first_rows, block_owner, qsl, views, m),
                                     raw.dtype)
         keys = self.block_keys(block_mean(rows[src_t], r), cb, sb).to(raw.dtype)
@@ -373,15 +353,18 @@ class QSAMixer(QSAAttention):
         h = keys.shape[1] // 2
         write_paged(views.keys, (ks // bs) * (bs // r) + (ks % bs) // r, keys[:, None, :h], keys[:, None, h:])
 
-    def _keep_open(self, raw, qsl, seq_lens, views, slots, pos1, pos3=None) -> None:
+    def _keep_open(self, raw, qsl, seq_lens, m, views, slots, pos1, pos3=None) -> None:
         """The raw keys of this step's tokens whose block may still be open after it, into their pages' rings
         (and, with M-RoPE, their positions into the stash), for the step that completes the block: of a long chunk,
         the positions from its last block start on; of a request with few queries (decodes, MTP verifications),
         all of them, as drafts it rejects leave blocks open that this step completed."""
-        rows = ring_rows_of_step(qsl, seq_lens, self.r)
-        if not rows:
+        def plan():
+            rows = ring_rows_of_step(qsl, seq_lens, self.r)
+            return _to_device([rows], raw.device)[0] if rows else None
+
+        rows_t = _once_per_forward("_qwen4exp_ring_rows", m, self.r, plan)  # (the same for every QSA layer)
+        if rows_t is None:
             return
-        rows_t = _to_device([rows], raw.device)[0]
         sl = slots[rows_t]
         bs, rr = views.index_kv.shape[2], self.ring_rows
         p = pos1[rows_t]
@@ -508,6 +491,39 @@ class QSAMixer(QSAAttention):
 # in every cache dtype (FP8 included). A token written by a decode step stashes nothing; its position is then
 # extrapolated from this step's first token (exact for text after the last image).
 _DIGITS, _BASE = 8, 8  # positions < 8^8
+
+
+def block_plan(qsl: list[int], seq_lens: list[int], r: int, n: int, device):
+    """Where the blocks a step completes take their raw keys: (source rows [blocks * r] (< n: this step's rows;
+    n + i: the i-th earlier position), each block's first position, the row of its last token, the request and
+    position of each earlier one, as device tensors, and (first positions, first rows (-1: earlier), requests) as
+    host lists for M-RoPE); None when no block completes. Host work from the step's lengths, one copy to the
+    device."""
+    prev_owner, prev_pos = [], []  # earlier positions of blocks completed now: request, position
+    src, first, last = [], [], []  # per block: r source rows, start, last row
+    first_rows, block_owner = [], []  # per block: its first token's row in this step (-1: earlier), request
+    for b in range(len(seq_lens)):
+        s, e = qsl[b], qsl[b + 1]
+        if e <= s:
+            continue
+        start = seq_lens[b] - (e - s)  # position of row s
+        base = (start // r) * r
+        nfull = (seq_lens[b] - base) // r  # blocks from base on that end within this step
+        if not nfull:
+            continue
+        for p in range(base, start):
+            src.append(n + len(prev_pos))  # (only the first block reaches back)
+            prev_owner.append(b)
+            prev_pos.append(p)
+        src.extend(range(s, s + base + nfull * r - start))
+        for j in range(nfull):
+            first.append(base + j * r)
+            last.append(s + base + j * r + r - 1 - start)
+            first_rows.append(s + base + j * r - start if base + j * r >= start else -1)
+            block_owner.append(b)
+    if not first:
+        return None
+    return (*_to_device([src, first, last, prev_owner, prev_pos], device), (first, first_rows, block_owner))
 
 
 def ring_rows_of_step(qsl: list[int], seq_lens: list[int], r: int) -> list[int]:
