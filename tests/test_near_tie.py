@@ -14,3 +14,14 @@ def test_flip_rule():
     assert first_flip([2], [{2: 10.0, 5: 9.9}], [4], [{4: 10.0, 5: 9.0}])[4] is False  # 2 not in the other's top 2
     assert first_flip([2], [{2: 10.0}], [4], [{4: 10.0}])[4] is False  # one logit a step: no pair to compare
     assert ulp_bf16(1.0) == 2.0 ** -7 and ulp_bf16(-3.0) == 2.0 ** -6
+
+
+def test_drift_and_flip_within_a_bound():
+    from near_tie import drift, flip_within
+    a = [{1: 5.0, 2: 4.0}, {3: 7.0, 4: 6.9}, {5: 1.0}]
+    b = [{1: 5.05, 2: 3.9}, {4: 7.0, 3: 6.95}, {6: 9.0}]  # parts at step 1: a near-tie in both runs
+    assert abs(drift([1, 3, 5], a, [1, 4, 6], b) - 0.1) < 1e-9  # (step 1 counts; step 2 after the flip does not)
+    assert flip_within([1, 3, 5], a, [1, 4, 6], b, 0.11) is None
+    assert "gaps" in flip_within([1, 3, 5], a, [1, 4, 6], b, 0.06)
+    assert "not both" in flip_within([1, 3], a[:2], [1, 4], [a[0], {4: 7.0, 8: 6.0}], 1.0)
+    assert flip_within([1, 3], a[:2], [1, 3], a[:2], 0.0) is None

@@ -181,32 +181,44 @@ def test_misshaped_mtp_tensor_fails_with_its_name(tmp_path):
 def test_mtp_full_graphs_bf16_greedy_equals_plain(setup, tmp_path):
     """MTP under FULL CUDA graphs (vLLM's GDN, as the real model runs it: the default graph mode stays
     FULL_AND_PIECEWISE with a draft): the target's 1 + k-query verifications and the draft's steps replay captured
-    graphs, and greedy tokens equal plain greedy decoding's. bf16 (the served dtype): a verification's 4-token GEMMs
-    may round differently from a decode's 1-token ones, so where the runs part the two tokens must be a near-tie
-    (both runs' top two, raw logits within ``TIE_ULPS`` bf16 ulps)."""
-    from near_tie import first_flip
+    graphs, and greedy tokens equal plain greedy decoding's up to bf16 arithmetic. A verification's 4-token GEMMs
+    round differently from a decode's 1-token ones, as a different batch does; so the bar is measured, not assumed:
+    plain decoding of the prompts one at a time against all at once gives the logit drift of a change of batch
+    shape (``near_tie.drift``), and MTP against plain may drift at most 3x that (a verification that computed
+    something else would drift by whole logits), and part only on a tie no wider than twice that drift in either
+    run. (A fixed 2-ulp bar failed on the H100 before and after the QSA page layout: prompt 2 parted at step 5 on a
+    3-ulp gap; this measures whether that is noise.)"""
+    from near_tie import drift, flip_within, ulp_bf16
     from vllm_offline import run_offline
 
     # (vLLM's default GDN prefill kernel, FlashInfer's sm_90 DSL one, takes 128-wide heads only: its Triton one)
     engine = dict(ENGINE, dtype="bfloat16", enforce_eager=False, logprobs_mode="raw_logits",
                   gdn_prefill_backend="triton")
-    sampling = dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, detokenize=False, logprobs=2)
+    sampling = dict(temperature=0.0, max_tokens=GEN, ignore_eos=True, detokenize=False, logprobs=5)
     env = {"QWEN4EXP_VLLM_GDN": "vllm"}
+    n = len(setup["prompts"])
     out = {}
-    for name, extra in (("plain", {}), ("mtp", MTP)):
-        spec = dict(model=CKPT, prompts=setup["prompts"], sampling=sampling, env=env, engine=dict(engine, **extra))
+    for name, extra, batches in (("plain", {}, None), ("alone", {}, [[i] for i in range(n)]), ("mtp", MTP, None)):
+        spec = dict(model=CKPT, prompts=setup["prompts"], sampling=sampling, env=env, engine=dict(engine, **extra),
+                    batches=batches)
         out[name] = run_offline(spec, str(tmp_path / name), timeout=420)
     log = out["mtp"]["log"]
     assert "capturing FULL CUDA graphs of 4 queries per request" in log, log[-3000:]
     assert "cudagraph_mode" not in log or "-> PIECEWISE" not in log, log[-3000:]
     m = out["mtp"]["metrics"]
     assert m.get("vllm:spec_decode_num_drafts") and m.get("vllm:spec_decode_num_accepted_tokens")
-    for i in range(len(setup["prompts"])):
-        f = first_flip(out["plain"]["tokens"][i], out["plain"]["logprobs"][i], out["mtp"]["tokens"][i],
-                       out["mtp"]["logprobs"][i])
-        if f is None:
-            continue
-        step, gap_p, gap_m, ulp, same = f
-        print(f"prompt {i}: MTP and plain first differ at step {step} (gaps {gap_p:.4g} / {gap_m:.4g}, ulp {ulp:.4g})")
-        assert same and gap_p <= 2 * ulp and gap_m <= 2 * ulp, (i, f)
+
+    def pair(x, y, i):
+        return out[x]["tokens"][i], out[x]["logprobs"][i], out[y]["tokens"][i], out[y]["logprobs"][i]
+
+    top = max(abs(v) for lp in out["plain"]["logprobs"] for step in lp for v in step.values())
+    floor = 2 * ulp_bf16(top)
+    d_batch = max(drift(*pair("plain", "alone", i)) for i in range(n))
+    d_mtp = max(drift(*pair("plain", "mtp", i)) for i in range(n))
+    print(f"logit drift: one at a time vs batched {d_batch:.4g}, MTP vs plain {d_mtp:.4g} (bf16 ulp at the top "
+          f"logit {floor / 2:.4g})")
+    assert d_mtp <= max(3 * d_batch, floor), (d_mtp, d_batch)
+    bound = max(2 * d_batch, floor)
+    flips = [(i, f) for i in range(n) if (f := flip_within(*pair("plain", "mtp", i), bound)) is not None]
+    assert not flips, flips
     print("MTP acceptance length", 1 + m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"])
