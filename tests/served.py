@@ -38,6 +38,18 @@ def post(url, body, timeout=120, headers=None):
         return e.code, json.loads(e.read().decode() or "{}")
 
 
+def vllm_serve_env(tmp, drop=(), **extra) -> dict:
+    """The environment of a plain ``vllm serve`` under test: this one without ``drop`` and
+    VLLM_ENABLE_V1_MULTIPROCESSING, vLLM's caches, IPC sockets and TMPDIR under ``tmp`` (short: socket paths must fit
+    107 characters), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", *drop)}
+    for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("VLLM_RPC_BASE_PATH", "rpc"), ("TORCHINDUCTOR_CACHE_DIR", "ind")):
+        env[var] = str(tmp / sub)
+        os.makedirs(env[var])
+    env.update(TMPDIR=str(tmp), **extra)
+    return env
+
+
 def wait_healthy(proc, base: str, log_path, t0: float, timeout: float, what: str = "server") -> None:
     """Until ``base``/health answers 200; RuntimeError with the log's tail when ``proc`` exits or ``timeout`` s
     after ``t0`` pass."""

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from served import free_port, post, wait_healthy
+from served import free_port, post, vllm_serve_env, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CODER = "qwen4exp/assets/tiny-coder"
@@ -50,11 +50,7 @@ def test_vllm_serve_as_the_readme_writes_it(tmp_path_factory):
     exe = shutil.which("vllm", path=os.path.dirname(sys.executable))
     assert exe, f"no `vllm` command beside {sys.executable}"
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-    for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("VLLM_RPC_BASE_PATH", "rpc"), ("TORCHINDUCTOR_CACHE_DIR", "ind")):
-        env[var] = str(tmp_path / sub)
-        os.makedirs(env[var])
-    env["TMPDIR"] = str(tmp_path)
+    env = vllm_serve_env(tmp_path, drop=("VLLM_CPU_KVCACHE_SPACE",))
     words = README_VLLM_SERVE.split()
     assert words[:2] == [".venv/bin/vllm", "serve"]
     cmd = [exe, *words[1:], "--host", "127.0.0.1", "--port", str(port)]

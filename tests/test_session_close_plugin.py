@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from served import free_port, post, wait_healthy
+from served import free_port, post, vllm_serve_env, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = "qwen4exp.vllm.session_api:SessionClosePlugin"
@@ -129,11 +129,7 @@ def test_close_under_plain_vllm_serve(tmp_path_factory):
     exe = shutil.which("vllm", path=os.path.dirname(sys.executable))
     assert exe, f"no `vllm` command beside {sys.executable}"
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",)}
-    for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("VLLM_RPC_BASE_PATH", "rpc"), ("TORCHINDUCTOR_CACHE_DIR", "ind")):
-        env[var] = str(tmp / sub)
-        os.makedirs(env[var])
-    env.update(TMPDIR=str(tmp), VLLM_PLUGINS="qwen4exp")
+    env = vllm_serve_env(tmp, VLLM_PLUGINS="qwen4exp")
     cmd = [exe, "serve", "qwen4exp/assets/tiny-coder", "--served-model-name", "tiny-coder", "--max-model-len", "2048",
            "--enforce-eager", "--scheduler-cls", AGENT, "--host", "127.0.0.1", "--port", str(port)]
     log_path, base = tmp / "server.log", f"http://127.0.0.1:{port}"

@@ -313,6 +313,18 @@ def sensitivity() -> None:
     assert len(c["_qsa_topk_small_kernel"]) == 1, c
 
 
+def report(label: str, res: dict) -> int:
+    """Print one comparison's per-kernel counts and missing keys; their number."""
+    bad = 0
+    for name, r in res.items():
+        print(f"{label}: {name}: {r['warm']} warm-up keys, {r['serve']} serving keys, {len(r['missing'])} missing",
+              flush=True)
+        for k in r["missing"]:
+            print(f"    MISSING {name}({k})")
+        bad += len(r["missing"])
+    return bad
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer lengths per row count")
@@ -329,20 +341,8 @@ def main(argv=None) -> int:
     for cfg in CONFIGS:
         for vllm_select in (False, True):
             label = f"{cfg.name}, vLLM select {'loaded' if vllm_select else 'not loaded'}"
-            res = results[label] = compare(cfg, vllm_select, args.quick)
-            for name, r in res.items():
-                print(f"{label}: {name}: {r['warm']} warm-up keys, {r['serve']} serving keys, "
-                      f"{len(r['missing'])} missing", flush=True)
-                for k in r["missing"]:
-                    print(f"    MISSING {name}({k})")
-                bad += len(r["missing"])
-    res = results["hyper-connection mixer, FN widths"] = hc_compare()
-    for name, r in res.items():
-        print(f"hyper-connection mixer: {name}: {r['warm']} warm-up keys, {r['serve']} serving keys, "
-              f"{len(r['missing'])} missing", flush=True)
-        for k in r["missing"]:
-            print(f"    MISSING {name}({k})")
-        bad += len(r["missing"])
+            bad += report(label, results.setdefault(label, compare(cfg, vllm_select, args.quick)))
+    bad += report("hyper-connection mixer", results.setdefault("hyper-connection mixer, FN widths", hc_compare()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
