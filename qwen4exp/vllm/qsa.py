@@ -351,7 +351,7 @@ class QSAMixer(QSAAttention):
         keys = self.block_keys(block_mean(rows[src_t], r), cb, sb).to(raw.dtype)
         ks = slots[last_t]
         h = keys.shape[1] // 2
-        write_paged(views.keys, (ks // bs) * (bs // r) + (ks % bs) // r, keys[:, None, :h], keys[:, None, h:])
+        write_paged(views.keys, qlayout.key_slots(ks, bs, r), keys[:, None, :h], keys[:, None, h:])
 
     def _keep_open(self, raw, qsl, seq_lens, m, views, slots, pos1, pos3=None) -> None:
         """The raw keys of this step's tokens whose block may still be open after it, into their pages' rings
@@ -368,7 +368,7 @@ class QSAMixer(QSAAttention):
         sl = slots[rows_t]
         bs, rr = views.index_kv.shape[2], self.ring_rows
         p = pos1[rows_t]
-        ring_slots = torch.where(sl >= 0, (sl // bs) * rr + p % rr, -1)
+        ring_slots = qlayout.ring_slots(sl, p, bs, rr)
         x = raw[rows_t]
         h = x.shape[1] // 2
         write_paged(views.ring, ring_slots, x[:, None, :h], x[:, None, h:])
@@ -431,7 +431,7 @@ class QSAMixer(QSAAttention):
             else:
                 cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), dtype)
             slots = m.slot_mapping[:n].long()
-            ring_slots = torch.where(slots >= 0, (slots // bs) * self.ring_rows + pos % self.ring_rows, -1)
+            ring_slots = qlayout.ring_slots(slots, pos, bs, self.ring_rows)
             return n, valid, pos, slots, ring_slots, bt, cb, sb
 
         return _once_per_forward("_qwen4exp_decode_inputs", m, (dtype, self.r, nq, bs, self.ring_rows), compute)

@@ -57,6 +57,17 @@ def tail_elements(bs: int, d_i: int, r: int, rr: int) -> int:
     return -(-n // 128) * 128
 
 
+def ring_slots(slots: torch.Tensor, pos: torch.Tensor, bs: int, rr: int) -> torch.Tensor:
+    """Flat rows of the ``ring`` view ([pages * rr]) of tokens at cache ``slots`` and positions ``pos``; -1 where the
+    slot is negative (padding)."""
+    return torch.where(slots >= 0, (slots // bs) * rr + pos % rr, -1)
+
+
+def key_slots(slots: torch.Tensor, bs: int, r: int) -> torch.Tensor:
+    """Flat rows of the ``keys`` view ([pages * bs / r]) of the blocks that the tokens at cache ``slots`` complete."""
+    return (slots // bs) * (bs // r) + (slots % bs) // r
+
+
 class IndexViews(NamedTuple):
     index_kv: torch.Tensor  # [pages, 1, bs, 2 * d_i] block key j at row j * r + r - 1, columns [d_i, 2 d_i)
     keys: torch.Tensor  # [pages, 1, bs // r, d_i] block keys (rows s * r apart: the writers' view)
