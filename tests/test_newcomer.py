@@ -112,7 +112,7 @@ def test_readme_serve_lines_name_the_model():
         assert "--served-model-name tiny-coder" in line, line
     assert "from vllm import LLM" in text and "VLLM_CPU_KVCACHE_SPACE" in text
     assert '"previous_state": "unknown"' in text and '"previous_state": "closed"' not in text
-    from qwen4exp.vllm.session_api import combine
+    from qwen4exp.serving.session_api import combine
 
     status, body = combine("x", [dict(state="unknown", released=False, released_blocks=0, turns_in_flight=0)])
     assert status == 200 and body["previous_state"] == "unknown" and json.dumps(body)

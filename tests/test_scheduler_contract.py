@@ -1,4 +1,4 @@
-"""The private vLLM scheduler interface ``qwen4exp.vllm.scheduler.AgentScheduler`` relies on, pinned against the
+"""The private vLLM scheduler interface ``qwen4exp.serving.scheduler.AgentScheduler`` relies on, pinned against the
 installed vLLM (imported; the part every supported minor must keep is read from each minor's source by
 tests/test_vllm_patch_contract.py): vLLM says
 ``--scheduler-cls`` classes use a non-public interface that changes between minor versions (0.33 renames
@@ -19,7 +19,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager, SingleTypeKVCacheManager
 from vllm.v1.request import Request, RequestStatus
 
-from qwen4exp.vllm import scheduler as agent
+from qwen4exp.serving import scheduler as agent
 
 
 def params(fn):
@@ -137,7 +137,7 @@ def test_the_step_token_budget_is_read_in_each_schedule():
 def test_the_priority_queue_we_subclass():
     """``SessionPriorityQueue`` keeps its own heap of keyed entries: the methods it inherits from vLLM's
     ``PriorityRequestQueue`` must go through ``_heap`` and ``add_request`` only."""
-    from qwen4exp.vllm.scheduler import SessionPriorityQueue
+    from qwen4exp.serving.scheduler import SessionPriorityQueue
 
     for name in ("prepend_request", "prepend_requests"):
         assert "self.add_request(" in inspect.getsource(getattr(PriorityRequestQueue, name)), name
@@ -148,7 +148,7 @@ def test_the_priority_queue_we_subclass():
     assert abstract - overridden == {"prepend_request", "prepend_requests", "__bool__", "__len__"}
 
 
-# --- the route of AgentScheduler's numbers to /metrics (qwen4exp.vllm.metrics) ------------------------------------
+# --- the route of AgentScheduler's numbers to /metrics (qwen4exp.serving.metrics) ------------------------------------
 def test_stat_logger_plugins_are_loaded_into_the_api_servers_logger_manager():
     from vllm.plugins import STAT_LOGGER_PLUGINS_GROUP
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -209,7 +209,7 @@ def test_make_stats_is_sent_after_the_steps_frees():
     assert "make_stats" not in AsyncScheduler.__dict__
 
 
-# --- the close endpoint's channel to the scheduler (qwen4exp.vllm.session_api) ------------------------------------
+# --- the close endpoint's channel to the scheduler (qwen4exp.serving.session_api) ------------------------------------
 def test_utility_calls_reach_an_engine_core_method_between_steps():
     """POST /v1/sessions/{id}/close: the API server's engine client sends a utility call; the engine core's input
     loop (run between steps) looks the method up on itself by name, which AgentScheduler installs on EngineCore."""

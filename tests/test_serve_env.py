@@ -196,7 +196,7 @@ def test_close_endpoint_answers(monkeypatch):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from qwen4exp.vllm.scheduler import CLOSE_UTILITY
+    from qwen4exp.serving.scheduler import CLOSE_UTILITY
 
     calls, answers = [], {}
 
@@ -207,7 +207,7 @@ def test_close_endpoint_answers(monkeypatch):
     app = FastAPI()
     app.add_middleware(serve.RequestGuard)
     core = SimpleNamespace(client_index=3, call_utility_all_async=call_utility_all_async)
-    agent = SimpleNamespace(scheduler_config=SimpleNamespace(scheduler_cls="qwen4exp.vllm.scheduler.AgentScheduler"))
+    agent = SimpleNamespace(scheduler_config=SimpleNamespace(scheduler_cls="qwen4exp.serving.scheduler.AgentScheduler"))
     app.state.engine_client = SimpleNamespace(vllm_config=agent, engine_core=core)
     closed = dict(state="unknown", released=False, released_blocks=0, turns_in_flight=0)
     answers["kept"] = [dict(state="retained", released=True, released_blocks=7, turns_in_flight=0)]
@@ -229,7 +229,7 @@ def test_close_endpoint_answers(monkeypatch):
     agent.scheduler_config.scheduler_cls = None
     n = len(calls)
     r = client.post("/v1/sessions/kept/close")
-    assert r.status_code == 404 and "--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler" in r.json()["error"][
+    assert r.status_code == 404 and "--scheduler-cls qwen4exp.serving.scheduler.AgentScheduler" in r.json()["error"][
         "message"] and len(calls) == n  # answered without asking the engine
 
 

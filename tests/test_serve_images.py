@@ -356,7 +356,7 @@ def test_connector_fetches_only_where_allowed(png_host, tmp_path):
     from vision_checkpoint import test_image
     from vllm.exceptions import VLLMValidationError
 
-    from qwen4exp.vllm.media import LocalMediaConnector
+    from qwen4exp.serving.media import LocalMediaConnector
 
     url, img, seen = png_host
     with pytest.raises(VLLMValidationError, match="remote URLs .* are not fetched by this server"):

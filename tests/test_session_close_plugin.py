@@ -1,4 +1,4 @@
-"""``POST /v1/sessions/{session_id}/close`` as a ``vllm.endpoint_plugins`` entry (``qwen4exp.vllm.session_api``'s
+"""``POST /v1/sessions/{session_id}/close`` as a ``vllm.endpoint_plugins`` entry (``qwen4exp.serving.session_api``'s
 ``SessionClosePlugin``), so that plain ``vllm serve`` has it: vLLM 0.32 loads an endpoint plugin only when
 ``VLLM_PLUGINS`` names it; with ``qwen4exp-serve``'s ``RequestGuard`` as well the route is there once. The served
 test runs vLLM's own ``vllm serve`` (API server and engine core in processes of their own) with ``AgentScheduler``:
@@ -19,9 +19,9 @@ import pytest
 from served import free_port, post, vllm_serve_env, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY = "qwen4exp.vllm.session_api:SessionClosePlugin"
+ENTRY = "qwen4exp.serving.session_api:SessionClosePlugin"
 GROUP = "vllm.endpoint_plugins"
-AGENT = "qwen4exp.vllm.scheduler.AgentScheduler"
+AGENT = "qwen4exp.serving.scheduler.AgentScheduler"
 START_TIMEOUT = 240
 
 pytestmark = pytest.mark.vllm
@@ -59,7 +59,7 @@ def test_vllm_loads_it_only_when_allowlisted(vllm_envs):
     from vllm.plugins.endpoint_plugins.interface import EndpointPlugin
 
     from qwen4exp.serve import _RouteAddedByTheGuard
-    from qwen4exp.vllm.session_api import SessionClosePlugin
+    from qwen4exp.serving.session_api import SessionClosePlugin
 
     vllm_envs.delenv("VLLM_PLUGINS", raising=False)
     records = []
@@ -89,7 +89,7 @@ def test_plugin_and_guard_add_the_route_once(vllm_envs):
     from vllm.plugins.endpoint_plugins.interface import attach_endpoint_plugins
 
     from qwen4exp import serve
-    from qwen4exp.vllm.session_api import CLOSE_PATH, install
+    from qwen4exp.serving.session_api import CLOSE_PATH, install
 
     vllm_envs.setenv("VLLM_PLUGINS", "qwen4exp")
     app = FastAPI()

@@ -1,4 +1,4 @@
-"""``qwen4exp.vllm.sessions``: the session state machine on its own (no engine). Every (state, event) pair either
+"""``qwen4exp.serving.sessions``: the session state machine on its own (no engine). Every (state, event) pair either
 moves as the module's table says or raises; random event sequences (aborts, expiries, pressure, resets in every
 state) never leak or double-free a pin's blocks, and the states always agree with what is held."""
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from qwen4exp.vllm.sessions import (COUNTERS, EVICTION_REASONS, TRANSITIONS, Event, IllegalTransition, Sessions, State,
-                                    close_flag)
+from qwen4exp.serving.sessions import (COUNTERS, EVICTION_REASONS, TRANSITIONS, Event, IllegalTransition, Sessions,
+                                       State, close_flag)
 
 
 class Pool:

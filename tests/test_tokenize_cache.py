@@ -1,4 +1,4 @@
-"""``qwen4exp.vllm.tokenize_cache``: prompt pieces' token ids cached between an agent's turns, exactly what the
+"""``qwen4exp.serving.tokenize_cache``: prompt pieces' token ids cached between an agent's turns, exactly what the
 tokenizer gives for the whole text (tiny-coder's byte-level BPE, random multi-turn chats rendered by its chat
 template, unicode, whitespace runs, special tokens inside message text), its LRU bound, the self-check that turns it
 off for a tokenizer that does not encode piece by piece as a whole, and its hook into vLLM 0.32's renderer."""
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from qwen4exp.vllm import tokenize_cache as TC
+from qwen4exp.serving import tokenize_cache as TC
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

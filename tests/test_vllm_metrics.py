@@ -1,4 +1,4 @@
-"""``qwen4exp.vllm.metrics`` without a server: the scheduler's payload (gauges when they change, counters as
+"""``qwen4exp.serving.metrics`` without a server: the scheduler's payload (gauges when they change, counters as
 increases), its trip through vLLM's engine-core -> API-server serialisation, the ``AgentStatLogger`` plugin (pops its
 keys before vLLM's loggers read the carrier as LoRA names, sets the Prometheus series, registers nothing without
 ``AgentScheduler``), the installed entry point, and ``AgentScheduler`` dropping a session on a refused event instead
@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import REGISTRY
 
-from qwen4exp.vllm import metrics
-from qwen4exp.vllm.sessions import EVICTION_REASONS, Event, IllegalTransition, Sessions, State
+from qwen4exp.serving import metrics
+from qwen4exp.serving.sessions import EVICTION_REASONS, Event, IllegalTransition, Sessions, State
 
 pytestmark = [pytest.mark.vllm]
 
-AGENT = "qwen4exp.vllm.scheduler.AgentScheduler"
+AGENT = "qwen4exp.serving.scheduler.AgentScheduler"
 
 
 def config(scheduler_cls=AGENT, model="coder"):
@@ -135,11 +135,11 @@ def test_without_agent_scheduler_nothing_is_registered(cls):
 
 
 def test_agent_scheduler_classes_are_recognised():
-    from qwen4exp.vllm.scheduler import AgentScheduler, AsyncAgentScheduler
+    from qwen4exp.serving.scheduler import AgentScheduler, AsyncAgentScheduler
 
-    for cls in (AGENT, "qwen4exp.vllm.scheduler.AsyncAgentScheduler", AgentScheduler, AsyncAgentScheduler):
+    for cls in (AGENT, "qwen4exp.serving.scheduler.AsyncAgentScheduler", AgentScheduler, AsyncAgentScheduler):
         assert metrics.uses_agent_scheduler(config(cls)), cls
-    assert not metrics.uses_agent_scheduler(config("qwen4exp.vllm.scheduler.NoSuchClass"))
+    assert not metrics.uses_agent_scheduler(config("qwen4exp.serving.scheduler.NoSuchClass"))
 
 
 def test_the_entry_point_is_installed():
@@ -151,7 +151,7 @@ def test_the_entry_point_is_installed():
 
 
 def test_a_refused_event_drops_the_session_not_the_engine(sessions):
-    from qwen4exp.vllm.scheduler import AgentScheduler
+    from qwen4exp.serving.scheduler import AgentScheduler
 
     s, released = sessions
     sched = object.__new__(AgentScheduler)

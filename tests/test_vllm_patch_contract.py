@@ -281,7 +281,7 @@ def test_every_patch_has_a_contract_and_a_reach():
         assert (p.apply is None) == (p.stage == "per-step"), p
         if p.apply is not None:
             module, _, attr = p.apply.partition(":")
-            assert module.startswith("qwen4exp.vllm") and attr, p
+            assert module.startswith(("qwen4exp.vllm", "qwen4exp.serving")) and attr, p
 
 
 @pytest.mark.parametrize("minor", patches.SUPPORTED_VLLM_MINORS)
@@ -343,7 +343,7 @@ def test_agent_scheduler_contract(minor):
 
 @pytest.mark.vllm
 def test_scheduler_gate_is_the_checked_minors():
-    from qwen4exp.vllm import scheduler
+    from qwen4exp.serving import scheduler
 
     assert tuple(scheduler.SUPPORTED_VLLM) == patches.SUPPORTED_VLLM_MINORS
 

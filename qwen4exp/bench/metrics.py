@@ -305,7 +305,7 @@ def server_metrics(before: Mapping[str, float] | None, after: Mapping[str, float
         "server_ttft_ms": histogram_mean_ms(before, after, SERVER_TTFT),
         "queue_ms": histogram_mean_ms(before, after, QUEUE_TIME),
         "prefill_ms": histogram_mean_ms(before, after, PREFILL_TIME),
-        # AgentScheduler's counters (qwen4exp.vllm.metrics) over the level: retention hits, evictions, exact
+        # AgentScheduler's counters (qwen4exp.serving.metrics) over the level: retention hits, evictions, exact
         # resumes, capped and continued steps ... (summary.json only)
         "qwen4exp_counters": {k: v - (before or {}).get(k, 0.0) for k, v in (after or {}).items()
                               if k in AGENT_COUNTERS},

@@ -13,7 +13,7 @@ from .. import envs
 
 ARCHITECTURES = ("Qwen4ExpForConditionalGeneration", "Qwen4ExpForCausalLM")
 DRAFT_ARCHITECTURES = {"Qwen4ExpMTP": "qwen4exp.vllm.mtp:Qwen4ExpMTP"}  # speculative_config method "mtp"
-MEDIA_CONNECTOR = "qwen4exp"  # VLLM_MEDIA_CONNECTOR value of ``qwen4exp.vllm.media.LocalMediaConnector``
+MEDIA_CONNECTOR = "qwen4exp"  # VLLM_MEDIA_CONNECTOR value of ``qwen4exp.serving.media.LocalMediaConnector``
 
 _registered: bool | None = None
 logger = logging.getLogger("qwen4exp.vllm")
@@ -59,13 +59,13 @@ def register() -> bool:
 
 
 def register_media_connector() -> None:
-    """Register the ``qwen4exp`` media connector (``qwen4exp.vllm.media``) where ``VLLM_MEDIA_CONNECTOR`` selects
+    """Register the ``qwen4exp`` media connector (``qwen4exp.serving.media``) where ``VLLM_MEDIA_CONNECTOR`` selects
     it (``qwen4exp-serve`` does by default); nothing is imported otherwise. Also under ``QWEN4EXP_VLLM=0``: the
     connector is about requests, not about which model class serves them."""
     import os
 
     if os.environ.get("VLLM_MEDIA_CONNECTOR") == MEDIA_CONNECTOR:
-        from . import media  # noqa: F401  (registers at import)
+        from ..serving import media  # noqa: F401  (registers at import; the one import of the serving package here)
 
 
 def _install_config_hooks() -> None:

@@ -1,6 +1,6 @@
 """``POST /v1/sessions/{session_id}/close`` on ``qwen4exp-serve``: release an idle agent session's retained state now.
 
-``AgentScheduler`` (``qwen4exp.vllm.scheduler``) runs in the engine-core process; this route runs in the API server.
+``AgentScheduler`` (``qwen4exp.serving.scheduler``) runs in the engine-core process; this route runs in the API server.
 The close travels as a vLLM engine-core *utility call* (``call_utility_all_async``, the channel of
 ``/reset_prefix_cache``): the engine core runs it in its busy loop between steps, so it never races a step and leaves
 running requests alone. Every engine core is asked (several with ``--data-parallel-size``, whose load balancer may
@@ -15,8 +15,8 @@ Answers (JSON):
   record goes, so the two cannot be told apart);
 * 409 (vLLM's error shape): the session has a turn running or waiting; nothing is done (put ``X-Session-Close: 1``
   on the last turn, or close after it ends);
-* 404: the server does not run ``--scheduler-cls qwen4exp.vllm.scheduler.AgentScheduler``;
-* 400: the path's session id is no valid one (``qwen4exp.vllm.sessions.session_id_problem``: 1 to 256 printable
+* 404: the server does not run ``--scheduler-cls qwen4exp.serving.scheduler.AgentScheduler``;
+* 400: the path's session id is no valid one (``qwen4exp.serving.sessions.session_id_problem``: 1 to 256 printable
   ASCII characters, not all spaces; URL-decoded).
 
 The route is added to vLLM's FastAPI app (``install``, once per app) by either of:
@@ -31,16 +31,21 @@ The route is added to vLLM's FastAPI app (``install``, once per app) by either o
 Either way it sits behind vLLM's own middleware: ``--api-key`` guards it like any ``/v1/`` route.
 """
 
+import json
+
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-AGENT_SCHEDULER = "qwen4exp.vllm.scheduler.AgentScheduler"
+AGENT_SCHEDULER = "qwen4exp.serving.scheduler.AgentScheduler"
 CLOSE_PATH = "/v1/sessions/{session_id:path}/close"
 
 
-def _error(status: int, message: str, kind: str) -> Response:
-    from qwen4exp.serve import _error as error_body  # (vLLM's error shape; not at import: a plugin entry point)
+def error_body(status: int, message: str, param: str | None, kind: str = "BadRequestError") -> bytes:
+    """vLLM's OpenAI error body (``ErrorResponse``); also ``qwen4exp.serve.RequestGuard``'s 400s."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
 
+
+def _error(status: int, message: str, kind: str) -> Response:
     return Response(error_body(status, message, None, kind), status_code=status, media_type="application/json")
 
 
@@ -68,8 +73,8 @@ def combine(session_id: str, results: list[dict]) -> tuple[int, dict]:
 
 async def close_session(session_id: str, raw_request: Request) -> JSONResponse:
     """The route's handler (module docstring)."""
-    from qwen4exp.vllm.metrics import uses_agent_scheduler
-    from qwen4exp.vllm.sessions import SESSION_ID_RULE, session_id_problem
+    from qwen4exp.serving.metrics import uses_agent_scheduler
+    from qwen4exp.serving.sessions import SESSION_ID_RULE, session_id_problem
 
     if (why := session_id_problem(session_id)) is not None:
         return _error(400, f"the session id in the path {why}: {SESSION_ID_RULE}", "BadRequestError")
@@ -79,7 +84,7 @@ async def close_session(session_id: str, raw_request: Request) -> JSONResponse:
     if core is None or config is None or not uses_agent_scheduler(config):
         status, body = combine(session_id, [])
         return _error(status, body["message"], body["type"])
-    from qwen4exp.vllm.scheduler import CLOSE_UTILITY as UTILITY
+    from qwen4exp.serving.scheduler import CLOSE_UTILITY as UTILITY
 
     args = (session_id, getattr(core, "client_index", 0))
     call_all = getattr(core, "call_utility_all_async", None)

@@ -20,7 +20,7 @@ from urllib3.util import parse_url
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector
 
-from . import MEDIA_CONNECTOR
+from qwen4exp.vllm import MEDIA_CONNECTOR
 
 _FIELDS = {"ImageMediaIO": ("image_url", "an image"), "VideoMediaIO": ("video_url", "a video"),
            "AudioMediaIO": ("audio_url", "audio")}

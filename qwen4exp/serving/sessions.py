@@ -1,6 +1,6 @@
 """Agent sessions as a state machine: which session holds a soft pin on its last turn's KV blocks, and why.
 
-Pure bookkeeping (no vLLM import): ``AgentScheduler`` (``qwen4exp.vllm.scheduler``) feeds it the engine's events and
+Pure bookkeeping (no vLLM import): ``AgentScheduler`` (``qwen4exp.serving.scheduler``) feeds it the engine's events and
 hands it a ``release(blocks, fence)`` callback that returns pinned blocks to vLLM's block pool.
 
 A session is what the requests of one ``session_id`` share. When its last running turn ends normally, that turn's
@@ -27,7 +27,7 @@ States and the events that move them (any other pair raises ``IllegalTransition`
 
 Counters (``Sessions.counts``, cumulative): the events above, ``illegal_transitions`` (pairs refused), and
 ``Sessions.evictions``: pins released other than by a hand-off, by reason (``EVICTION_REASONS``). What reaches
-``/metrics``: ``qwen4exp.vllm.metrics``.
+``/metrics``: ``qwen4exp.serving.metrics``.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, Counter, Gauge
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
-from qwen4exp.vllm.sessions import EVICTION_REASONS, State
+from qwen4exp.serving.sessions import EVICTION_REASONS, State
 
 PREFIX = "qwen4exp:"
 STATES = tuple(s.value for s in State if s is not State.CLOSED)
@@ -74,7 +74,7 @@ def _key(name: str, label: str | None = None) -> str:
 
 
 def payload(sessions, sent: dict[str, int], counters: dict[str, int] | None = None) -> dict[str, int]:
-    """What changed since the last payload of ``sessions`` (a ``qwen4exp.vllm.sessions.Sessions``): gauges as they
+    """What changed since the last payload of ``sessions`` (a ``qwen4exp.serving.sessions.Sessions``): gauges as they
     are now, counters as increases. ``counters``: the scheduler's own totals by ``COUNTERS`` name (exact resumes,
     preempted tokens). ``sent`` holds what was sent before (the scheduler keeps it; updated here)."""
     by_state = sessions.by_state()
@@ -92,7 +92,14 @@ def payload(sessions, sent: dict[str, int], counters: dict[str, int] | None = No
     return out
 
 
+# the mark of a scheduler class whose stats carry ``payload`` (``AgentScheduler.sends_session_stats``): looked up on
+# the configured class, so that this module (which the scheduler imports) does not import the scheduler
+CARRIES_SESSION_STATS = "qwen4exp.serving.metrics.payload"
+
+
 def uses_agent_scheduler(vllm_config) -> bool:
+    """Whether ``vllm_config``'s scheduler class is ``AgentScheduler`` or a subclass (by its ``sends_session_stats``
+    mark; a class path is resolved as vLLM resolves it)."""
     cls = vllm_config.scheduler_config.scheduler_cls
     if cls is None:
         return False
@@ -105,9 +112,7 @@ def uses_agent_scheduler(vllm_config) -> bool:
             cls = resolve_obj_by_qualname(cls)
         except Exception:
             return False
-    from qwen4exp.vllm.scheduler import AgentScheduler
-
-    return isinstance(cls, type) and issubclass(cls, AgentScheduler)
+    return isinstance(cls, type) and getattr(cls, "sends_session_stats", None) is CARRIES_SESSION_STATS
 
 
 def _unregister_ours() -> None:
