@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--turn-tokens", type=int, default=100)
     p.add_argument("--max-output-tokens", type=int, default=16)
     p.add_argument("--think-s", type=float, default=1.0)
-    p.add_argument("--kill-delay-s", type=float, default=0.3,
+    p.add_argument("--kill-delay-s", type=float, default=0.05,
                    help="from the release of the third turns (held until every second turn is done) to the kill")
     p.add_argument("--kv-blocks", type=int, default=40, help="KV blocks per replica (40: about 6,800 tokens)")
     p.add_argument("--no-failover", dest="failover", action="store_false")

@@ -229,8 +229,9 @@ def fleet(model: str = ASSET, replicas: int = 2, policy: str = DEFAULT_POLICY, w
         f.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def from_args(argv: list[str]) -> tuple[Fleet, argparse.Namespace]:
+    """The :class:`Fleet` of a command line (nothing started)."""
+    argv = list(argv)
     serve_args = None
     if "--" in argv:
         i = argv.index("--")
@@ -248,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
               serve_args=CPU_SERVE_ARGS if serve_args is None else serve_args, served_name=a.served_model_name,
               metrics_port=a.metrics_port or a.port + 1000,
               replica_ports=[a.port + 1 + i for i in range(a.replicas)])
+    return f, a
+
+
+def main(argv: list[str] | None = None) -> int:
+    f, a = from_args(sys.argv[1:] if argv is None else argv)
 
     def _term(signum, frame):  # noqa: ARG001
         raise KeyboardInterrupt

@@ -10,6 +10,9 @@ each is run here at CPU scale from the repository root:
   ``vllm serve`` line is ``tests/test_newcomer.py::test_vllm_serve_as_the_readme_writes_it``'s command;
 * ``GPU_BLOCK`` (GPU only): parsed by vLLM's own ``vllm serve`` argument parser (every flag known, every value
   valid), not run;
+* ``ROUTER_BLOCK`` (scaling out): ``make router`` is checked with ``make -n`` to install the router's lock, the
+  ``qwen4exp.replicas`` line is parsed by the launcher's own parser into the replica and router commands it runs (not
+  run here: ``tests/test_router.py`` runs the same launcher, ``qwen4exp.replicas.Fleet``, with these settings);
 * ``IMAGE_BLOCK`` + ``IMAGE_CLIENT_BLOCK`` (the image quick start): ``make tiny-vl``, the ``qwen4exp-serve`` line, the
   OpenAI client with the example image, text back; then docs/images.md's HF snippet on the same checkpoint;
 * the HF snippet (the README's first python block): ``tests/test_readme.py``.
@@ -60,6 +63,12 @@ vllm serve CHECKPOINT --max-model-len 65536 --max-num-seqs 32 --max-num-batched-
     --gpu-memory-utilization 0.7
 """
 
+ROUTER_BLOCK = """\
+make router   # vllm-router 0.1.17 into the venv (the extra "router")
+.venv/bin/python -m qwen4exp.replicas --replicas 2 --port 8000 \\
+    -- --max-model-len 2048 --enforce-eager --num-gpu-blocks-override 40 --max-num-seqs 4
+"""
+
 IMAGE_BLOCK = """\
 make tiny-vl   # .cache/tiny-vl: the checkpoint (recipes/vision_tiny.py) and an example.png, about 5 s
 .venv/bin/qwen4exp-serve .cache/tiny-vl --served-model-name tiny-vl --max-model-len 4096 \\
@@ -80,7 +89,7 @@ r = client.chat.completions.create(model="tiny-vl", max_tokens=32, temperature=0
 print(r.choices[0].message.content)
 """
 
-TESTED = {"bash": [MAKE_BLOCK, SERVE_BLOCK, GPU_BLOCK, IMAGE_BLOCK],
+TESTED = {"bash": [MAKE_BLOCK, SERVE_BLOCK, GPU_BLOCK, ROUTER_BLOCK, IMAGE_BLOCK],
           "python": [CLIENT_BLOCK, IMAGE_CLIENT_BLOCK]}  # + the HF snippet, tests/test_readme.py
 
 
@@ -227,6 +236,27 @@ def test_gpu_line_parses():
     text = README.read_text()
     i = text.index(GPU_BLOCK)
     assert "GPU only" in text[text.rindex("\n\n", 0, i):i], "the README marks the GPU line GPU only"
+
+
+def test_router_block():
+    """``make router`` installs requirements-router.lock into the venv; the ``qwen4exp.replicas`` line, read by the
+    launcher's own parser, starts 2 AgentScheduler replicas with the block's serve arguments on ports 8001-8002
+    behind the router on 8000 with the default (session-affine) policy."""
+    from qwen4exp.replicas import DEFAULT_POLICY, from_args, scheduler_cls
+
+    make_line, replicas_line = command_lines(ROUTER_BLOCK)
+    assert shell_argv(make_line) == ["make", "router"]
+    dry = subprocess.run(["make", "-n", "router"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "install -q --no-deps -r requirements-router.lock" in dry, dry
+    words = shell_argv(replicas_line)
+    assert words[:3] == [".venv/bin/python", "-m", "qwen4exp.replicas"], words
+    fleet, args = from_args(words[3:])
+    assert (args.replicas, fleet.port, fleet.policy, fleet.replica_ports) == (2, 8000, DEFAULT_POLICY, [8001, 8002])
+    cmd = fleet.replica_cmd(8001)
+    i = cmd.index("--scheduler-cls")
+    assert cmd[i + 1] == scheduler_cls() and "--enable-prompt-tokens-details" in cmd, cmd
+    assert cmd[-7:] == ["--max-model-len", "2048", "--enforce-eager", "--num-gpu-blocks-override", "40",
+                        "--max-num-seqs", "4"], cmd
 
 
 def _hf_image_snippet() -> str:
