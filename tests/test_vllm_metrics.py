@@ -137,7 +137,8 @@ def test_without_agent_scheduler_nothing_is_registered(cls):
 def test_agent_scheduler_classes_are_recognised():
     from qwen4exp.serving.scheduler import AgentScheduler, AsyncAgentScheduler
 
-    for cls in (AGENT, "qwen4exp.serving.scheduler.AsyncAgentScheduler", AgentScheduler, AsyncAgentScheduler):
+    for cls in (AGENT, "qwen4exp.serving.scheduler.AsyncAgentScheduler", AgentScheduler, AsyncAgentScheduler,
+                "qwen4exp.vllm.scheduler.AgentScheduler"):  # (the old path of launch lines, forwarded)
         assert metrics.uses_agent_scheduler(config(cls)), cls
     assert not metrics.uses_agent_scheduler(config("qwen4exp.serving.scheduler.NoSuchClass"))
 
