@@ -274,8 +274,8 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
         _profile_steps(engine, profile_prefill, profile_to, 45, llm, gpu_only)
         profiled = True
     while engine.has_unfinished_requests():
-        if not profiled and len(steps) == 32:
-            _profile_steps(engine, 8, profile_to, 40, llm, gpu_only)
+        if not profiled and len(steps) == PROFILE_AT_STEP:
+            _profile_steps(engine, PROFILE_STEPS, profile_to, 40, llm, gpu_only)
             profiled = True
             # the engine core in its own process (--mp) keeps stepping while the profiler writes its trace, and
             # its outputs queue up: step() then returns at once (a batch-32 median of a fraction of a millisecond).
@@ -306,9 +306,24 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
                 counts.append(sum(got.values()) - before)
     if sample:
         _pyspy_window(None)
+    if not profiled:  # say so where the table would be (run 29's MTP requests ended before their 32nd step)
+        with open(profile_to, "w") as f:
+            f.write(f"no profile: the requests ended after {len(steps)} timed decode steps, before the "
+                    f"{PROFILE_AT_STEP}th (give them more tokens: profile_tokens)\n")
     if facts is not None:
         facts.update(max_decoding=max_decoding, preemptions=sum(preempted.values()) if sched is not None else None)
     return t_first, time.perf_counter() - t0, steps, sum(got.values())
+
+
+PROFILE_AT_STEP, PROFILE_STEPS = 32, 8  # --profile: decode steps 32..39 of a batch
+
+
+def profile_tokens(mtp: int, acceptance_length: float) -> int:
+    """Output tokens a request needs for the profile of its decode steps PROFILE_AT_STEP.. (+ the steps that time
+    nothing after it): with MTP a step gains up to 1 + mtp tokens (run 29 asked 48 tokens of MTP 3 requests, which
+    ended after ~15 steps: no profile)."""
+    per_step = acceptance_length if mtp else 1.0
+    return int((PROFILE_AT_STEP + PROFILE_STEPS + 8) * max(per_step, 1.0) * 1.25) + 1
 
 
 def mtp_config(k: int, acceptance_length: float) -> dict:
@@ -468,7 +483,7 @@ def worker(args) -> None:
                    gpu_only=args.profile_gpu_only)
     print(json.dumps(res), flush=True)
     if args.profile:  # a separate request: the profiler's overhead stays out of the figures above
-        _drive(engine, prompts(1, args.ctx), 48,
+        _drive(engine, prompts(1, args.ctx), profile_tokens(args.mtp, args.acceptance_length),
                os.path.join(os.path.dirname(args.result), f"{args.impl}.profile.txt"), llm=plm,
                gpu_only=args.profile_gpu_only)
     def before(n, ctx, out):  # a batch the KV room cannot hold is said so up front (and tried all the same)
@@ -780,15 +795,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bs32-ctx", type=int, default=50_000, help="batch-32 prompt length (0: skip batch 32)")
     ap.add_argument("--bs8-ctx", type=int, default=None, help="batch-8 prompt length (default 0 = skip; "
                     "fn-nvfp4: 50,000)")
-    ap.add_argument("--bs8-tokens", type=int, default=96, help="batch-8 output tokens per request")
+    ap.add_argument("--bs8-tokens", type=int, default=None, help="batch-8 output tokens per request (default 96, "
+                    "times --acceptance-length with --mtp)")
     ap.add_argument("--mtp", type=int, default=0, help="MTP drafts a step (0: off); dummy weights never draft right, "
                     "so drafts are accepted by vLLM's synthetic rejection sampling at --acceptance-length")
     ap.add_argument("--acceptance-length", type=float, default=3.23, help="mean tokens a step with --mtp (default "
                     "3.23: TokenSpeed's measured figure for this model with 3 drafts)")
-    ap.add_argument("--bs32-tokens", type=int, default=192,
-                    help="batch-32 output tokens per request: enough to outlast the batch's prefill (32 x 50k "
-                         "tokens at 16,384 a step: ~100 steps, during which the first requests already decode), so "
-                         "that there are steps with all 32 decoding; only those are timed (bs32_steps: how many)")
+    ap.add_argument("--bs32-tokens", type=int, default=None,
+                    help="batch-32 output tokens per request (default 192, times --acceptance-length with --mtp): "
+                         "enough to outlast the batch's prefill (32 x 50k tokens at 16,384 a step: ~100 steps, "
+                         "during which the first requests already decode), so that there are steps with all 32 "
+                         "decoding; only those are timed (bs32_steps: how many)")
     ap.add_argument("--eager", default="", help="comma list of impls run with enforce_eager (default none: vLLM's "
                     "defaults, i.e. CUDA graphs; for Qwen4Exp vLLM uses breakable graphs, see qwen4exp/vllm/README.md)")
     ap.add_argument("--gpu-util", type=float, default=None, help="upstream's gpu_memory_utilization (default 0.85)")
@@ -855,6 +872,13 @@ def apply_preset(args) -> None:
     for k, v in {**base, **PRESET_DEFAULTS.get(args.preset, {})}.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    # a batch's requests must outlast its prefill for steps with all of them decoding; with MTP a step gains
+    # ~acceptance-length tokens, so the same number of steps needs that many times the tokens (run 29: 192 tokens of
+    # MTP 3 ended ~60 steps in, while 32 x 30k prompts took ~59 steps to prefill: at most 31 of 32 decoded at once)
+    per_step = max(args.acceptance_length, 1.0) if args.mtp else 1.0
+    for k, v in (("bs8_tokens", 96), ("bs32_tokens", 192)):
+        if getattr(args, k) is None:
+            setattr(args, k, int(round(v * per_step)))
 
 
 def main() -> None:

@@ -5,6 +5,8 @@ batch than the name says), the py-spy window and its tables, and the A/B runs (`
 
 import types
 
+import pytest
+
 from script_loader import load_script
 
 bench = load_script("bench_vllm_gpu")
@@ -546,3 +548,30 @@ def test_profile_of_an_engine_in_its_own_process_waits_for_its_trace_or_says_why
         bench.TRACE_WAIT_S = old
     text = (d / "other_profile.txt").read_text()
     assert text.startswith("no profile: vLLM's profiler wrote no trace named other_profile*"), text
+
+
+def test_requests_that_end_before_the_profiled_steps_say_so(tmp_path):
+    """Run 29: the MTP requests of the decode profile ended before their 32nd step and left no table and no word."""
+    path = tmp_path / "ours.profile.txt"
+    eng = ScriptedEngine(prefill_steps=1)
+    bench._drive(eng, [[1]], 20, profile_to=str(path))
+    assert path.read_text().startswith("no profile: the requests ended after")
+
+
+@pytest.mark.parametrize("mtp,accept", [(0, 3.23), (3, 3.23), (3, 4.0), (1, 1.0)])
+def test_profile_requests_outlast_the_profiled_steps(mtp, accept):
+    """Enough tokens for steps PROFILE_AT_STEP..+PROFILE_STEPS at the mean tokens a step (1 without MTP)."""
+    per_step = accept if mtp else 1.0
+    assert bench.profile_tokens(mtp, accept) / per_step > bench.PROFILE_AT_STEP + bench.PROFILE_STEPS
+
+
+def test_batch_tokens_scale_with_the_mtp_acceptance_unless_given():
+    args = bench.build_parser().parse_args(["--mtp", "3", "--acceptance-length", "3.0"])
+    bench.apply_preset(args)
+    assert (args.bs8_tokens, args.bs32_tokens) == (288, 576)
+    args = bench.build_parser().parse_args(["--mtp", "3", "--bs32-tokens", "100"])
+    bench.apply_preset(args)
+    assert args.bs32_tokens == 100
+    args = bench.build_parser().parse_args([])
+    bench.apply_preset(args)
+    assert (args.bs8_tokens, args.bs32_tokens) == (96, 192)

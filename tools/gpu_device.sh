@@ -242,6 +242,9 @@ case "${1:-}" in
       [ -e "$ROOT/$f" ] && cp -r "$ROOT/$f" "$q/tree/"
     done
     cd "$q/tree"
+    # the venv's qwen4exp becomes this copy: a registration pointing at the synced tree (or a carried folder that a
+    # later call removes) lost the package under run 29's running queue (ModuleNotFoundError in the engine core)
+    ROOT="$q/tree" register > "$q/register.log" 2>&1 || { cat "$q/register.log"; exit 1; }
     setsid nohup bash -c '
       q=$1; shift; i=0
       for cmd in "$@"; do
