@@ -150,22 +150,28 @@ def _await_trace(d: str, prefix: str, wait_s: float) -> str | None:
         time.sleep(2)
 
 
-def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None, gpu_only: bool = False) -> None:
+def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None, gpu_only: bool = False,
+                   layers=None, census_out: dict | None = None) -> None:
     """Run n engine steps under the torch profiler (their outputs are dropped) and write its tables to ``path``:
     by GPU time (CPU time without a GPU), then by CPU time, then ``tools/trace_summary.py``'s report of the
     Chrome trace (kept beside it as ``<path>.trace.json.gz``: GPU busy vs idle per step, gaps, host annotations).
     ``llm``: the engine core runs in its own process (``--mp``): profile it through vLLM's profiler instead
     (``profiler_config``; its trace lands beside ``path``, named after it). ``gpu_only``: record GPU activity only
-    (in-process; ``--mp`` sets it in the engine's profiler config), so the host is not slowed by op recording."""
+    (in-process; ``--mp`` sets it in the engine's profiler config), so the host is not slowed by op recording.
+    ``layers``: the decoder layers a step runs (candidates, see ``trace_summary.census``): the per-layer census is
+    appended, and its figures go into ``census_out``."""
     import torch
 
-    from trace_summary import load, report, summarize
+    from trace_summary import census, census_report, load, report, summarize
+
+    ran = [0]
 
     def steps():
         for _ in range(n):
             if not engine.has_unfinished_requests():  # (with --mp a step would wait for output forever)
                 break
             engine.step()
+            ran[0] += 1
 
     tables = ""
     if llm is not None:
@@ -192,8 +198,26 @@ def _profile_steps(engine, n: int, path: str, row_limit: int, llm=None, gpu_only
         tables = (prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
                                             row_limit=row_limit) + "\n\n"
                   + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25) + "\n\n")
+    events = load(trace)
+    text = tables + report(summarize(events), row_limit) + "\n"
+    if layers:
+        c = census(events, max(ran[0], 1), layers)
+        text += census_report(c) + "\n"
+        if census_out is not None:
+            census_out.update(census_figures(c))
     with open(path, "w") as f:
-        f.write(tables + report(summarize(load(trace)), row_limit) + "\n")
+        f.write(text)
+
+
+def census_figures(c: dict) -> dict:
+    """The census's headline figures for the results row: GPU ops a step, kernels and µs (wall) per GDN / QSA
+    layer."""
+    out = dict(kernels_per_step=round(c["kernels_per_step"]))
+    for kind in ("gdn", "qsa"):
+        if kind in c:
+            out[f"{kind}_layer_kernels"] = c[kind]["kernels"]
+            out[f"{kind}_layer_us"] = round(c[kind]["wall_us"], 2)
+    return out
 
 
 _PYSPY: dict = {}  # the py-spy recorder of the open window: proc, raw file, label
@@ -243,7 +267,7 @@ def _scheduler(engine):
 
 def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, prefill_steps: list | None = None,
            profile_prefill: int = 0, llm=None, gpu_only: bool = False, sample: tuple | None = None,
-           counts: list | None = None, facts: dict | None = None):
+           counts: list | None = None, facts: dict | None = None, layers=None, census_out: dict | None = None):
     """Add the prompts, step until done. Returns (t_first_all, t_end, step_times_while_all_decoding, tokens):
     the step times are of steps in which every request is decoding and none has finished (all of the batch in the
     step; with long prompts the first requests decode while later ones prefill, so max_tokens must outlast the
@@ -271,11 +295,11 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
     preempted: dict = {}  # request id -> its preemptions so far (kept after it finishes and leaves the scheduler)
     max_decoding = 0
     if profile_to and profile_prefill:
-        _profile_steps(engine, profile_prefill, profile_to, 45, llm, gpu_only)
+        _profile_steps(engine, profile_prefill, profile_to, 45, llm, gpu_only, layers, census_out)
         profiled = True
     while engine.has_unfinished_requests():
         if not profiled and len(steps) == PROFILE_AT_STEP:
-            _profile_steps(engine, PROFILE_STEPS, profile_to, 40, llm, gpu_only)
+            _profile_steps(engine, PROFILE_STEPS, profile_to, 40, llm, gpu_only, layers, census_out)
             profiled = True
             # the engine core in its own process (--mp) keeps stepping while the profiler writes its trace, and
             # its outputs queue up: step() then returns at once (a batch-32 median of a fraction of a millisecond).
@@ -316,6 +340,13 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
 
 
 PROFILE_AT_STEP, PROFILE_STEPS = 32, 8  # --profile: decode steps 32..39 of a batch
+
+
+def step_layers(layers: int, mtp: int, prefill: bool = False) -> tuple[int, ...]:
+    """Decoder-layer runs a profiled step may hold, for the census's cut (``trace_summary.census``): the target's
+    layers plus the MTP draft's runs (k at a decode step, one at a prefill chunk), then the target's alone (a cut
+    kernel the draft layer lacks)."""
+    return ((layers + (1 if prefill else mtp)),) * bool(mtp) + (layers,)
 
 
 def profile_tokens(mtp: int, acceptance_length: float) -> int:
@@ -480,12 +511,12 @@ def worker(args) -> None:
         if args.profile:
             _drive(engine, prompts(1, args.ctx), 1, os.path.join(os.path.dirname(args.result),
                    f"{args.impl}.profile-prefill.txt"), profile_prefill=2, llm=plm,
-                   gpu_only=args.profile_gpu_only)
+                   gpu_only=args.profile_gpu_only, layers=step_layers(res["layers"], args.mtp, prefill=True))
     print(json.dumps(res), flush=True)
     if args.profile:  # a separate request: the profiler's overhead stays out of the figures above
         _drive(engine, prompts(1, args.ctx), profile_tokens(args.mtp, args.acceptance_length),
                os.path.join(os.path.dirname(args.result), f"{args.impl}.profile.txt"), llm=plm,
-               gpu_only=args.profile_gpu_only)
+               gpu_only=args.profile_gpu_only, layers=step_layers(res["layers"], args.mtp), census_out=res)
     def before(n, ctx, out):  # a batch the KV room cannot hold is said so up front (and tried all the same)
         warn = kv_warning(n, ctx + out, res.get("kv_tokens"))
         if warn:
@@ -515,7 +546,7 @@ def worker(args) -> None:
         gained, facts = [], {}
         t_first, t_end, steps, ntok = _drive(engine, prompts(32, args.bs32_ctx), args.bs32_tokens, prof32,
                                              llm=plm, gpu_only=args.profile_gpu_only, sample=("bs32", 4, 28),
-                                             counts=gained, facts=facts)
+                                             counts=gained, facts=facts, layers=step_layers(res["layers"], args.mtp))
         step = statistics.median(steps) if steps else float("nan")
         per = sum(gained) / len(gained) / 32 if gained else float("nan")
         res.update(bs32_ctx=args.bs32_ctx, bs32_prefill_s=t_first, bs32_e2e_s=t_end, bs32_step_ms=1e3 * step,
@@ -585,7 +616,9 @@ FIELDS = ["impl", "eager", "mp", "mtp", "layers", "startup_s", "gpu_used_gib", "
           "bs1_tok_s_user", "kv_tokens", "kv_requests", "bs8_ctx", "bs8_step_ms", "bs8_steps", "bs8_tokens_per_step",
           "bs8_max_decoding", "bs8_preemptions", "bs8_why", "bs32_ctx", "bs32_prefill_s", "bs32_step_ms", "bs32_steps",
           "bs32_tokens_per_step", "bs32_tok_s_user", "bs32_decode_tok_s", "bs32_e2e_out_tok_s", "bs32_max_decoding",
-          "bs32_preemptions", "bs32_why", "roofline_ms", "moe_backend", "jit_during_inference", "package", "error"]
+          "bs32_preemptions", "bs32_why", "roofline_ms", "bs1_bw_fraction", "kernels_per_step", "gdn_layer_kernels",
+          "gdn_layer_us", "qsa_layer_kernels", "qsa_layer_us", "moe_backend", "jit_during_inference", "package",
+          "error"]
 TABLE_FIELDS = [k for k in FIELDS if not k.endswith("_why")]  # (the reasons go under the table, as footnotes)
 BATCHES = (8, 32)  # the batch phases whose step figure may be missing
 
@@ -933,6 +966,8 @@ def main() -> None:
                 if line.startswith('{"impl"'):
                     row.update(json.loads(line))
         row["roofline_ms"] = roof_ms
+        if not row.get("mtp") and row.get("bs1_step_ms"):  # (with MTP a step reads the weights for ~3 tokens)
+            row["bs1_bw_fraction"] = roof_ms / row["bs1_step_ms"]
         if not row.get("kv_tokens"):  # (a worker that died before reporting it: vLLM logged it at start-up)
             row["kv_tokens"] = kv_tokens_from_log(log)
         tokens = phase_tokens(args)

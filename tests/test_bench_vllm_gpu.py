@@ -575,3 +575,12 @@ def test_batch_tokens_scale_with_the_mtp_acceptance_unless_given():
     args = bench.build_parser().parse_args([])
     bench.apply_preset(args)
     assert (args.bs8_tokens, args.bs32_tokens) == (96, 192)
+
+
+def test_census_layers_and_figures():
+    """The census cuts a profiled step at the target's layers plus the MTP draft's runs, or the target's alone."""
+    assert bench.step_layers(24, 3) == (27, 24) and bench.step_layers(24, 3, prefill=True) == (25, 24)
+    assert bench.step_layers(24, 0) == (24,)
+    c = dict(kernels_per_step=812.4, gdn=dict(kernels=31, wall_us=80.123), qsa=dict(kernels=40, wall_us=95.0))
+    assert bench.census_figures(c) == dict(kernels_per_step=812, gdn_layer_kernels=31, gdn_layer_us=80.12,
+                                           qsa_layer_kernels=40, qsa_layer_us=95.0)

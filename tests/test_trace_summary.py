@@ -95,3 +95,55 @@ def test_busy_shares_split_overlapping_kernels_and_add_up_to_the_busy_time(ts):
     assert ts.category("kernel_cutlass_kernel_vllmmodelsqwen4_expnvidiaopscute_dsl_hc_down_silu") == "hc"
     assert ts.category("void vllm::cooperative::cooperative_topk_cs4<512u>") == "qsa"
     assert "busy us/st" in ts.report(res)
+
+
+GDN_LAYER = [("router_topk", 2.0), ("experts", 10.0), ("_hc_mix", 3.0), ("causal_conv1d_update", 2.0),
+             ("fused_recurrent_gated_delta_rule", 6.0)]
+QSA_LAYER = [("router_topk", 2.0), ("experts", 10.0), ("_hc_mix", 3.0), ("_qsa_score_paged_kernel", 4.0),
+             ("_qsa_attend_kernel", 5.0), ("_qsa_merge_kernel", 1.0)]
+
+
+def _layered_trace(steps=3, pattern="GGQG", gap=1.0):
+    """``steps`` decode steps of the layers in ``pattern`` (G: GDN, Q: QSA), each step: an embedding, the layers,
+    the LM head and the sampler; kernels back to back, ``gap`` us apart."""
+    ev, t = [], 0.0
+    for _ in range(steps):
+        seq = [("embed", 1.0)]
+        for c in pattern:
+            seq += GDN_LAYER if c == "G" else QSA_LAYER
+        seq += [("lm_head_gemv", 20.0), ("sample", 2.0)]
+        for name, dur in seq:
+            ev.append(_x("kernel", name, t, dur))
+            t += dur + gap
+        t += 50.0  # the host between steps
+    return ev
+
+
+def test_census_cuts_the_step_into_layers_and_types_them(ts):
+    c = ts.census(_layered_trace(), 3, (7, 4))  # (7: no kernel runs 7 times a step: falls back to 4)
+    assert c["boundary"] == "router_topk"
+    assert c["kernels_per_step"] == pytest.approx(1 + 3 * 5 + 6 + 2)
+    # a period runs from one router to the next (here: one layer's own kernels); the last layer's crosses into the
+    # next step (LM head, sampler, embedding): a second GDN sequence, left out of the kernel list
+    g, q = c["gdn"], c["qsa"]
+    assert (g["periods"], g["variants"], q["periods"], q["variants"]) == (8, 2, 3, 1)  # (the trace's last: uncut)
+    assert g["kernels"] == 5 and [n for n, _ in g["sequence"]] == [n for n, _ in GDN_LAYER]
+    assert g["kernel_us"] == pytest.approx(sum(d for _, d in GDN_LAYER))
+    assert g["wall_us"] == pytest.approx(sum(d for _, d in GDN_LAYER) + len(GDN_LAYER) * 1.0)
+    assert q["kernels"] == 6 and q["sequence"][4] == ("_qsa_attend_kernel", 5.0)
+    assert c["rest_us"] > 0 and "GDN layer" in ts.census_report(c, 1.0, 2e9, 3e12)
+    assert "67% of the copy bandwidth" in ts.census_report(c, 1.0, 2e9, 3e12)
+
+
+def test_census_says_why_without_a_kernel_once_a_layer(ts):
+    c = ts.census(_layered_trace(), 3, 5)
+    assert "no kernel runs once a layer" in c["error"] and "layer census" in ts.census_report(c)
+
+
+def test_census_from_the_command_line(tmp_path):
+    p = tmp_path / "t.json.gz"
+    with gzip.open(p, "wt") as f:
+        json.dump({"traceEvents": _layered_trace()}, f)
+    out = subprocess.run([sys.executable, str(SCRIPT), str(p), "--steps", "3", "--layers", "4"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "GDN layer: " in out and "QSA layer: " in out

@@ -206,15 +206,110 @@ def report(res: dict, top: int = 30) -> str:
     return "\n".join(lines)
 
 
+# -- the per-layer census (issue 50, item 1) -------------------------------------------------------------------------
+# A decode step replays the decoder layers' kernels in program order. A kernel that runs once in every decoder layer
+# (the MoE router's top-k, say) cuts the kernel sequence into one period a layer; a period holding a GDN kernel is a
+# GDN layer's, one holding a QSA kernel a QSA layer's (the cut falls inside a layer: a period is one layer's tail and
+# the next one's head, the same count and time as a whole layer). What falls outside the periods (embedding, final
+# mixer, LM head, sampler, the first layer's head, the last one's tail) and periods that cross steps are "rest".
+GDN_KERNELS = ("gated_delta_rule", "delta_rule", "causal_conv1d", "_gdn", "gdn_", "recurrent")
+QSA_KERNELS = ("_qsa_", "qsa_", "sparse_paged", "_index_update")
+
+
+def layer_type(names) -> str:
+    gdn = any(any(f in n for f in GDN_KERNELS) for n in names)
+    qsa = any(any(f in n for f in QSA_KERNELS) for n in names)
+    return "gdn" if gdn and not qsa else "qsa" if qsa and not gdn else "rest"
+
+
+def census(events: list[dict], steps: int, layers_per_step) -> dict:
+    """Kernels and GPU time per GDN layer and per QSA layer of ``steps`` profiled steps that each run
+    ``layers_per_step`` decoder layers (an int, or candidates, e.g. (27, 24): the target's layers + MTP draft runs,
+    then the target's alone). Returns {boundary, per type: layers, kernels (per layer, the commonest sequence),
+    kernel_us and wall_us (medians a layer), periods (how many), sequence [(name, median us)]}, rest_us a step,
+    kernels_per_step}; or
+    {error: why} when no kernel runs exactly once a layer."""
+    gpu = sorted((e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e
+                  and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: float(e["ts"]))
+    counts: dict = defaultdict(int)
+    for e in gpu:
+        counts[e["name"]] += 1
+    want = (layers_per_step,) if isinstance(layers_per_step, int) else tuple(layers_per_step)
+    boundary = None
+    for per in want:
+        cands = [n for n, c in counts.items() if c == per * steps and layer_type([n]) == "rest"]
+        if cands:  # the first in program order: the cut sits at the same place in every layer
+            first = {n: i for i, n in reversed(list(enumerate(e["name"] for e in gpu)))}
+            boundary = min(cands, key=lambda n: first[n])
+            break
+    if boundary is None:
+        return dict(error=f"no kernel runs once a layer (want {' or '.join(str(w * steps) for w in want)} calls "
+                          f"in {steps} steps)", kernels_per_step=len(gpu) / max(steps, 1))
+    cuts = [i for i, e in enumerate(gpu) if e["name"] == boundary]
+    periods: dict = defaultdict(list)
+    in_layers = 0.0
+    for a, b in zip(cuts, cuts[1:]):
+        seg = gpu[a:b]
+        kind = layer_type([e["name"] for e in seg])
+        if kind == "rest":
+            continue
+        wall = float(gpu[b]["ts"]) - float(seg[0]["ts"])
+        periods[kind].append((tuple(e["name"] for e in seg), [float(e["dur"]) for e in seg], wall))
+    out: dict = dict(boundary=boundary, kernels_per_step=len(gpu) / steps)
+    for kind, segs in periods.items():
+        seqs: dict = defaultdict(list)
+        for names, durs, wall in segs:
+            seqs[names].append((durs, wall))
+        names, runs = max(seqs.items(), key=lambda kv: len(kv[1]))  # the commonest sequence (a layer's own kernels)
+        med = [statistics.median(d[i] for d, _ in runs) for i in range(len(names))]
+        out[kind] = dict(periods=len(segs), kernels=len(names), variants=len(seqs),
+                         kernel_us=statistics.median(sum(d) for _, d, _ in segs),
+                         wall_us=statistics.median(w for _, _, w in segs), sequence=list(zip(names, med)))
+        in_layers += sum(w for _, _, w in segs)
+    if gpu:
+        out["span_us"] = (float(gpu[-1]["ts"]) + float(gpu[-1]["dur"]) - float(gpu[0]["ts"])) / steps
+        out["rest_us"] = out["span_us"] - in_layers / steps
+    return out
+
+
+def census_report(c: dict, step_ms: float | None = None, step_bytes: float | None = None,
+                  bandwidth: float | None = None) -> str:
+    """The census as text; with the step time (ms), the bytes a step must read and the copy bandwidth (B/s), the
+    achieved bandwidth and its fraction."""
+    if "error" in c:
+        return f"layer census: {c['error']}; {c['kernels_per_step']:.0f} GPU ops a step"
+    lines = [f"layer census (cut at {c['boundary'][:60]}): {c['kernels_per_step']:.0f} GPU ops a step"]
+    for kind in ("gdn", "qsa"):
+        if kind in c:
+            k = c[kind]
+            lines.append(f"  {kind.upper()} layer: {k['kernels']} kernels, kernel sum "
+                         f"{k['kernel_us']:.1f} us, wall {k['wall_us']:.1f} us (medians of {k['periods']} periods; "
+                         f"{k['variants']} kernel sequences, the commonest listed)")
+            lines += [f"    {i:2d} {n[:80]:80s} {u:8.2f}" for i, (n, u) in enumerate(k["sequence"])]
+    if "rest_us" in c:
+        lines.append(f"  rest of the step (embedding, head, sampler, edges): {c['rest_us']:.1f} us of a "
+                     f"{c['span_us']:.1f} us GPU span")
+    if step_ms and step_bytes and bandwidth:
+        got = step_bytes / (step_ms * 1e-3)
+        lines.append(f"  bytes a step {step_bytes / 1e9:.3f} GB in {step_ms:.3f} ms: {got / 1e12:.2f} TB/s = "
+                     f"{100 * got / bandwidth:.0f}% of the copy bandwidth ({bandwidth / 1e12:.2f} TB/s)")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--steps", type=int, default=0, help="steps in the trace (default: its CUDA graph launches)")
     ap.add_argument("--csv", help="write the kernel table here")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--layers", default="", help="decoder layers a step runs (comma list of candidates, e.g. 27,24 "
+                    "for 24 layers + 3 MTP draft runs): print the per-layer census too (needs --steps)")
     a = ap.parse_args()
-    res = summarize(load(a.trace), a.steps)
+    events = load(a.trace)
+    res = summarize(events, a.steps)
     print(report(res, a.top))
+    if a.layers:
+        print(census_report(census(events, a.steps or res["steps"], [int(x) for x in a.layers.split(",")])))
     if a.csv:
         with open(a.csv, "w", newline="") as f:
             w = csv.writer(f)
