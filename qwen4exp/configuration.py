@@ -72,18 +72,9 @@ def check_field_types(values) -> None:
             _fail(name, f"must be {kind}, got {v!r}")
 
 
-_KINDS: dict[str, str] | None = None
-
-
 def _field_kinds() -> dict[str, str]:
-    """Field name -> its declared type (``Qwen4ExpTextConfig.__init__``'s annotations, as written)."""
-    global _KINDS
-    if _KINDS is None:
-        import inspect
-
-        _KINDS = {n: str(p.annotation) for n, p in inspect.signature(Qwen4ExpTextConfig.__init__).parameters.items()
-                  if n not in ("self", "kwargs")}
-    return _KINDS
+    """Field name -> its declared type, as written in ``Qwen4ExpTextConfig``'s own field annotations."""
+    return {n: str(t) for n, t in Qwen4ExpTextConfig.__dict__["__annotations__"].items()}
 
 
 def normalize_layer_types(layer_types: list[str] | None, num_hidden_layers: int, interval: int = 4) -> list[str]:
@@ -127,125 +118,87 @@ def standardize_rope(rope_parameters: dict | None, kwargs: dict) -> dict:
 
 
 class Qwen4ExpTextConfig(PretrainedConfig):
+    """The text model. Fields are declared typed, as transformers 5 declares config fields (the base class makes
+    every config class a keyword-only dataclass); ``__post_init__`` checks each value against its declared type,
+    normalises ``rope_parameters`` / ``layer_types`` / ``ple_*`` and ends with ``validate()``, which runs
+    transformers' own validators and then ``validate_text_config``. Every error names the field."""
+
     model_type = "qwen4_exp_text"
     base_config_key = "text_config"
     keys_to_ignore_at_inference = ["past_key_values"]
     ignore_keys_at_rope_validation = {"mrope_section", "mrope_interleaved"}
 
-    def __init__(
-        self,
-        vocab_size: int = 248320,
-        hidden_size: int = 2048,
-        num_hidden_layers: int = 40,
-        num_attention_heads: int = 16,
-        num_key_value_heads: int = 2,
-        head_dim: int = 256,
-        hidden_act: str = "silu",
-        max_position_embeddings: int = 32768,
-        initializer_range: float = 0.02,
-        rms_norm_eps: float = 1e-6,
-        use_cache: bool = True,
-        tie_word_embeddings: bool = False,
-        rope_parameters: dict | None = None,
-        attention_bias: bool = False,
-        attention_dropout: float = 0.0,
-        linear_conv_kernel_dim: int = 4,
-        linear_key_head_dim: int = 128,
-        linear_value_head_dim: int = 128,
-        linear_num_key_heads: int = 16,
-        linear_num_value_heads: int = 32,
-        moe_intermediate_size: int = 512,
-        shared_expert_intermediate_size: int = 512,
-        num_experts_per_tok: int = 10,
-        num_experts: int = 512,
-        norm_topk_prob: bool = True,
-        output_router_logits: bool = False,
-        router_aux_loss_coef: float = 0.001,
-        layer_types: list[str] | None = None,
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = None,
-        eos_token_id: int | list[int] | None = None,
-        hc_count: int = 4,
-        hc_lowrank: int = 320,
-        ple_layer_ids: list[int] | None = None,
-        ple_embed_dim: int | None = None,
-        ple_conv_kernel_size: int = 4,
-        ngram_size: int = 3,
-        heads_per_ngram: int = 8,
-        ngram_vocab_size_base: int = 20_000_000,
-        make_ngram_vocab_size_divisible_by: int = 128,
-        seed: int = 1234,
-        split_ngram_parts: int = 512,
-        indexer_n_heads: int | None = None,
-        indexer_kv_heads: int | None = None,
-        indexer_head_dim: int | None = None,
-        indexer_budget: int | None = None,
-        indexer_compress_ratio: int | None = None,
-        output_gate_type: str | None = None,
-        mtp_num_hidden_layers: int = 0,
-        mtp_use_dedicated_embeddings: bool = False,
-        mamba_ssm_dtype: str | None = None,
-        **kwargs: Any,
-    ):
-        check_field_types({k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")})
+    vocab_size: int = 248320
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    num_experts_per_tok: int = 10
+    num_experts: int = 512
+    norm_topk_prob: bool = True
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    layer_types: list[str] | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    hc_count: int = 4
+    hc_lowrank: int = 320
+    ple_layer_ids: list[int] | None = None
+    ple_embed_dim: int | None = None
+    ple_conv_kernel_size: int = 4
+    ngram_size: int = 3
+    heads_per_ngram: int = 8
+    ngram_vocab_size_base: int = 20_000_000
+    make_ngram_vocab_size_divisible_by: int = 128
+    seed: int = 1234
+    split_ngram_parts: int = 512
+    indexer_n_heads: int | None = None
+    indexer_kv_heads: int | None = None
+    indexer_head_dim: int | None = None
+    indexer_budget: int | None = None
+    indexer_compress_ratio: int | None = None
+    output_gate_type: str | None = None
+    mtp_num_hidden_layers: int = 0
+    mtp_use_dedicated_embeddings: bool = False
+
+    def __post_init__(self, **kwargs: Any):
+        check_field_types(self)
         interval = kwargs.pop("full_attention_interval", 4)
-        self.rope_parameters = standardize_rope(rope_parameters, kwargs)
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.head_dim = head_dim
-        self.hidden_act = hidden_act
-        self.max_position_embeddings = max_position_embeddings
-        self.initializer_range = initializer_range
-        self.rms_norm_eps = rms_norm_eps
-        self.use_cache = use_cache
-        self.attention_bias = attention_bias
-        self.attention_dropout = attention_dropout
-        self.linear_conv_kernel_dim = linear_conv_kernel_dim
-        self.linear_key_head_dim = linear_key_head_dim
-        self.linear_value_head_dim = linear_value_head_dim
-        self.linear_num_key_heads = linear_num_key_heads
-        self.linear_num_value_heads = linear_num_value_heads
-        self.moe_intermediate_size = moe_intermediate_size
-        self.shared_expert_intermediate_size = shared_expert_intermediate_size
-        self.num_experts_per_tok = num_experts_per_tok
-        self.num_experts = num_experts
-        self.norm_topk_prob = norm_topk_prob
-        self.output_router_logits = output_router_logits
-        self.router_aux_loss_coef = router_aux_loss_coef
-        self.layer_types = normalize_layer_types(layer_types, num_hidden_layers, interval)
+        if kwargs.get("mamba_ssm_dtype", 0) is None:  # set only when given (vLLM reads it as an optional attribute)
+            kwargs.pop("mamba_ssm_dtype")
+        self.rope_parameters = standardize_rope(self.rope_parameters, kwargs)
+        self.layer_types = normalize_layer_types(self.layer_types, self.num_hidden_layers, interval)
         # Checked before the base class runs its own layer_types validation, which fails without naming our field.
-        _check_layer_types(self.layer_types, num_hidden_layers)
-        self.hc_count = hc_count
-        self.hc_lowrank = hc_lowrank
-        self.ple_layer_ids = sorted(set(ple_layer_ids or []))
-        self.ple_embed_dim = hidden_size if ple_embed_dim is None else ple_embed_dim
-        self.ple_conv_kernel_size = ple_conv_kernel_size
-        self.ngram_size = ngram_size
-        self.heads_per_ngram = heads_per_ngram
-        self.ngram_vocab_size_base = ngram_vocab_size_base
-        self.make_ngram_vocab_size_divisible_by = make_ngram_vocab_size_divisible_by
-        self.seed = seed
-        self.split_ngram_parts = split_ngram_parts
-        self.indexer_n_heads = indexer_n_heads
-        self.indexer_kv_heads = indexer_kv_heads
-        self.indexer_head_dim = indexer_head_dim
-        self.indexer_budget = indexer_budget
-        self.indexer_compress_ratio = indexer_compress_ratio
-        self.output_gate_type = output_gate_type
-        self.mtp_num_hidden_layers = mtp_num_hidden_layers
-        self.mtp_use_dedicated_embeddings = mtp_use_dedicated_embeddings
-        if mamba_ssm_dtype is not None:
-            self.mamba_ssm_dtype = mamba_ssm_dtype
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+        _check_layer_types(self.layer_types, self.num_hidden_layers)
+        self.ple_layer_ids = sorted(set(self.ple_layer_ids or []))
+        if self.ple_embed_dim is None:
+            self.ple_embed_dim = self.hidden_size
+        super().__post_init__(**kwargs)
+        self.validate()
+
+    def validate(self) -> None:
+        """transformers' validators (``validate_*`` of the base class), then this model's invariants."""
+        base = getattr(super(), "validate", None)
+        if base is not None:
+            base()
         validate_text_config(self)
 
 
@@ -319,42 +272,33 @@ class Qwen4ExpVisionConfig(PretrainedConfig):
     base_config_key = "vision_config"
     attribute_map = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
 
-    def __init__(
-        self,
-        depth: int = 27,
-        hidden_size: int = 1152,
-        hidden_act: str = "gelu_pytorch_tanh",
-        intermediate_size: int = 4304,
-        num_heads: int = 16,
-        in_channels: int = 3,
-        patch_size: int = 16,
-        spatial_merge_size: int = 2,
-        temporal_patch_size: int = 2,
-        out_hidden_size: int = 3584,
-        num_position_embeddings: int = 2304,
-        initializer_range: float = 0.02,
-        rope_parameters: dict | None = None,
-        **kwargs: Any,
-    ):
-        self.depth = depth
-        self.hidden_size = hidden_size
-        self.hidden_act = hidden_act
-        self.intermediate_size = intermediate_size
-        self.num_heads = num_heads
-        self.in_channels = in_channels
-        self.patch_size = patch_size
-        self.spatial_merge_size = spatial_merge_size
-        self.temporal_patch_size = temporal_patch_size
-        self.out_hidden_size = out_hidden_size
-        self.num_position_embeddings = num_position_embeddings
-        self.initializer_range = initializer_range
-        self.rope_parameters = rope_parameters
-        super().__init__(**kwargs)
-        if hidden_size % num_heads:
-            _fail("vision_config.num_heads", f"{num_heads} does not divide hidden_size {hidden_size}")
-        side = math.isqrt(num_position_embeddings)
-        if side * side != num_position_embeddings:
-            _fail("vision_config.num_position_embeddings", f"{num_position_embeddings} is not a square grid")
+    depth: int = 27
+    hidden_size: int = 1152
+    hidden_act: str = "gelu_pytorch_tanh"
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 16
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    out_hidden_size: int = 3584
+    num_position_embeddings: int = 2304
+    initializer_range: float = 0.02
+    rope_parameters: dict | None = None
+
+    def __post_init__(self, **kwargs: Any):
+        super().__post_init__(**kwargs)
+        self.validate()
+
+    def validate(self) -> None:
+        base = getattr(super(), "validate", None)
+        if base is not None:
+            base()
+        if self.hidden_size % self.num_heads:
+            _fail("vision_config.num_heads", f"{self.num_heads} does not divide hidden_size {self.hidden_size}")
+        side = math.isqrt(self.num_position_embeddings)
+        if side * side != self.num_position_embeddings:
+            _fail("vision_config.num_position_embeddings", f"{self.num_position_embeddings} is not a square grid")
 
 
 class Qwen4ExpConfig(PretrainedConfig):
@@ -362,45 +306,36 @@ class Qwen4ExpConfig(PretrainedConfig):
     sub_configs = {"text_config": Qwen4ExpTextConfig, "vision_config": Qwen4ExpVisionConfig}
     keys_to_ignore_at_inference = ["past_key_values"]
 
-    def __init__(
-        self,
-        text_config: dict | Qwen4ExpTextConfig | None = None,
-        vision_config: dict | Qwen4ExpVisionConfig | None = None,
-        image_token_id: int = 248056,
-        video_token_id: int = 248057,
-        vision_start_token_id: int = 248053,
-        vision_end_token_id: int = 248054,
-        tie_word_embeddings: bool = False,
-        **kwargs: Any,
-    ):
-        if isinstance(vision_config, dict):
-            vision_config = dict(vision_config)
-            if vision_config.get("model_type") == "qwen4_exp":  # legacy checkpoints
-                vision_config["model_type"] = "qwen4_exp_vision"
-            vision_config.pop("model_type", None)
-            vision_config = Qwen4ExpVisionConfig(**vision_config)
-        elif vision_config is None:
-            vision_config = Qwen4ExpVisionConfig()
-        elif not isinstance(vision_config, Qwen4ExpVisionConfig):  # e.g. upstream's config object
-            vision_config = Qwen4ExpVisionConfig(**_plain_dict(vision_config))
-        if isinstance(text_config, dict):
-            text_config = dict(text_config)
-            text_config.pop("model_type", None)
-            text_config = Qwen4ExpTextConfig(**text_config)
-        elif text_config is None:
-            text_config = Qwen4ExpTextConfig()
-        elif not isinstance(text_config, Qwen4ExpTextConfig):
-            text_config = Qwen4ExpTextConfig(**_plain_dict(text_config))
-        self.text_config = text_config
-        self.vision_config = vision_config
-        self.image_token_id = image_token_id
-        self.video_token_id = video_token_id
-        self.vision_start_token_id = vision_start_token_id
-        self.vision_end_token_id = vision_end_token_id
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+    text_config: dict | Qwen4ExpTextConfig | None = None
+    vision_config: dict | Qwen4ExpVisionConfig | None = None
+    image_token_id: int = 248056
+    video_token_id: int = 248057
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs: Any):
+        self.vision_config = _sub_config(self.vision_config, Qwen4ExpVisionConfig)
+        self.text_config = _sub_config(self.text_config, Qwen4ExpTextConfig)
+        super().__post_init__(**kwargs)
+        base = getattr(super(), "validate", None)
+        if base is not None:
+            base()
 
     def get_text_config(self, *args, **kwargs):
         return self.text_config
+
+
+def _sub_config(value, cls):
+    """A sub-config field's value (a dict from config.json, None, ours, or another library's config object) -> ours.
+    Its ``model_type`` is dropped (older checkpoints wrote ``qwen4_exp`` in ``vision_config``)."""
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    d = dict(value) if isinstance(value, dict) else _plain_dict(value)
+    d.pop("model_type", None)
+    return cls(**d)
 
 
 def _plain_dict(cfg) -> dict:
