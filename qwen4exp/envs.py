@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -135,6 +135,25 @@ DEV_SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("QWEN4EXP_TRITON_PATH", "path", "", "tests: the Triton the offline kernel checks import (default "
            ".cache/triton, which `make test` installs)"),
 )}
+
+if TYPE_CHECKING:  # each switch's type for type checkers and editors (vLLM's envs.py does the same); the values
+    # come from ``__getattr__``; tests/test_envs.py keeps this list in step with SWITCHES (names, kinds)
+    QWEN4EXP_VLLM: bool
+    QWEN4EXP_OPS: str
+    QWEN4EXP_VLLM_GDN: str
+    QWEN4EXP_PLE_TABLE: str
+    QWEN4EXP_PLE_PREFETCH: bool
+    QWEN4EXP_HC_DECODE: str
+    QWEN4EXP_QSA_WARMUP: bool
+    QWEN4EXP_SESSION_TTL: float
+    QWEN4EXP_CONTINUATION_CHUNK: int
+    QWEN4EXP_PAUSE_CHUNK: int
+    QWEN4EXP_TOKENIZE_CACHE_TOKENS: int
+    QWEN4EXP_IDLE_TRIM: float
+    QWEN4EXP_FAULT_INJECT: Optional[int]
+    QWEN4EXP_CACHE_DIR: str
+
+KIND_TYPES = {"bool": "bool", "choice": "str", "float": "float", "int": "int", "path": "str"}  # Switch.kind -> type
 
 _values: dict[str, Any] = {}
 

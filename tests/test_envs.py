@@ -200,3 +200,22 @@ def test_every_name_the_tests_tools_and_benchmarks_read_is_declared():
     assert not [u for u in undeclared if u.split(": ")[1] not in gone], undeclared
     rows = envs.table(switches=envs.DEV_SWITCHES).splitlines()
     assert len(rows) == 2 + len(envs.DEV_SWITCHES)
+
+
+def test_typed_accessors_match_the_switches():
+    """The TYPE_CHECKING block of envs.py names every switch with the type its kind parses to (Optional where the
+    default is None), and nothing else."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(envs))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    declared = {st.target.id: ast.unparse(st.annotation) for st in block.body if isinstance(st, ast.AnnAssign)}
+    want = {}
+    for name, sw in envs.SWITCHES.items():
+        t = envs.KIND_TYPES[sw.kind]
+        want[name] = f"Optional[{t}]" if sw.default is None else t
+    assert declared == want
+    for name, sw in envs.SWITCHES.items():  # the defaults are of those types
+        if sw.default is not None:
+            assert type(sw.default).__name__ == envs.KIND_TYPES[sw.kind], name
