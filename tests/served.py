@@ -16,6 +16,11 @@ from qwen4exp.demo import stop_server
 
 START_TIMEOUT = 180
 
+# the README's plain `vllm serve` line: tests/test_newcomer.py runs it, tests/test_readme_commands.py checks that the
+# README holds it
+README_VLLM_SERVE = (".venv/bin/vllm serve qwen4exp/assets/tiny-coder --served-model-name tiny-coder "
+                     "--max-model-len 2048")
+
 
 def free_port() -> int:
     with socket.socket() as s:

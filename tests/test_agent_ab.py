@@ -15,12 +15,7 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-CKPT = "qwen4exp/assets/tiny-coder"
-SRV = f"{CKPT} --max-model-len 2048 --enforce-eager --enable-prompt-tokens-details --num-gpu-blocks-override 96 " \
-      "--max-num-seqs 4"
-AGENT = " --scheduler-cls qwen4exp.serving.scheduler.AgentScheduler"
-WORKLOAD = ["--first-turn-tokens", "1000", "--turn-tokens", "100", "--turns", "4", "--max-output-tokens", "32",
-            "--concurrency", "4", "--conversations", "8", "--warmup", "0", "--think-time", "lognormal:0.5,1,3"]
+from bench_support import AGENT, CKPT, SRV, WORKLOAD  # noqa: F401  (the README's A/B: test_bench_readme)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from script_loader import load_script
-from test_bench import _write_csv
+from bench_support import write_csv
 
 from qwen4exp.bench import metrics as M
 from qwen4exp.demo import stop_server
@@ -40,8 +40,8 @@ def _summary_rows(ttft: float) -> list[dict[str, str]]:
 
 def test_table_and_ratios_from_two_summaries(agentic, tmp_path):
     up, ours = tmp_path / "upstream.csv", tmp_path / "ours.csv"
-    _write_csv(up, _summary_rows(ttft=50.0), "upstream", 1.0)
-    _write_csv(ours, _summary_rows(ttft=100.0), "ours", 0.25)  # a quarter of upstream's per-user rate
+    write_csv(up, _summary_rows(ttft=50.0), "upstream", 1.0)
+    write_csv(ours, _summary_rows(ttft=100.0), "ours", 0.25)  # a quarter of upstream's per-user rate
     rows = agentic.combine([
         dict(label="upstream", gpu="0", summary=str(up), startup_s=180.0, error=""),
         dict(label="ours", gpu="1", summary=str(ours), startup_s=95.5, error=""),
@@ -68,7 +68,7 @@ def test_table_and_ratios_from_two_summaries(agentic, tmp_path):
 
 def test_a_failed_server_keeps_the_other_and_says_why(agentic, tmp_path):
     ours = tmp_path / "ours.csv"
-    _write_csv(ours, _summary_rows(ttft=100.0), "ours", 1.0)
+    write_csv(ours, _summary_rows(ttft=100.0), "ours", 1.0)
     rows = agentic.combine([
         dict(label="upstream", gpu="0", summary=str(tmp_path / "missing.csv"), startup_s=None,
              error="server did not start: server exited with code 1 during start-up (ValueError: no)"),

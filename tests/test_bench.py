@@ -14,21 +14,13 @@ the fake server's switches and always use it.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 import os
 import random
 import socket
 import struct
-import subprocess
-import sys
-import threading
-import time
 import zlib
-from contextlib import redirect_stderr, redirect_stdout
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,67 +31,8 @@ from qwen4exp.bench import metrics as M
 from qwen4exp.bench import plot as P
 from qwen4exp.bench.plot import render_builtin, series_from_csvs
 
-FAKE = Path(__file__).with_name("fake_openai_server.py")
-
-# The miniature workload CI runs (issue 6): first turn 200 tokens, +20 per turn,
-# 3 turns, 16 output tokens, concurrency 1 and 2.
-FIRST, TURN, TURNS, OUT = 200, 20, 3, 16
-CONCURRENCY = [1, 2]
-
-
-# ---------------------------------------------------------------------------
-# servers
-
-
-@dataclass
-class Server:
-    kind: str
-    base_url: str
-    model: str
-    tokenizer: str | None = None  # --tokenizer DIR for the client (None: the server's /tokenize)
-    reply_close: int | None = None  # template tokens closing a reply, when known (fake: 2)
-    has_prefix_cache_metrics: bool = False
-    proc: subprocess.Popen | None = None
-
-
-def start_fake(*extra: str, timeout: float = 20.0) -> Server:
-    proc = subprocess.Popen(
-        [sys.executable, str(FAKE), "--port", "0", *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not line or not line[0].startswith("READY "):
-        stop_process(proc)
-        raise RuntimeError(f"fake server did not start: {line!r}")
-    port = int(line[0].split()[1])
-    return Server(
-        kind="fake",
-        base_url=f"http://127.0.0.1:{port}/v1",
-        model="fake-model",
-        reply_close=2,
-        has_prefix_cache_metrics=True,
-        proc=proc,
-    )
-
-
-def stop_process(proc: subprocess.Popen | None) -> None:
-    if proc is None:
-        return
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    if proc.stdout is not None:
-        proc.stdout.close()
-
+from bench_support import (CONCURRENCY, FIRST, OUT, TURN, TURNS, Run, Server, bench, check_png,  # noqa: F401
+                           fake_factory, mini_argv, num, run_cli, start_fake, stop_process, write_csv)
 
 # "qwen4exp": our vLLM CPU server (the qwen4exp plugin) serving the embedded trained tiny checkpoint.
 SERVERS = ["fake", pytest.param("qwen4exp", marks=pytest.mark.vllm)] + (
@@ -137,134 +70,10 @@ def server(request):
         raise ValueError(request.param)
 
 
-@pytest.fixture
-def fake_factory():
-    """Start fake servers with failure switches; all are stopped after the test."""
-    started: list[Server] = []
-
-    def make(*extra: str) -> Server:
-        s = start_fake(*extra)
-        started.append(s)
-        return s
-
-    yield make
-    for s in started:
-        stop_process(s.proc)
-
-
-# ---------------------------------------------------------------------------
-# running the CLI in-process, bounded
-
-
-@dataclass
-class Run:
-    rc: int
-    stdout: str
-    stderr: str
-    seconds: float
-    out: Path
-
-    @property
-    def rows(self) -> list[dict[str, str]]:
-        with (self.out / "summary.csv").open(newline="") as f:
-            return list(csv.DictReader(f))
-
-    @property
-    def header(self) -> list[str]:
-        with (self.out / "summary.csv").open(newline="") as f:
-            return next(csv.reader(f))
-
-    @property
-    def turns(self) -> list[dict[str, Any]]:
-        return [json.loads(x) for x in (self.out / "turns.jsonl").read_text().splitlines() if x.strip()]
-
-
-def run_cli(argv: list[str], timeout: float = 90.0) -> tuple[int, str, str, float]:
-    """Run ``qwen4exp-bench`` in this process (the package import is slow) with a hard time limit."""
-    out, err = io.StringIO(), io.StringIO()
-    result: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            with redirect_stdout(out), redirect_stderr(err):
-                result["rc"] = cli.main(argv)
-        except SystemExit as e:  # --help
-            result["rc"] = e.code
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
-            result["exc"] = e
-
-    t0 = time.monotonic()
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
-    th.join(timeout)
-    elapsed = time.monotonic() - t0
-    assert not th.is_alive(), f"qwen4exp-bench did not finish within {timeout} s (hang)"
-    if "exc" in result:
-        raise result["exc"]
-    return result["rc"], out.getvalue(), err.getvalue(), elapsed
-
-
-def mini_argv(server: Server, out: Path, *extra: str) -> list[str]:
-    argv = [
-        "--base-url", server.base_url,
-        "--first-turn-tokens", str(FIRST),
-        "--turn-tokens", str(TURN),
-        "--turns", str(TURNS),
-        "--max-output-tokens", str(OUT),
-        "--concurrency", ",".join(map(str, CONCURRENCY)),
-        "--num-gpus", "1",
-        "--seed", "7",
-        "--warmup", "1",
-        "--request-timeout", "120",
-        "--no-progress",
-        "--out", str(out),
-    ]  # fmt: skip
-    if server.model:
-        argv += ["--model", server.model]
-    if server.tokenizer:
-        argv += ["--tokenizer", server.tokenizer]
-    return argv + list(extra)
-
-
-def bench(argv: list[str], out: Path, timeout: float = 90.0) -> Run:
-    rc, so, se, dt = run_cli(argv, timeout)
-    return Run(rc, so, se, dt, out)
-
-
 @pytest.fixture(scope="module")
 def mini(server, tmp_path_factory) -> Run:
     out = tmp_path_factory.mktemp(f"mini-{server.kind}")
     return bench(mini_argv(server, out, "--label", f"mini-{server.kind}"), out, timeout=600)
-
-
-# ---------------------------------------------------------------------------
-# helpers
-
-
-def num(s: str) -> float | None:
-    return float(s) if s not in ("", None) else None
-
-
-def check_png(path: Path) -> tuple[int, int]:
-    """Validate a PNG: signature, chunk CRCs, IHDR, IDAT inflating to the right size."""
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
-    pos, chunks = 8, []
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        tag = data[pos + 4 : pos + 8]
-        body = data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        assert crc == zlib.crc32(tag + body) & 0xFFFFFFFF, f"bad CRC in {tag!r}"
-        chunks.append((tag, body))
-        pos += 12 + length
-    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND"
-    w, h, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert w > 100 and h > 100 and depth == 8
-    if color == 2 and interlace == 0:  # what our own writer produces: check the pixel data too
-        raw = zlib.decompress(b"".join(b for t, b in chunks if t == b"IDAT"))
-        assert len(raw) == h * (1 + 3 * w)
-    return w, h
 
 
 # ---------------------------------------------------------------------------
@@ -287,7 +96,7 @@ def test_readme_cpu_example_on_make_serve(server: Server, tmp_path):
     ``qwen4exp`` server here is started as ``make serve`` starts it (``qwen4exp.demo.start_server``)."""
     if server.kind != "qwen4exp":
         pytest.skip("needs the make-serve server (tiny-coder); the fake one: tests/test_bench_readme.py")
-    from test_bench_readme import check_readme_cpu_run, run_readme_cpu_example
+    from bench_support import check_readme_cpu_run, run_readme_cpu_example
 
     rc, _, err, dt = run_readme_cpu_example(server.base_url, tmp_path / "out", timeout=120)
     check_readme_cpu_run(rc, err, tmp_path / "out")
@@ -643,21 +452,10 @@ def test_exact_counts_when_the_template_insists_on_alternating_roles(fake_factor
 # plotting
 
 
-def _write_csv(path: Path, rows: list[dict[str, str]], label: str, scale: float) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=M.SUMMARY_COLUMNS)
-        w.writeheader()
-        for r in rows:
-            r = dict(r, label=label)
-            r["tok_s_user"] = str(float(r["tok_s_user"]) * scale)
-            r["tok_s_gpu"] = str(float(r["tok_s_gpu"]) / scale)
-            w.writerow(r)
-
-
 def test_plot_from_combines_labels(mini: Run, tmp_path):
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
-    _write_csv(a, mini.rows, "server-a", 1.0)
-    _write_csv(b, mini.rows, "server-b", 0.6)
+    write_csv(a, mini.rows, "server-a", 1.0)
+    write_csv(b, mini.rows, "server-b", 0.6)
     series = series_from_csvs([a, b])
     assert list(series) == ["server-a", "server-b"]
     assert [p[2] for p in series["server-b"]] == CONCURRENCY
@@ -686,8 +484,8 @@ def test_plot_texts_and_nothing_outside_the_axes(mini: Run, tmp_path):
     # a CPU run without --num-gpus: per server; --hardware in the subtitle; two labels in the legend
     rows = [dict(r, num_gpus="", hardware="2-core CPU") for r in mini.rows]
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
-    _write_csv(a, rows, "cpu-a", 1.0)
-    _write_csv(b, rows, "cpu-b", 0.6)
+    write_csv(a, rows, "cpu-a", 1.0)
+    write_csv(b, rows, "cpu-b", 0.6)
     png = P.plot_summary_csvs([a, b], tmp_path / "cpu.png", backend="builtin")
     texts = P.png_texts(png)
     assert texts["Legend"].split("\n") == ["cpu-a", "cpu-b"]
@@ -695,7 +493,7 @@ def test_plot_texts_and_nothing_outside_the_axes(mini: Run, tmp_path):
     assert texts["Description"].endswith("| hardware: 2-core CPU") and f"{FIRST}-token first turn" in texts["Description"]
     assert texts["Title"] == P.DEFAULT_TITLE
     # one run per GPU, one per server: the axis says both
-    _write_csv(b, mini.rows, "gpu-b", 1.0)
+    write_csv(b, mini.rows, "gpu-b", 1.0)
     assert P.png_texts(P.plot_summary_csvs([a, b], tmp_path / "mixed.png", backend="builtin"))["Y label"] == (
         P.Y_LABEL_MIXED)
     # every pixel of a series colour (lines, points, their c=N labels) lies inside the plot box

@@ -14,51 +14,21 @@ the same two configurations).
 
 from __future__ import annotations
 
-import csv
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_bench import fake_factory, run_cli  # noqa: E402,F401
+from bench_support import (AGENT, CKPT, README_AB_EXAMPLE, README_CPU_EXAMPLE, SRV, WORKLOAD,  # noqa: E402,F401
+                           check_readme_cpu_run, fake_factory, replace_value, run_cli, run_readme_cpu_example,
+                           shell_argv)
 
 from qwen4exp.bench import ab as AB  # noqa: E402
 from qwen4exp.bench import cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CKPT = "qwen4exp/assets/tiny-coder"
-
-README_CPU_EXAMPLE = """\
-.venv/bin/qwen4exp-bench --base-url http://127.0.0.1:8000/v1 --tokenizer qwen4exp/assets/tiny-coder \\
-    --first-turn-tokens 300 --turn-tokens 40 --turns 3 --max-output-tokens 16 --concurrency 1,2 \\
-    --hardware CPU --label tiny-cpu --out bench_out/tiny-cpu"""
-
-README_AB_EXAMPLE = """\
-SRV='qwen4exp/assets/tiny-coder --max-model-len 2048 --enforce-eager --enable-prompt-tokens-details --num-gpu-blocks-override 96 --max-num-seqs 4'
-.venv/bin/qwen4exp-bench --ab default="$SRV" \\
-    --ab agent="$SRV --scheduler-cls qwen4exp.serving.scheduler.AgentScheduler" --ab-ports 8101,8102 \\
-    --tokenizer qwen4exp/assets/tiny-coder --think-time lognormal:0.5,1,3 --first-turn-tokens 1000 \\
-    --turn-tokens 100 --turns 4 --max-output-tokens 32 --concurrency 4 --conversations 8 --warmup 0 \\
-    --out bench_out/ab-agent"""  # noqa: E501
-
-
-def shell_argv(block: str) -> list[str]:
-    """The arguments bash passes to ``.venv/bin/qwen4exp-bench`` when it runs ``block`` (variables expanded,
-    quotes and line continuations removed)."""
-    assert block.count(".venv/bin/qwen4exp-bench ") == 1
-    script = "qb() { printf '%s\\0' \"$@\"; }\n" + block.replace(".venv/bin/qwen4exp-bench ", "qb ")
-    out = subprocess.run(["bash", "-c", script], capture_output=True, check=True).stdout.decode()
-    return out.split("\0")[:-1]
-
-
-def replace_value(argv: list[str], flag: str, value: str) -> list[str]:
-    i = argv.index(flag)
-    return argv[:i + 1] + [value] + argv[i + 2:]
-
-
 def test_readme_shows_the_tested_examples():
     for name, block, doc in (("README_CPU_EXAMPLE", README_CPU_EXAMPLE, "docs/benchmarks.md"),
                              ("README_AB_EXAMPLE", README_AB_EXAMPLE, "docs/scheduling.md")):
@@ -68,24 +38,6 @@ def test_readme_shows_the_tested_examples():
     assert " ".join(README_CPU_EXAMPLE.split()) in bench_readme and " ".join(README_AB_EXAMPLE.split()) in bench_readme
     for doc in ("README.md", "docs/benchmarks.md", "docs/scheduling.md"):
         assert "--ab default='ARGS'" not in (ROOT / doc).read_text()  # the placeholder is gone
-
-
-def run_readme_cpu_example(base_url: str, out: Path, timeout: float = 90.0):
-    argv = shell_argv(README_CPU_EXAMPLE)
-    assert argv[argv.index("--base-url") + 1] == "http://127.0.0.1:8000/v1"  # make serve PORT=8000
-    argv = replace_value(replace_value(argv, "--base-url", base_url), "--out", str(out))
-    return run_cli(argv, timeout=timeout)
-
-
-def check_readme_cpu_run(rc: int, err: str, out: Path) -> None:
-    assert rc == 0, err
-    assert "WARNING" not in err and "ERROR" not in err, err
-    with (out / "summary.csv").open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert [r["concurrency"] for r in rows] == ["1", "2"]
-    for r in rows:
-        assert r["label"] == "tiny-cpu" and r["hardware"] == "CPU"
-        assert int(r["turns_ok"]) == int(r["turns_sent"]) == 4 * 3 and int(r["prompt_tokens_mismatch"]) == 0
 
 
 def test_readme_cpu_example_runs_against_a_tiny_coder_sized_server(fake_factory, tmp_path):
@@ -108,8 +60,6 @@ def test_readme_ab_example_is_concrete_and_fits_its_servers(monkeypatch):
     assert (dport, aport) == (8101, 8102) and denv == aenv == {}
     assert awords == dwords + ["--scheduler-cls", "qwen4exp.serving.scheduler.AgentScheduler"]
     assert dwords[0] == CKPT and (ROOT / CKPT / "config.json").exists()
-    from test_agent_ab import AGENT, SRV, WORKLOAD
-
     assert " ".join(dwords) == SRV and " ".join(awords) == SRV + AGENT  # the configurations CI runs
     for i in range(0, len(WORKLOAD), 2):
         assert argv[argv.index(WORKLOAD[i]) + 1] == WORKLOAD[i + 1], WORKLOAD[i]

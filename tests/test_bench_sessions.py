@@ -25,7 +25,7 @@ from qwen4exp.bench import plot as P
 from qwen4exp.bench.think import ThinkTime, parse_think_time
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_bench import FAKE, OUT, TURNS, bench, check_png, fake_factory, mini_argv, num, run_cli  # noqa: E402,F401
+from bench_support import FAKE, OUT, TURNS, bench, check_png, fake_factory, mini_argv, num, run_cli  # noqa: E402,F401
 
 
 def read_log(path: Path) -> list[dict[str, Any]]:

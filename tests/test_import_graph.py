@@ -195,3 +195,17 @@ def test_the_old_scheduler_path_forwards_nothing_else():
 
     with pytest.raises(AttributeError, match="qwen4exp.serving.scheduler"):
         old.Sessions  # noqa: B018
+
+
+def test_test_modules_import_helpers_not_each_other():
+    """Shared test code lives in helper modules (tests/bench_support.py, served.py, prompts.py, ops/op_helpers.py,
+    ...): no file under tests/ imports a ``test_*`` module, whose import would also hand pytest its tests."""
+    tests = ROOT / "tests"
+    names = {p.stem for p in tests.rglob("test_*.py")}
+    bad = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{path.relative_to(ROOT)} imports {m}" for m in mods if m.split(".")[0] in names]
+    assert not bad, bad

@@ -13,14 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from served import free_port, post, vllm_serve_env, wait_healthy
+from served import README_VLLM_SERVE, free_port, post, vllm_serve_env, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CODER = "qwen4exp/assets/tiny-coder"
 START_TIMEOUT = 240
-# the README's `vllm serve` line (tests/test_readme_commands.py checks that the README holds it), run below
-README_VLLM_SERVE = (".venv/bin/vllm serve qwen4exp/assets/tiny-coder --served-model-name tiny-coder "
-                     "--max-model-len 2048")
 DOCS = ("README.md", "docs/serving.md", "docs/scheduling.md", "docs/images.md", "docs/benchmarks.md")
 
 

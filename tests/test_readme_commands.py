@@ -212,7 +212,7 @@ def test_serve_and_openai_client(tmp_path):
     _need_built_venv(".venv/bin/qwen4exp-serve")
     line = SERVE_BLOCK.splitlines()[0]
     assert line.startswith(".venv/bin/qwen4exp-serve ")
-    from test_newcomer import README_VLLM_SERVE  # the block's other line: run by tests/test_newcomer.py
+    from served import README_VLLM_SERVE  # the block's other line: run by tests/test_newcomer.py
 
     assert SERVE_BLOCK.splitlines()[1].startswith(README_VLLM_SERVE + "  #")
     with _Server(line, tmp_path) as s:

@@ -8,16 +8,12 @@ prefill, batching (mixed prefill + decode), prefix caching or preemption.
 
 import pytest
 import torch
-from prompts import prompt
+from prompts import OFFLINE_GEN as GEN
+from prompts import OFFLINE_MAX_LEN as MAX_LEN
+from prompts import offline_engine as _engine
+from prompts import prompt_ids as _prompt
 
 pytestmark = pytest.mark.vllm
-
-MAX_LEN = 512
-GEN = 12
-
-
-def _prompt(n, vocab, eos, seed, eos_at=()):
-    return prompt(n, vocab, eos, seed, eos_at).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +36,6 @@ def setup(tiny_ckpt):
                 ids.append(int(ref(torch.tensor([ids]), logits_to_keep=1).logits[0, -1].argmax()))
             greedy.append(ids[len(p):])
     return dict(ckpt=tiny_ckpt, prompts=prompts, f32=f32, b16=b16, V=V, eos=eos, greedy_fp32=greedy)
-
-
-def _engine(**kw):
-    e = dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=MAX_LEN, max_num_seqs=8,
-             max_logprobs=-1, enable_prefix_caching=False)
-    e.update(kw)
-    return e
 
 
 def _cpu_fp8_kv_supported() -> bool:

@@ -19,7 +19,9 @@ import os
 
 import pytest
 import torch
-from test_vllm_offline import GEN, _engine, _prompt
+from prompts import OFFLINE_GEN as GEN
+from prompts import offline_engine as _engine
+from prompts import prompt_ids as _prompt
 
 pytestmark = pytest.mark.vllm
 

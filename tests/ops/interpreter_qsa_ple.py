@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 from interpreter import BF, check, close, compile_check
-from test_qsa import paged_qsa_case, qsa_inputs
+from op_helpers import paged_qsa_case, qsa_inputs
 
 
 @contextlib.contextmanager

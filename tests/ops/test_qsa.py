@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from op_helpers import BF, F32, expect_kernel, gen, poison, rel, rnd
+from op_helpers import BF, F32, expect_kernel, gen, paged_qsa_case, poison, qsa_inputs, rel, rnd
 
 from qwen4exp.ops import _registry
 from qwen4exp.ops import qsa as qsa_ops
@@ -65,16 +65,6 @@ def loop_attention(q, k, v, t, tokens, scale):
         for wi, s in zip(w, tokens):
             o[h] += wi * v[s, kv].float()
     return o
-
-
-def qsa_inputs(L, Hq=4, Hkv=2, d=8, hi=3, di=6, seed=0, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(L, Hq, d, generator=gen)
-    k = torch.randn(L, Hkv, d, generator=gen)
-    v = torch.randn(L, Hkv, d, generator=gen)
-    iq = torch.randn(L, hi, di, generator=gen)
-    bk = torch.randn(L, di, generator=gen)  # block keys: one per possible block (only the first n(p) are read)
-    return [t.to(dtype) for t in (q, k, v, iq, bk)]
 
 
 @pytest.mark.parametrize("r,n_blocks", [(4, 7), (3, 1), (1, 5)])
@@ -240,33 +230,6 @@ def test_qsa_decode_batched_equals_per_sequence(r, budget):
     for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
         want = qsa_ref.qsa_attention(q[-1:], k, v, pos[b:b + 1], iq[-1:], bk, r, budget, scale, iscale)
         torch.testing.assert_close(got[b], want[0], **F32)
-
-
-def paged_qsa_case(seqs, lens, r, bs, ibs, seed=0, shared_table=False):
-    """Page per-sequence (k, v, block keys) into the runtime layout (``qsa_ref.paged_rows``): [blocks, Hkv, bs,
-    2d] K|V and a one-head index cache whose row j*r + r - 1 holds block j's key in its V half; physical blocks
-    shuffled, every unused row garbage (1e3-scale noise; NaN in the index cache's K half, never read here).
-    -> (kv, block_table, index_kv, index_block_table), block tables padded to the longest sequence (+1 column).
-    ``shared_table``: both caches paged by one table (vLLM's one cache layer; needs ibs == bs)."""
-    gen = torch.Generator().manual_seed(seed)
-    hkv, d, di = seqs[0][1].shape[1], seqs[0][1].shape[2], seqs[0][4].shape[1]
-    dt = seqs[0][1].dtype
-    nbt, nbti = max(lens) // bs + 2, max(lens) // ibs + 2
-    B = len(lens)
-    kv = (torch.randn(B * nbt + 1, hkv, bs, 2 * d, generator=gen) * 1e3).to(dt)
-    ikv = (torch.randn(B * nbti + 1, 1, ibs, 2 * di, generator=gen) * 1e3).to(dt)
-    ikv[..., :di] = float("nan")
-    perm, iperm = torch.randperm(B * nbt, generator=gen) + 1, torch.randperm(B * nbti, generator=gen) + 1
-    if shared_table:
-        assert ibs == bs
-        iperm = perm
-    bt, ibt = perm.view(B, nbt).int(), iperm.view(B, nbti).int()
-    for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
-        p = torch.arange(L)
-        kv[bt[b, p // bs].long(), :, p % bs] = torch.cat([k, v], -1)
-        ends = r * torch.arange(L // r) + r - 1
-        ikv[ibt[b, ends // ibs].long(), 0, ends % ibs, di:] = bk[: L // r]
-    return kv, bt, ikv, ibt
 
 
 @pytest.mark.parametrize("r,budget,bs,ibs", [(4, 16, 16, 64), (2, 6, 4, 4)])
