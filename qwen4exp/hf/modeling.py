@@ -16,8 +16,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..configuration import INDEXED, LINEAR, Qwen4ExpConfig, Qwen4ExpTextConfig
-from ..layers.mtp import MTPInput
+from ..configuration import Qwen4ExpConfig, Qwen4ExpTextConfig
 from ..layers.norms import GatedRMSNorm, RMSNorm
 from ..layers.hyper_connection import HyperConnection
 from ..layers.moe import Experts
@@ -25,9 +24,11 @@ from ..layers.ple import NGramTable, PLE
 from ..layers.gdn import GatedDeltaNet
 from ..layers.rope import IMAGE, VIDEO, RotaryEmbedding, mrope_positions
 from ..layers.vision import VisionTower
-from ..modeling import DecoderLayer, embed_streams, next_mixer
-from ..ops.qsa import block_mean, qsa_attention
+from ..modeling import DecoderLayer, embed_streams
+from . import mtp as hf_mtp
 from .cache import Qwen4ExpHybridCache
+from .mtp import Qwen4ExpMTP
+from .packed import run_layers
 
 
 class Qwen4ExpTextModel(nn.Module):
@@ -59,109 +60,6 @@ class Qwen4ExpTextModel(nn.Module):
                            self.rotary_emb, cache.journal, self.hyper_connection_mixer)
         out, _ = self.hyper_connection_mixer(H, Hn)
         return out, H
-
-
-def run_layers(layers, H, ids, positions, cu_seqlens, layer_states, rows, starts, rotary, journal=None, final=None):
-    """Run decoder layers over packed tokens, binding each layer's per-row state (updated in place) -> (H, H
-    normalised for the ``final`` mixer, or None without it).
-
-    ``starts`` [N]: tokens each sequence had consumed before (QSA token indices). With a ``journal`` list, every
-    state update is recorded so that ``rollback`` can keep only a prefix of these tokens (speculative decoding).
-    """
-    cos, sin = rotary(positions, H.dtype)
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    tok_idx = torch.repeat_interleave(starts.to(ids.device) - cu_seqlens[:-1], lens) + \
-        torch.arange(ids.numel(), device=ids.device)
-    rows_l = rows.tolist()
-    Hn = None
-    for i, (layer, st) in enumerate(zip(layers, layer_states)):
-        ple_fn = None
-        if layer.ple is not None:
-            def ple_fn(H, layer=layer, st=st):
-                prev = (st["ple_ctx"][rows], st["ple_conv"][rows])
-                if journal is not None:
-                    journal.append(("ple", layer, st, rows, prev, H, ids))
-                out, st["ple_ctx"][rows], st["ple_conv"][rows] = layer.ple(H, ids, cu_seqlens, *prev)
-                return out
-        if layer.layer_type == LINEAR:
-            def mix(x, layer=layer, st=st):
-                prev = (st["conv"][rows], st["ssm"][rows])
-                if journal is not None:
-                    journal.append(("gdn", layer, st, rows, prev, x, None))
-                y, st["conv"][rows], st["ssm"][rows] = layer.linear_attn(x, cu_seqlens, *prev)
-                return y
-        else:
-            def mix(x, layer=layer, st=st):
-                row_states = [st["qsa"][r] for r in rows_l]
-                if journal is not None:
-                    journal.append(("qsa", layer, st, rows, [(rs.k.len, rs.block_keys.len, rs.open_keys,
-                                                              rs.open_pos) for rs in row_states], None, None))
-                return _qsa_mix(layer.self_attn, rotary, x, cos, sin, positions, tok_idx, cu_seqlens, row_states)
-        H, Hn = layer(H, mix, ple_fn, Hn, next_mixer(layers, i, final))
-    return H, Hn
-
-
-def rollback(journal, keep: int, rotary) -> None:
-    """Undo the journaled forward of ONE sequence except its first ``keep`` tokens: restore each state and replay the
-    state update (not the whole model) on the kept tokens; QSA caches are cropped and their open block rebuilt."""
-    for kind, layer, st, rows, prev, inp, ids in journal:
-        cu = torch.tensor([0, keep], device=rows.device)
-        if kind == "gdn":
-            _, st["conv"][rows], st["ssm"][rows] = layer.linear_attn(inp[:keep], cu, *prev)
-        elif kind == "ple":
-            _, st["ple_ctx"][rows], st["ple_conv"][rows] = layer.ple(inp[:keep], ids[:keep], cu, *prev)
-        else:
-            for r, (klen, blen, open_k, open_p) in zip(rows.tolist(), prev):
-                rs = st["qsa"][r]
-                new_raw = rs.pending_raw
-                rs.k.len = rs.v.len = klen + keep
-                raw = torch.cat([x for x in (open_k, new_raw[:keep]) if x is not None], 0)
-                pos = torch.cat([x for x in (open_p, rs.pending_pos[..., :keep]) if x is not None], -1)
-                r_ = layer.self_attn.r
-                nfull = raw.shape[0] // r_
-                rs.block_keys.len = blen + nfull
-                rs.open_keys, rs.open_pos = raw[nfull * r_:], pos[..., nfull * r_:]
-    journal.clear()
-
-
-def _qsa_mix(attn, rotary, x, cos, sin, positions, tok_idx, cu_seqlens, row_states):
-    """QSA over packed tokens with per-row caches: store K/V, complete block keys incrementally, select, attend."""
-    p = attn.project(x, cos, sin)
-    out = torch.empty_like(p.q)
-    r = attn.r
-    cu = cu_seqlens.tolist()
-    for b, st in enumerate(row_states):
-        s, e = cu[b], cu[b + 1]
-        if s == e:
-            continue
-        st.k.append(p.k[s:e])
-        st.v.append(p.v[s:e])
-        raw, pos = p.index_k_raw[s:e], positions[..., s:e]
-        st.pending_raw, st.pending_pos = raw, pos
-        if st.open_keys is not None and st.open_keys.shape[0]:
-            raw = torch.cat([st.open_keys, raw], 0)
-            pos = torch.cat([st.open_pos, pos], -1)
-        nfull = raw.shape[0] // r
-        if nfull:
-            cb, sb = rotary(pos[..., : nfull * r: r], raw.dtype)
-            st.block_keys.append(attn.block_keys(block_mean(raw[: nfull * r], r), cb, sb))
-        st.open_keys, st.open_pos = raw[nfull * r:], pos[..., nfull * r:]
-        out[s:e] = qsa_attention(p.q[s:e], st.k.view(), st.v.view(), tok_idx[s:e], p.index_q[s:e],
-                                 st.block_keys.view(), r, attn.budget, attn.scale, attn.index_scale)
-    return attn.output(out, p.gate)
-
-
-class Qwen4ExpMTP(MTPInput):
-    """The MTP draft head (``mtp.*``): input fusion, QSA decoder layer(s), its own final mixer, optional head."""
-
-    def __init__(self, config, num_layers: int, has_shared_head: bool = False):
-        super().__init__(config, prefix="mtp")
-        self.layers = nn.ModuleList(DecoderLayer(config, i, prefix=f"mtp.layers.{i}", layer_type=INDEXED,
-                                                 with_ple=False) for i in range(num_layers))
-        self.hyper_connection_mixer = HyperConnection(config, inject=False, prefix="mtp.hyper_connection_mixer")
-        if has_shared_head:
-            self.shared_head = nn.Module()
-            self.shared_head.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
 
 class Qwen4ExpPreTrainedModel(PreTrainedModel):
@@ -247,131 +145,30 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
         return Qwen4ExpHybridCache(self.config.get_text_config(), batch_size, p.dtype, p.device, mtp_layers=n_mtp)
 
     # ---------------------------------------------------------------------------------------------------------------
-    # MTP: the draft head, and greedy speculative decoding with it (upstream transformers cannot use the head)
+    # MTP: the draft head's forward and greedy speculative decoding with it live in ``hf.mtp``
     def mtp_forward(self, H_prev: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
                     cache: Qwen4ExpHybridCache, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """One MTP step over the tokens of one row: inputs pair the target's pre-mixer state at position q
-        (``H_prev`` [T, nD]) with the token at q+1 (``next_ids`` [T]); -> (logits [T, V], draft state [T, nD])."""
-        if self.mtp is None:
-            raise ValueError("qwen4exp: this checkpoint has no MTP head (mtp.* weights)")
-        tm, mtp = self.text_model, self.mtp
-        H = mtp(tm.embed_tokens(next_ids), H_prev)
-        rows = torch.tensor([row])
-        cu = torch.tensor([0, next_ids.numel()], device=next_ids.device)
-        H, _ = run_layers(mtp.layers[:1], H, next_ids, positions, cu, cache.mtp_layers[:1], rows,
-                          cache.mtp_lengths[rows], tm.rotary_emb, cache.journal)
-        cache.mtp_lengths[row] += next_ids.numel()
-        out, _ = mtp.hyper_connection_mixer(H)
-        head = mtp.shared_head.head if hasattr(mtp, "shared_head") else self.lm_head
-        return head(out), H
+        """One MTP step over the tokens of one row (``hf.mtp.mtp_forward``)."""
+        return hf_mtp.mtp_forward(self, H_prev, next_ids, positions, cache, row)
 
     def mtp_logits(self, mtp_hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Training forward of the MTP head over whole unpadded rows (differentiable; no cache is kept).
-
-        ``mtp_hidden`` [B, S, nD]: the target's pre-mixer state (``forward(..., return_mtp_hidden=True)``);
-        ``input_ids`` [B, S]. Position q pairs the state at q with the token at q+1, exactly as ``mtp_forward``
-        does at inference, and -> logits [B, S-1, V] where entry q predicts the token at q+2 (the last entry
-        looks past the row and has no target)."""
-        if self.mtp is None:
-            raise ValueError("qwen4exp: this checkpoint has no MTP head (mtp.* weights)")
-        B, S = input_ids.shape
-        tm, mtp = self.text_model, self.mtp
-        nxt = input_ids[:, 1:].reshape(-1)
-        H = mtp(tm.embed_tokens(nxt), mtp_hidden[:, :-1].reshape(B * (S - 1), -1))
-        pos = torch.arange(S - 1, device=input_ids.device).repeat(B)
-        cu = torch.arange(B + 1, device=input_ids.device) * (S - 1)
-        cache = self.new_cache(B)
-        rows = torch.arange(B)
-        H, _ = run_layers(mtp.layers[:1], H, nxt, pos, cu, cache.mtp_layers[:1], rows, cache.mtp_lengths[rows],
-                          tm.rotary_emb)
-        out, _ = mtp.hyper_connection_mixer(H)
-        head = mtp.shared_head.head if hasattr(mtp, "shared_head") else self.lm_head
-        return head(out).view(B, S - 1, -1)
+        """Training forward of the MTP head over whole unpadded rows (``hf.mtp.mtp_logits``)."""
+        return hf_mtp.mtp_logits(self, mtp_hidden, input_ids)
 
     def _draft(self, cache, H_pend, next_pend, pos_pend, k):
-        """k greedy draft tokens: one MTP pass over the pending (accepted) positions, then k-1 chained steps whose
-        cache entries are dropped again (the next round re-feeds accepted positions with the target's state)."""
-        logits, Hd = self.mtp_forward(H_pend, next_pend, pos_pend, cache)
-        drafts = [int(logits[-1].argmax())]
-        h, pos = Hd[-1:], int(pos_pend[-1])
-        cache.journal = []
-        for i in range(1, k):
-            logits, h = self.mtp_forward(h, torch.tensor([drafts[-1]]), torch.tensor([pos + i]), cache)
-            drafts.append(int(logits[-1].argmax()))
-        rollback(cache.journal, 0, self.text_model.rotary_emb)
-        cache.journal = None
-        cache.mtp_lengths[0] -= k - 1
-        return drafts
+        return hf_mtp.draft(self, cache, H_pend, next_pend, pos_pend, k)
 
     @torch.no_grad()
     def generate(self, *args, use_mtp: bool = False, **kwargs):
         """Transformers' ``generate``: greedy, sampling and beam search (``num_beams`` > 1, with
         ``num_return_sequences``, left-padded batches; the hybrid cache reorders every per-row state along the beams).
 
-        ``use_mtp=True``: greedy speculative decoding with the MTP head (``num_speculative_tokens``, default 3);
-        the output equals plain greedy decoding. One unpadded sequence, no sampling, no beam search. Statistics land
-        in ``self.last_mtp_stats``."""
+        ``use_mtp=True``: greedy speculative decoding with the MTP head (``num_speculative_tokens``, default 3;
+        ``hf.mtp.generate_mtp``); the output equals plain greedy decoding. One unpadded sequence, no sampling, no beam
+        search. Statistics land in ``self.last_mtp_stats``."""
         if not use_mtp:
             return super().generate(*args, **kwargs)
-        return self._generate_mtp(*args, **kwargs)
-
-    def _generate_mtp(self, input_ids, max_new_tokens: int = 20, num_speculative_tokens: int = 3,
-                      eos_token_id=None, attention_mask=None, do_sample: bool = False, num_beams: int | None = None,
-                      num_return_sequences: int | None = None, generation_config=None, **unused):
-        gc = generation_config if generation_config is not None else self.generation_config
-        if (num_beams if num_beams is not None else (gc.num_beams or 1)) > 1:
-            raise NotImplementedError("qwen4exp: use_mtp=True does not support beam search (num_beams > 1); drop "
-                                      "use_mtp for beam search, or use num_beams=1")
-        if (num_return_sequences if num_return_sequences is not None else (gc.num_return_sequences or 1)) > 1:
-            raise NotImplementedError("qwen4exp: use_mtp=True returns one sequence (num_return_sequences must be 1)")
-        if do_sample:
-            raise NotImplementedError("qwen4exp: use_mtp=True supports greedy decoding only")
-        if input_ids.shape[0] != 1 or (attention_mask is not None and not bool(attention_mask.all())):
-            raise NotImplementedError("qwen4exp: use_mtp=True supports one unpadded sequence at a time")
-        if self.mtp is None:
-            raise ValueError("qwen4exp: use_mtp=True needs a checkpoint with an MTP head (mtp.* weights)")
-        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-        cache = self.new_cache(1)
-        out = self(input_ids, past_key_values=cache, use_cache=True, return_mtp_hidden=True)
-        passes, steps, accepted_total = 1, 0, 0
-        t_next = int(out.logits[0, -1].argmax())
-        gen = [t_next]
-        L0 = input_ids.shape[1]
-        H_pend = out["mtp_hidden"][0]
-        next_pend = torch.cat([input_ids[0, 1:], torch.tensor([t_next])])
-        pos_pend = torch.arange(L0)
-        while len(gen) < max_new_tokens and t_next not in eos:
-            k = min(num_speculative_tokens, max_new_tokens - len(gen))
-            drafts = self._draft(cache, H_pend, next_pend, pos_pend, k)
-            v_ids = torch.tensor([[t_next] + drafts])
-            start = int(cache.lengths[0])
-            cache.journal = []
-            out = self(v_ids, past_key_values=cache, use_cache=True, return_mtp_hidden=True)
-            passes += 1
-            pred = out.logits[0].argmax(-1).tolist()
-            j = 0
-            while j < k and pred[j] == drafts[j] and drafts[j] not in eos:
-                j += 1
-            keep = j + 1
-            if keep < k + 1:
-                rollback(cache.journal, keep, self.text_model.rotary_emb)
-                cache.lengths[0] -= k + 1 - keep
-                cache.columns -= k + 1 - keep
-            cache.journal = None
-            steps, accepted_total = steps + 1, accepted_total + j
-            t_next = pred[j]
-            gen += drafts[:j] + [t_next]
-            H_pend = out["mtp_hidden"][0, :keep]
-            next_pend = torch.tensor(drafts[:j] + [t_next])
-            pos_pend = torch.arange(start, start + keep)
-        gen = gen[:max_new_tokens]
-        if eos and any(t in eos for t in gen):
-            gen = gen[: next(i for i, t in enumerate(gen) if t in eos) + 1]
-        self.last_mtp_stats = {
-            "target_forward_passes": passes, "verify_steps": steps, "accepted_drafts": accepted_total,
-            "mean_acceptance_length": (1 + accepted_total / steps) if steps else float("nan"),
-            "new_tokens": len(gen)}
-        return torch.cat([input_ids, torch.tensor([gen], dtype=input_ids.dtype)], 1)
+        return hf_mtp.generate_mtp(self, *args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       inputs_embeds=None, **kwargs):
