@@ -1,7 +1,8 @@
 """The HF runtime's hybrid cache: one row per sequence of the batch.
 
-GDN layers: conv [B, conv_dim, K-1] and recurrent state [B, n_v, d_k, d_v] (fp32).
-PLE layer: the last n-1 token ids [B, n-1] (EOS-filled) and the dilated-conv inputs [B, nD, (K_p-1)*n].
+GDN layers: conv [B, conv_dim, K-1] and recurrent state [B, n_v, d_k, d_v] (fp32); PLE layer: the last n-1 token
+ids [B, n-1] (EOS-filled) and the dilated-conv inputs [B, nD, (K_p-1)*n]. Their per-row shapes come from the layers
+(``GatedDeltaNet.state_shapes``, ``PLE.state_shapes``), as the vLLM plugin's state slots take them.
 QSA layers, per row: K and V of every token, the normalised + rotated block key of every complete block (kept
 incrementally: each block key is computed once, when its block completes), and the raw indexer keys (+ RoPE
 positions) of the still-open block.
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..configuration import LINEAR, first_eos
+from ..layers.gdn import GatedDeltaNet
+from ..layers.ple import PLE
 from ..modeling import ple_index_of
 
 
@@ -95,20 +98,15 @@ class Qwen4ExpHybridCache:
         for i, t in enumerate(config.layer_types):
             st: dict = {}
             if t == LINEAR:
-                conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
-                    config.linear_num_value_heads * config.linear_value_head_dim
-                st["conv"] = torch.zeros(batch_size, conv_dim, config.linear_conv_kernel_dim - 1, dtype=dtype,
-                                         device=self.device)
-                st["ssm"] = torch.zeros(batch_size, config.linear_num_value_heads, config.linear_key_head_dim,
-                                        config.linear_value_head_dim, dtype=torch.float32, device=self.device)
+                conv, ssm = GatedDeltaNet.state_shapes(config)
+                st["conv"] = torch.zeros(batch_size, *conv, dtype=dtype, device=self.device)
+                st["ssm"] = torch.zeros(batch_size, *ssm, dtype=torch.float32, device=self.device)
             else:
                 st["qsa"] = [QSARowState() for _ in range(batch_size)]
             if ple_index_of(config, i) is not None:
-                nD = config.hc_count * config.hidden_size
-                st["ple_ctx"] = torch.full((batch_size, config.ngram_size - 1), self.eos, dtype=torch.long,
-                                           device=self.device)
-                st["ple_conv"] = torch.zeros(batch_size, nD, (config.ple_conv_kernel_size - 1) * config.ngram_size,
-                                             dtype=dtype, device=self.device)
+                conv, ctx = PLE.state_shapes(config)
+                st["ple_ctx"] = torch.full((batch_size, *ctx), self.eos, dtype=torch.long, device=self.device)
+                st["ple_conv"] = torch.zeros(batch_size, *conv, dtype=dtype, device=self.device)
             self.layers.append(st)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -42,8 +42,14 @@ class GatedDeltaNet(nn.Module):
                                  activation=config.output_gate_type or config.hidden_act)
         self.out_proj = linear(self.value_dim, D, prefix=f"{prefix}.out_proj")
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return (self.conv_dim, self.kernel - 1), (self.n_v, self.d_k, self.d_v)
+    @staticmethod
+    def state_shapes(config) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """Per-sequence state of one layer: conv [conv_dim, K-1] (model dtype), recurrent [n_v, d_k, d_v] (fp32).
+        The one source for every runtime's cache (``hf.cache``, the vLLM plugin's state slots)."""
+        conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
+            config.linear_num_value_heads * config.linear_value_head_dim
+        return ((conv_dim, config.linear_conv_kernel_dim - 1),
+                (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim))
 
     def forward(
         self,

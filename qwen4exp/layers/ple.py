@@ -103,6 +103,13 @@ class PLE(nn.Module):
         self.norm_conv = RMSNorm(n * D, eps=eps, group=D)
         self.conv1d = nn.Conv1d(n * D, n * D, self.kernel, groups=n * D, dilation=self.dilation, bias=False)
 
+    @staticmethod
+    def state_shapes(config) -> tuple[tuple[int, int], tuple[int]]:
+        """Per-sequence state of one PLE layer: dilated-conv inputs [nD, (K_p-1)*n] (model dtype) and the last n-1
+        token ids [n-1]. The one source for every runtime's cache (``hf.cache``, the vLLM plugin's state slots)."""
+        nD = config.hc_count * config.hidden_size
+        return (nD, (config.ple_conv_kernel_size - 1) * config.ngram_size), (config.ngram_size - 1,)
+
     @property
     def context_len(self) -> int:
         return self.ple_embedding.n - 1

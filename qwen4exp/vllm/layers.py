@@ -411,7 +411,7 @@ def our_gdn(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
         def __init__(self):
             super().__init__(config, vllm_linear, prefix)
             self.A_log.data = self.A_log.data.float()  # kept fp32, as the HF reference loads it
-            self.state = StateSlots(self.state_shapes(), gdn_state_dtypes(vllm_config), f"{prefix}.state")
+            self.state = StateSlots(self.state_shapes(config), gdn_state_dtypes(vllm_config), f"{prefix}.state")
             self.state.step = self._step
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -468,11 +468,6 @@ def gdn_state_dtypes(vllm_config: VllmConfig):
     cc = vllm_config.cache_config
     return MambaStateDtypeCalculator.gated_delta_net_state_dtype(vllm_config.model_config.dtype, cc.mamba_cache_dtype,
                                                                  cc.mamba_ssm_cache_dtype)
-
-
-def ple_state_shapes(config) -> tuple[tuple[int, int], tuple[int]]:
-    nD = config.hc_count * config.hidden_size
-    return (nD, (config.ple_conv_kernel_size - 1) * config.ngram_size), (config.ngram_size - 1,)
 
 
 def model_dtype(vllm_config: VllmConfig) -> torch.dtype:

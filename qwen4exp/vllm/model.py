@@ -37,9 +37,10 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from .. import envs
 from ..configuration import _INDEXED_ALIASES, INDEXED, LINEAR
 from ..layers.hyper_connection import HyperConnection
+from ..layers.ple import PLE
 from ..modeling import DecoderLayer, embed_streams, next_mixer
 from .layers import (FusedMoEBlock, StateSlots, check_cudagraph_mode, colocate_projections, eager_segment,
-                     gdn_mixer, ngram_table_factory, our_gdn, ple_state_shapes, rotary_embedding, vllm_linear)
+                     gdn_mixer, ngram_table_factory, our_gdn, rotary_embedding, vllm_linear)
 from . import memory, patches
 from . import multimodal as mm
 from .qsa import QSAMixer
@@ -80,7 +81,7 @@ class Qwen4ExpVllmTextModel(nn.Module):
                 mixer = QSAMixer(config, vllm_config, f"{lp}.self_attn", self.rotary_emb)
             layer = decoder_layer(config, i, lp, mixer, lt, ple_table=ple_table)
             if layer.ple is not None:
-                st = StateSlots(ple_state_shapes(config), (dtype, torch.int32), f"{lp}.ple_state")
+                st = StateSlots(PLE.state_shapes(config), (dtype, torch.int32), f"{lp}.ple_state")
                 embed_step = _PleEmbedStep(layer.ple, st)
                 st.step = functools.partial(_ple_mix_step, layer.ple, st, embed_step)
                 st.decode_form = True
@@ -176,7 +177,7 @@ def _ple_state_pads(config, vllm_config, ple_states, prefix: str, dtype) -> list
     first = min(ple_states, key=int)
     pads = []
     for j in range(1, n_attn - len(ple_states) + 1):
-        st = StateSlots(ple_state_shapes(config), (dtype, torch.int32),
+        st = StateSlots(PLE.state_shapes(config), (dtype, torch.int32),
                         f"{prefix}.layers.{first}.ple_state_pad{j}")
         st.step = _ple_step_unused
         pads.append(st)
@@ -386,7 +387,7 @@ class _Qwen4ExpBase(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
                            dtypes=cls.get_mamba_state_dtype_from_config(vllm_config), block_size=-1,
                            tp_replicated=gdn_impl(c) == "ours")]
         if c.ple_layer_ids:
-            specs.append(MambaSpec(shapes=ple_state_shapes(c), dtypes=(vllm_config.model_config.dtype, torch.int32),
+            specs.append(MambaSpec(shapes=PLE.state_shapes(c), dtypes=(vllm_config.model_config.dtype, torch.int32),
                                    block_size=-1, tp_replicated=True))
         return tuple(specs)
 
