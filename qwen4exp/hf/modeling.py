@@ -1,15 +1,20 @@
 """HF transformers runtime: ``Qwen4ExpForCausalLM`` and ``Qwen4ExpForConditionalGeneration`` (PreTrainedModel +
-GenerationMixin) over the shared model assembly.
+GenerationMixin) over the shared model assembly (``qwen4exp.modeling``). Read bottom-up: the text backbone, the
+composite backbone, the shared base class (weight init, loading, cache and generation plumbing, input packing and the
+LM output), then the two concrete models, each with its own ``forward``.
 
 Batches are packed internally: padding tokens are dropped (each row's real tokens form one sequence), the model runs
-on the packed tokens, and logits are scattered back to [B, S, V] (zeros at padding positions). Positions count real
-tokens, so a left-padded row behaves exactly like the same row unpadded.
+on the packed tokens (``hf.packed``), and logits are scattered back to [B, S, V] (zeros at padding positions).
+Positions count real tokens, so a left-padded row behaves exactly like the same row unpadded.
 
 ``generate`` supports greedy, sampling and beam search (``num_beams`` > 1, ``num_return_sequences``): the hybrid cache
 (``Qwen4ExpHybridCache.reorder_cache``) moves every per-row state (GDN, PLE, QSA, lengths) along with its beam.
+``generate(use_mtp=True)``: greedy speculative decoding with the MTP head (``hf.mtp``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -17,11 +22,11 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..configuration import Qwen4ExpConfig, Qwen4ExpTextConfig
-from ..layers.norms import GatedRMSNorm, RMSNorm
-from ..layers.hyper_connection import HyperConnection
-from ..layers.moe import Experts
-from ..layers.ple import NGramTable, PLE
 from ..layers.gdn import GatedDeltaNet
+from ..layers.hyper_connection import HyperConnection
+from ..layers.moe import Experts, Router
+from ..layers.norms import GatedRMSNorm, RMSNorm
+from ..layers.ple import NGramTable, PLE
 from ..layers.rope import IMAGE, VIDEO, RotaryEmbedding, mrope_positions
 from ..layers.vision import VisionTower
 from ..modeling import DecoderLayer, embed_streams
@@ -29,6 +34,20 @@ from . import mtp as hf_mtp
 from .cache import Qwen4ExpHybridCache
 from .mtp import Qwen4ExpMTP
 from .packed import run_layers
+
+
+@dataclass
+class _PackedBatch:
+    """A [B, S] batch with its padding dropped: ``ids`` [T] the real tokens, row by row; ``cu`` [B+1] their offsets;
+    ``valid`` [B, S] the real positions; ``lens`` [B]; ``cache`` the rows' hybrid cache."""
+
+    input_ids: torch.Tensor
+    valid: torch.Tensor
+    lens: torch.Tensor
+    cu: torch.Tensor
+    ids: torch.Tensor
+    cache: Qwen4ExpHybridCache
+    use_cache: bool
 
 
 class Qwen4ExpTextModel(nn.Module):
@@ -43,7 +62,7 @@ class Qwen4ExpTextModel(nn.Module):
         self.hyper_connection_mixer = HyperConnection(config, inject=False, prefix=f"{prefix}.hyper_connection_mixer")
         self.rotary_emb = RotaryEmbedding(config)
 
-    def forward_packed(
+    def forward(
         self,
         ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T] or [3, T] RoPE positions
@@ -52,7 +71,7 @@ class Qwen4ExpTextModel(nn.Module):
         rows: torch.Tensor,  # [N] cache row of each sequence
         embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (final hidden [T, D], pre-mixer multi-stream state [T, nD])."""
+        """Packed tokens -> (final hidden [T, D], pre-mixer multi-stream state [T, nD])."""
         c = self.config
         emb = self.embed_tokens(ids) if embeds is None else embeds
         H = embed_streams(emb, c.hc_count)
@@ -62,7 +81,20 @@ class Qwen4ExpTextModel(nn.Module):
         return out, H
 
 
+class Qwen4ExpModel(nn.Module):
+    """The composite backbone: ``visual`` (the vision tower) and ``language_model`` (the text backbone)."""
+
+    def __init__(self, config: Qwen4ExpConfig):
+        super().__init__()
+        self.visual = VisionTower(config.vision_config)
+        self.language_model = Qwen4ExpTextModel(config.text_config, prefix="model.language_model")
+
+
 class Qwen4ExpPreTrainedModel(PreTrainedModel):
+    """What both models share: weight init, loading / saving the official checkpoint format, the hybrid cache and
+    generation plumbing, the MTP entry points, and the two halves of a forward (``_pack`` the inputs,
+    ``_lm_output`` from the packed hidden states)."""
+
     config_class = Qwen4ExpTextConfig
     base_model_prefix = "model"
     _is_stateful = True
@@ -92,7 +124,7 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
         elif isinstance(module, GatedDeltaNet):
             module.dt_bias.fill_(1.0)
             module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 16).log_())
-        elif hasattr(module, "gate") and hasattr(module.gate, "weight") and module.gate.__class__.__name__ == "Router":
+        elif isinstance(getattr(module, "gate", None), Router):  # at the MoE block, after its experts (as ever)
             module.gate.weight.normal_(0.0, std)
         if isinstance(module, PLE):
             module.conv1d.weight.zero_()
@@ -123,6 +155,7 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
         save_pretrained(self, save_directory, **kwargs)
 
     # ---------------------------------------------------------------------------------------------------------------
+    # cache and generation
     @property
     def text_model(self) -> Qwen4ExpTextModel:
         raise NotImplementedError
@@ -188,6 +221,8 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
                     model_inputs[k] = kwargs[k]
         return model_inputs
 
+    # ---------------------------------------------------------------------------------------------------------------
+    # the two halves of a forward
     def _reverse_embedding(self, embeds: torch.Tensor) -> torch.Tensor:
         """Recover token ids from exact embedding rows (PLE needs ids when only embeddings are given)."""
         table = self.text_model.embed_tokens.weight
@@ -199,27 +234,9 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
                              "embed_tokens; PLE needs the token ids: pass input_ids (or ple_input_ids)")
         return ids.view(embeds.shape[:-1])
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Qwen4ExpHybridCache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int = 0,
-        ple_input_ids: torch.LongTensor | None = None,
-        pixel_values: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        pixel_values_videos: torch.Tensor | None = None,
-        video_grid_thw: torch.Tensor | None = None,
-        mm_token_type_ids: torch.Tensor | None = None,
-        return_mtp_hidden: bool = False,
-        **kwargs,
-    ) -> CausalLMOutputWithPast:
-        if pixel_values is not None or pixel_values_videos is not None:
-            self.visual_tower()  # text-only models refuse here
+    def _pack(self, input_ids, attention_mask, inputs_embeds, ple_input_ids, past_key_values,
+              use_cache) -> _PackedBatch:
+        """Check the inputs, bind (or make) the cache, drop the padding."""
         if (input_ids is None) == (inputs_embeds is None) and ple_input_ids is None:
             raise ValueError("qwen4exp: pass exactly one of input_ids or inputs_embeds")
         tm = self.text_model
@@ -245,26 +262,32 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
         lens = valid.sum(1)
         cu = torch.zeros(B + 1, dtype=torch.long, device=input_ids.device)
         cu[1:] = lens.cumsum(0)
-        ids = input_ids[valid]
-        grids = image_grid_thw is not None or video_grid_thw is not None
+        return _PackedBatch(input_ids, valid, lens, cu, input_ids[valid], cache, use_cache)
+
+    @staticmethod
+    def _positions(b: _PackedBatch, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """RoPE positions of the packed tokens: the given ``position_ids`` (3-D for M-RoPE, a leading text axis
+        dropped), else each row's next positions in its cache (on three axes once the row has M-RoPE positions)."""
+        S = b.input_ids.shape[1]
         if position_ids is not None:
             pos = position_ids[1:] if position_ids.dim() == 3 and position_ids.shape[0] == 4 else position_ids
             pos = pos[..., -S:]
-            pos = pos[:, valid] if pos.dim() == 3 else pos[valid]
-        elif grids:
-            pos = self._mrope_prefill_positions(ids, cu, valid, cache, mm_token_type_ids, image_grid_thw,
-                                                video_grid_thw)
-        else:
-            base = (cache.lengths + cache.rope_deltas).to(input_ids.device)
-            pos = torch.repeat_interleave(base - cu[:-1], lens) + torch.arange(ids.numel(), device=ids.device)
-            if cache.mrope:  # the rows' QSA caches hold (t, h, w) positions: keep three axes
-                pos = pos.expand(3, -1)
-        emb = inputs_embeds[valid] if inputs_embeds is not None else None
-        if pixel_values is not None or pixel_values_videos is not None:
-            emb = self._merge_vision(ids, emb, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
-        rows = torch.arange(B)
-        hidden, H = tm.forward_packed(ids, pos, cu, cache, rows, emb)
-        cache.lengths += lens.cpu()
+            return pos[:, b.valid] if pos.dim() == 3 else pos[b.valid]
+        cache, ids = b.cache, b.ids
+        base = (cache.lengths + cache.rope_deltas).to(b.input_ids.device)
+        pos = torch.repeat_interleave(base - b.cu[:-1], b.lens) + torch.arange(ids.numel(), device=ids.device)
+        if cache.mrope:  # the rows' QSA caches hold (t, h, w) positions: keep three axes
+            pos = pos.expand(3, -1)
+        return pos
+
+    def _lm_output(self, b: _PackedBatch, pos: torch.Tensor, emb: torch.Tensor | None, labels, logits_to_keep: int,
+                   return_mtp_hidden: bool) -> CausalLMOutputWithPast:
+        """Run the text backbone on the packed batch, advance the cache, and scatter the kept logits back to
+        [B, keep, V] (plus the loss, and the pre-mixer state ``mtp_hidden`` [B, S, nD] on request)."""
+        B, S = b.input_ids.shape
+        valid, cache = b.valid, b.cache
+        hidden, H = self.text_model(b.ids, pos, b.cu, cache, torch.arange(B), emb)
+        cache.lengths += b.lens.cpu()
         cache.columns += S
         keep = S if not logits_to_keep else min(int(logits_to_keep), S)
         sel = valid.clone()
@@ -278,19 +301,125 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
             lf = logits.float()[:, :-1].reshape(-1, logits.shape[-1])
             lab = labels[:, -keep:][:, 1:].reshape(-1).masked_fill(~valid[:, -keep:][:, 1:].reshape(-1), -100)
             loss = nn.functional.cross_entropy(lf, lab, ignore_index=-100)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache if use_cache else None)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache if b.use_cache else None)
         if return_mtp_hidden:
             Hs = H.new_zeros((B, S, H.shape[-1]))
             Hs[valid] = H
             out["mtp_hidden"] = Hs
         return out
 
-    def visual_tower(self):
-        raise NotImplementedError("qwen4exp: Qwen4ExpForCausalLM is text-only; image/video inputs need "
-                                  "Qwen4ExpForConditionalGeneration")
 
-    # ---------------------------------------------------------------------------------------------------------------
-    # images and video (Qwen4ExpForConditionalGeneration)
+class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, GenerationMixin):
+    """Text-only: checkpoint names ``model.*``, ``lm_head.weight`` (and ``mtp.*``)."""
+
+    config_class = Qwen4ExpTextConfig
+
+    def __init__(self, config: Qwen4ExpTextConfig, mtp_layers: int | None = None, mtp_shared_head: bool = False):
+        super().__init__(config)
+        self.model = Qwen4ExpTextModel(config, prefix="model")
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        n_mtp = config.mtp_num_hidden_layers if mtp_layers is None else mtp_layers
+        self.mtp = Qwen4ExpMTP(config, n_mtp, mtp_shared_head) if n_mtp else None
+        self.post_init()
+
+    @property
+    def text_model(self) -> Qwen4ExpTextModel:
+        return self.model
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Qwen4ExpHybridCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        ple_input_ids: torch.LongTensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        return_mtp_hidden: bool = False,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """``ple_input_ids``: the token ids PLE hashes when only ``inputs_embeds`` are given (else recovered from
+        exact embedding rows); ``return_mtp_hidden``: also return the pre-mixer state the MTP head reads. Image /
+        video arguments are refused (they need ``Qwen4ExpForConditionalGeneration``)."""
+        if any(x is not None for x in (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)):
+            raise NotImplementedError("qwen4exp: Qwen4ExpForCausalLM is text-only; image/video inputs need "
+                                      "Qwen4ExpForConditionalGeneration")
+        b = self._pack(input_ids, attention_mask, inputs_embeds, ple_input_ids, past_key_values, use_cache)
+        emb = inputs_embeds[b.valid] if inputs_embeds is not None else None
+        return self._lm_output(b, self._positions(b, position_ids), emb, labels, logits_to_keep, return_mtp_hidden)
+
+
+class Qwen4ExpForConditionalGeneration(Qwen4ExpPreTrainedModel, GenerationMixin):
+    """Checkpoint names ``model.language_model.*``, ``model.visual.*``, ``lm_head.weight`` (and ``mtp.*``)."""
+
+    config_class = Qwen4ExpConfig
+
+    def __init__(self, config: Qwen4ExpConfig, mtp_layers: int | None = None, mtp_shared_head: bool = False):
+        super().__init__(config)
+        tc = config.text_config
+        self.model = Qwen4ExpModel(config)
+        self.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
+        n_mtp = tc.mtp_num_hidden_layers if mtp_layers is None else mtp_layers
+        self.mtp = Qwen4ExpMTP(tc, n_mtp, mtp_shared_head) if n_mtp else None
+        self.post_init()
+
+    @property
+    def text_model(self) -> Qwen4ExpTextModel:
+        return self.model.language_model
+
+    def visual_tower(self):
+        return self.model.visual
+
+    def get_input_embeddings(self):
+        return self.model.language_model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Qwen4ExpHybridCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        ple_input_ids: torch.LongTensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        return_mtp_hidden: bool = False,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """As ``Qwen4ExpForCausalLM.forward``, plus images / video: their placeholder tokens take the tower's output,
+        and a prompt with ``image_grid_thw`` / ``video_grid_thw`` gets (t, h, w) M-RoPE positions."""
+        b = self._pack(input_ids, attention_mask, inputs_embeds, ple_input_ids, past_key_values, use_cache)
+        if position_ids is None and (image_grid_thw is not None or video_grid_thw is not None):
+            pos = self._mrope_prefill_positions(b.ids, b.cu, b.valid, b.cache, mm_token_type_ids, image_grid_thw,
+                                                video_grid_thw)
+        else:
+            pos = self._positions(b, position_ids)
+        emb = inputs_embeds[b.valid] if inputs_embeds is not None else None
+        if pixel_values is not None or pixel_values_videos is not None:
+            emb = self._merge_vision(b.ids, emb, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        return self._lm_output(b, pos, emb, labels, logits_to_keep, return_mtp_hidden)
+
     def _merge_vision(self, ids, emb, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
         """Packed token embeddings with every image / video placeholder token replaced by the tower's output (in
         order: the k-th placeholder token of a kind takes the k-th merged patch of that kind)."""
@@ -337,62 +466,3 @@ class Qwen4ExpPreTrainedModel(PreTrainedModel):
                              "placeholder runs for")
         cache.mrope = True
         return pos.to(ids.device)
-
-
-class Qwen4ExpForCausalLM(Qwen4ExpPreTrainedModel, GenerationMixin):
-    """Text-only: checkpoint names ``model.*``, ``lm_head.weight`` (and ``mtp.*``)."""
-
-    config_class = Qwen4ExpTextConfig
-
-    def __init__(self, config: Qwen4ExpTextConfig, mtp_layers: int | None = None, mtp_shared_head: bool = False):
-        super().__init__(config)
-        self.model = Qwen4ExpTextModel(config, prefix="model")
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        n_mtp = config.mtp_num_hidden_layers if mtp_layers is None else mtp_layers
-        self.mtp = Qwen4ExpMTP(config, n_mtp, mtp_shared_head) if n_mtp else None
-        self.post_init()
-
-    @property
-    def text_model(self) -> Qwen4ExpTextModel:
-        return self.model
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-
-class Qwen4ExpModel(nn.Module):
-    def __init__(self, config: Qwen4ExpConfig):
-        super().__init__()
-        self.visual = VisionTower(config.vision_config)
-        self.language_model = Qwen4ExpTextModel(config.text_config, prefix="model.language_model")
-
-
-class Qwen4ExpForConditionalGeneration(Qwen4ExpPreTrainedModel, GenerationMixin):
-    """Checkpoint names ``model.language_model.*``, ``model.visual.*``, ``lm_head.weight`` (and ``mtp.*``)."""
-
-    config_class = Qwen4ExpConfig
-
-    def __init__(self, config: Qwen4ExpConfig, mtp_layers: int | None = None, mtp_shared_head: bool = False):
-        super().__init__(config)
-        tc = config.text_config
-        self.model = Qwen4ExpModel(config)
-        self.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
-        n_mtp = tc.mtp_num_hidden_layers if mtp_layers is None else mtp_layers
-        self.mtp = Qwen4ExpMTP(tc, n_mtp, mtp_shared_head) if n_mtp else None
-        self.post_init()
-
-    @property
-    def text_model(self) -> Qwen4ExpTextModel:
-        return self.model.language_model
-
-    def visual_tower(self):
-        return self.model.visual
-
-    def get_input_embeddings(self):
-        return self.model.language_model.embed_tokens
-
-    def get_output_embeddings(self):
-        return self.lm_head
