@@ -263,3 +263,29 @@ def test_the_exact_resume_point_rides_on_the_partial_hit_path():
     assert hasattr(runner, "copy_kv_cache_blocks_inplace")
     for attr in ("block_hashes", "cache_salt", "mm_features", "lora_request", "all_token_ids"):
         assert hasattr(Request, attr) or f"self.{attr}" in inspect.getsource(Request.__init__), attr
+
+
+# --- the adapter's list of touchpoints (qwen4exp.serving.scheduler.TOUCHPOINTS) ----------------------------------
+def _defines(cls, name: str) -> bool:
+    """A method or class attribute, a dataclass / msgspec field, or an attribute an ``__init__`` in the MRO sets."""
+    if hasattr(cls, name) or name in getattr(cls, "__dataclass_fields__", {}) or name in getattr(
+            cls, "__struct_fields__", ()):
+        return True
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None and hasattr(init, "__code__") and f"self.{name}" in inspect.getsource(init):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("owner", sorted(agent.TOUCHPOINTS), ids=lambda o: o[1])
+def test_every_touchpoint_the_adapter_lists_exists(owner):
+    """Every private attribute ``AgentScheduler`` lists in ``TOUCHPOINTS`` exists in the installed vLLM (the lines
+    its hooks rely on: the tests above)."""
+    import importlib
+
+    module, name = owner
+    cls = getattr(importlib.import_module(module), name)
+    missing = [a for a in agent.TOUCHPOINTS[owner] if not _defines(cls, a)]
+    assert not missing, f"{module}.{name} lacks {missing}"
+    # (last_sched_seq is set on requests by the scheduler, not by Request: test_request_fields)

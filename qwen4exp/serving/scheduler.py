@@ -36,17 +36,45 @@ field, the ``X-Session-ID`` header or ``vllm_xargs.session_id``) get:
   step runs (with async scheduling, while the step after it is already planned) waits for short steps, not for whole
   ``--max-num-batched-tokens`` prefill chunks of first turns.
 
+The policies themselves are plain classes without vLLM (``qwen4exp.serving.policies``: ``CheckpointTracker`` and
+the resume functions, ``Retention``, ``Admission``, ``VictimOrder``; the session state machine:
+``qwen4exp.serving.sessions``), tested without an engine (``tests/test_scheduler_policies.py``,
+``tests/test_sessions.py``). This module is the adapter: it reads vLLM's requests, queues and KV-cache managers, asks
+the policies, and applies their decisions through vLLM's private interface, so a vLLM upgrade touches this module
+only. What it touches (``TOUCHPOINTS``, each checked against the installed vLLM by
+``tests/test_scheduler_contract.py``, which also pins the source lines the hooks rely on):
+
+* ``Scheduler`` methods overridden: ``schedule`` (per step: ``scheduler_config.long_prefill_token_threshold`` and
+  ``max_num_scheduled_tokens`` set and restored), ``add_request``, ``_free_blocks`` (the pin),
+  ``_preempt_request`` (counted), ``_get_local_prefix_cache_hit`` (the exact resume point), ``make_stats``
+  (``SchedulerStats.running_lora_adapters`` carries the session numbers), ``reset_prefix_cache``, ``shutdown``;
+  called: ``_request_blocks_can_be_freed``; read: ``policy``, ``waiting`` (replaced by ``SessionPriorityQueue``
+  under the priority policy; FCFS: ``peek_request``, ``remove_requests``, ``prepend_requests``), ``running``,
+  ``requests``, ``cache_config.block_size``, ``scheduler_config.enable_chunked_prefill``, ``num_spec_tokens``,
+  ``connector``, ``hash_block_size``, ``defer_block_free``, ``processed_step_seq``, ``deferred_frees``;
+* the KV-cache manager: ``allocate_slots`` and the coordinator's ``cache_blocks`` (wrapped on this scheduler's
+  instances), ``pop_blocks_for_free``, ``create_kv_cache_blocks``, ``prefix_cache_lookup_enabled``, the
+  coordinator's ``single_type_managers`` (``FullAttentionManager``, ``MambaManager``: ``req_to_blocks``,
+  ``block_size``, ``enable_caching``, ``mamba_cache_mode``, ``num_speculative_blocks``), the block pool's
+  ``free_blocks``, ``touch``, ``_maybe_evict_cached_block``, ``null_block``, and ``KVCacheBlock.is_null`` /
+  ``block_hash``;
+* ``Request`` fields: ``session_id``, ``shared_prefix_boundary`` (written: the decode checkpoint), ``resumable``,
+  ``status``, ``num_computed_tokens``, ``num_prompt_tokens``, ``num_tokens``, ``num_preemptions``, ``arrival_time``,
+  ``priority``, ``last_sched_seq``, ``block_hashes``, ``all_token_ids``, ``prompt_token_ids``, ``cache_salt``,
+  ``lora_request``, ``mm_features``, ``sampling_params.extra_args``;
+* ``EngineCore``: the utility method ``qwen4exp_close_session`` (installed), its ``scheduler`` and
+  ``output_queue``, ``EngineCoreOutputs(scheduler_stats=...)``.
+
 The class is vLLM's ``Scheduler`` on CPU and ``AsyncScheduler`` where async scheduling is on (GPUs): subclassing
-``Scheduler`` there would turn the async overlap off. The private vLLM attributes used here are pinned by
-``tests/test_scheduler_contract.py`` (the installed vLLM, imported) and, for each supported minor (0.32, 0.33, 0.34),
-by ``tests/test_vllm_patch_contract.py`` (that vLLM's source); another vLLM minor version is refused at start-up.
+``Scheduler`` there would turn the async overlap off. Besides ``tests/test_scheduler_contract.py`` (the installed
+vLLM, imported), ``tests/test_vllm_patch_contract.py`` checks each supported minor's source (0.32, 0.33, 0.34);
+another vLLM minor version is refused at start-up.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass
 
 import vllm
 from vllm.logger import init_logger
@@ -58,35 +86,55 @@ from vllm.v1.request import RequestStatus
 
 from qwen4exp import envs
 from qwen4exp.serving import metrics
+from qwen4exp.serving.policies import (ATTENTION, OTHER, STATE_ALIGN, Admission, Admitted, Candidate, Checkpoint,
+                                       CheckpointTracker, Freed, GroupBlocks, Queued, Resume, Retention, VictimOrder,
+                                       exact_resume_supported, newest_cached, resume_groups, resume_in_reach,
+                                       resume_matches)
+from qwen4exp.serving.policies import CONTINUATIONS_PER_STEP, HEAD_WAIT_S  # noqa: F401 (re-exported)
 from qwen4exp.serving.sessions import Event, IllegalTransition, Sessions, State, close_flag
 from qwen4exp.vllm import patches
 
 logger = init_logger("vllm.plugins.qwen4exp.scheduler")
 
 SUPPORTED_VLLM = patches.SUPPORTED_VLLM_MINORS  # the minors whose scheduler contract is checked (patches)
-CONTINUATIONS_PER_STEP = 4  # continuation turns moved ahead of the queue per step
-HEAD_WAIT_S = 2.0  # ... unless the head of the queue has waited this long (first turns are never starved)
+_ADMISSION = Admission()  # (CONTINUATIONS_PER_STEP, HEAD_WAIT_S)
+
+# The private vLLM interface this adapter touches (module docstring), as (module, class) -> attributes: each one is
+# checked against the installed vLLM by tests/test_scheduler_contract.py (a method, a class attribute, a dataclass
+# field, or an attribute its ``__init__`` sets).
+TOUCHPOINTS = {
+    ("vllm.v1.core.sched.scheduler", "Scheduler"): (
+        "schedule", "add_request", "_free_blocks", "_preempt_request", "_get_local_prefix_cache_hit", "make_stats",
+        "reset_prefix_cache", "shutdown", "_request_blocks_can_be_freed", "policy", "waiting", "running", "requests",
+        "kv_cache_manager", "cache_config", "scheduler_config", "max_num_scheduled_tokens", "num_spec_tokens",
+        "connector", "hash_block_size", "defer_block_free", "processed_step_seq", "deferred_frees"),
+    ("vllm.v1.core.sched.request_queue", "FCFSRequestQueue"): ("peek_request", "remove_requests", "prepend_requests"),
+    ("vllm.v1.core.sched.request_queue", "PriorityRequestQueue"): ("add_request", "pop_request", "peek_request",
+                                                                   "remove_request", "remove_requests", "__iter__"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager"): (
+        "allocate_slots", "coordinator", "pop_blocks_for_free", "create_kv_cache_blocks", "prefix_cache_lookup_enabled",
+        "block_pool"),
+    ("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator"): ("cache_blocks", "single_type_managers"),
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager"): (
+        "req_to_blocks", "block_size", "enable_caching", "block_pool"),
+    ("vllm.v1.core.single_type_kv_cache_manager", "MambaManager"): ("mamba_cache_mode", "num_speculative_blocks"),
+    ("vllm.v1.core.block_pool", "BlockPool"): ("free_blocks", "touch", "_maybe_evict_cached_block", "null_block"),
+    ("vllm.v1.core.kv_cache_utils", "KVCacheBlock"): ("is_null", "block_hash"),
+    ("vllm.v1.request", "Request"): (
+        "session_id", "shared_prefix_boundary", "resumable", "status", "num_computed_tokens", "num_prompt_tokens",
+        "num_tokens", "num_preemptions", "arrival_time", "priority", "block_hashes", "all_token_ids",
+        "prompt_token_ids", "cache_salt", "lora_request", "mm_features", "sampling_params"),
+    ("vllm.config.scheduler", "SchedulerConfig"): (
+        "long_prefill_token_threshold", "enable_chunked_prefill", "async_scheduling"),
+    ("vllm.config.cache", "CacheConfig"): ("block_size",),
+    ("vllm.sampling_params", "SamplingParams"): ("extra_args",),
+    ("vllm.v1.metrics.stats", "SchedulerStats"): ("running_lora_adapters",),
+    ("vllm.v1.engine.core", "EngineCore"): ("scheduler",),
+    ("vllm.v1.engine.core", "EngineCoreProc"): ("output_queue",),
+    ("vllm.v1.engine", "EngineCoreOutputs"): ("scheduler_stats",),
+}
 _RETAINABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 CLOSE_UTILITY = "qwen4exp_close_session"  # the EngineCore method the API server calls (qwen4exp.serving.session_api)
-
-
-@dataclass
-class Resume:
-    """Where a session's finished turn stopped, kept with its pin: the exact resume point of the next turn.
-    ``tokens`` tokens were computed (prompt + output, less the last sampled token unless a step already fed it);
-    ``groups`` has, per KV-cache group, the blocks a next turn takes over as its computed prefix: an attention group
-    its first ceil(tokens / block) blocks (the last one partly filled), a hybrid-state group vLLM's null placeholders
-    and the block holding the state after exactly ``tokens`` tokens. The rest identifies what was computed, so a
-    next turn resumes only if its prompt starts with the same tokens under the same salt, LoRA and images: vLLM's
-    hashes of the full hash blocks (they cover tokens, salt, LoRA and images), the ids of the tokens after them."""
-
-    tokens: int
-    block_hashes: list
-    tail_ids: list
-    groups: tuple
-    cache_salt: object
-    lora_id: object
-    mm: tuple
 
 
 class SessionPriorityQueue(PriorityRequestQueue):
@@ -153,6 +201,16 @@ def _mm_before(request, n: int) -> tuple:
     """The request's multimodal items that start before token ``n``: (offset, length, identifier)."""
     return tuple((f.mm_position.offset, f.mm_position.length, f.identifier) for f in (request.mm_features or ())
                  if f.mm_position.offset < n)
+
+
+def _group_kind(manager) -> str:
+    """A KV-cache group's kind for ``policies.exact_resume_supported``."""
+    if type(manager) is FullAttentionManager and manager.enable_caching:
+        return ATTENTION
+    if (isinstance(manager, MambaManager) and manager.enable_caching and manager.mamba_cache_mode == "align"
+            and manager.num_speculative_blocks == 0):
+        return STATE_ALIGN
+    return OTHER
 
 
 def _lora_id(request):
@@ -232,7 +290,7 @@ class AgentScheduler(Scheduler):
         if self.policy == SchedulingPolicy.PRIORITY:  # next turns first within their priority class
             self.waiting = SessionPriorityQueue(self._waiting_rank)
         self._metrics_sent: dict[str, int] = {}  # what the last stats carried (qwen4exp.serving.metrics.payload)
-        self._checkpoints: dict[str, list] = {}  # request id -> (block, hash, from decode) per hybrid group
+        self.checkpoints = CheckpointTracker()  # per request, its newest checkpoint per hybrid group
         self.exact_resumes = 0  # next turns that resumed at their previous turn's exact end
         self._resume_offered: set[str] = set()  # requests handed a resume point, not yet allocated
         self.preempted_tokens = 0  # computed tokens thrown away by preemptions (recomputed on readmission)
@@ -245,11 +303,8 @@ class AgentScheduler(Scheduler):
                               if isinstance(m, MambaManager) and m.enable_caching]
         # the exact resume point needs every group to be plain full attention or a hybrid-state group in "align"
         # mode without speculative blocks (MTP: the state of the last accepted token moves between slots)
-        managers = coordinator.single_type_managers
-        self._exact_resume = bool(self._mamba_groups) and self.connector is None and all(
-            type(m) is FullAttentionManager and m.enable_caching
-            or isinstance(m, MambaManager) and m.enable_caching and m.mamba_cache_mode == "align"
-            and m.num_speculative_blocks == 0 for m in managers)
+        self._exact_resume = exact_resume_supported([_group_kind(m) for m in coordinator.single_type_managers],
+                                                    len(self._mamba_groups), self.connector is not None)
         patches.apply("scheduler", self)  # this scheduler's cache_blocks / allocate_slots, EngineCore's utility
         logger.info("%s: session TTL %.1f s, end-of-turn checkpoint in %d hybrid-state group(s), exact resume %s",
                     type(self).__name__, self.sessions.ttl, len(self._mamba_groups),
@@ -269,36 +324,24 @@ class AgentScheduler(Scheduler):
             self._track_checkpoint(request, num_computed_tokens, decoding)
 
     def _track_checkpoint(self, request, num_computed_tokens: int, decoding: bool) -> None:
-        """Remember the request's newest cached state block per hybrid group (vLLM returns a checkpoint block to the
-        pool, evictable, once the state has moved past it: the session's pin takes it back at the end of the turn).
-        One decode checkpoint a request: a newer one evicts the decode checkpoint before it from the prefix cache."""
-        prev = self._checkpoints.get(request.request_id)
-        latest = []
-        for k, (g, manager) in enumerate(self._mamba_groups):
+        """Remember the request's newest cached state block per hybrid group (``CheckpointTracker``); a decode
+        checkpoint a newer one replaces is evicted from the prefix cache if it still holds its state."""
+        found = []
+        for _, manager in self._mamba_groups:
             blocks = manager.req_to_blocks.get(request.request_id, ())
-            found = None
-            for i in range(min(len(blocks), num_computed_tokens // manager.block_size) - 1, -1, -1):
-                b = blocks[i]
-                if not b.is_null and b.block_hash is not None:
-                    found = (b, b.block_hash, decoding)
-                    break
-                if len(blocks) - i > 4:  # (checkpoints sit at the end of what was just cached)
-                    break
-            old = prev[k] if prev else None
-            if found is None or (old is not None and found[0] is old[0]):
-                latest.append(old)
-                continue
-            if old is not None and old[2] and old[0].block_hash == old[1]:
-                self.kv_cache_manager.block_pool._maybe_evict_cached_block(old[0])
-            latest.append(found)
-        self._checkpoints[request.request_id] = latest
+            i = newest_cached([None if b.is_null else b.block_hash for b in blocks],
+                              num_computed_tokens // manager.block_size)
+            found.append(None if i is None else Checkpoint(blocks[i], blocks[i].block_hash, decoding))
+        for old in self.checkpoints.update(request.request_id, found):
+            if old.holds(old.block.block_hash):
+                self.kv_cache_manager.block_pool._maybe_evict_cached_block(old.block)
 
     def _checkpoint_blocks(self, request, held: list) -> list:
         """The request's tracked checkpoint blocks that still hold their state and that ``held`` lacks, touched
         (referenced once more) so that they stay cached while pinned."""
         ids = {id(b) for b in held}
-        extra = [b for b, h, _ in filter(None, self._checkpoints.pop(request.request_id, None) or ())
-                 if b.block_hash == h and id(b) not in ids]
+        extra = [c.block for c in self.checkpoints.take(request.request_id)
+                 if c.holds(c.block.block_hash) and id(c.block) not in ids]
         if extra:
             self.kv_cache_manager.block_pool.touch(extra)
         return extra
@@ -306,27 +349,21 @@ class AgentScheduler(Scheduler):
     # --- the exact resume point ------------------------------------------------------------------------------
     def _resume_record(self, request) -> Resume | None:
         """Before a finished turn's blocks are popped: the blocks that hold its KV and its hybrid state after exactly
-        ``num_computed_tokens`` tokens (None when they are not all there)."""
+        ``num_computed_tokens`` tokens (``policies.resume_groups``; None when they are not all there)."""
         n = request.num_computed_tokens
         if not self._exact_resume or not 0 < n <= request.num_tokens:
             return None
-        groups = []
-        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+        coordinator = self.kv_cache_manager.coordinator
+        views = []
+        for manager in coordinator.single_type_managers:
             blocks = manager.req_to_blocks.get(request.request_id, ())
-            k = -(-n // manager.block_size)
-            if len(blocks) < k:
-                return None
-            if isinstance(manager, MambaManager):
-                state = blocks[k - 1]
-                if state.is_null:
-                    return None
-                groups.append((manager.block_pool.null_block,) * (k - 1) + (state,))
-            else:
-                if any(b.is_null for b in blocks[:k]):
-                    return None
-                groups.append(tuple(blocks[:k]))
+            views.append(GroupBlocks(manager.block_size, isinstance(manager, MambaManager), blocks,
+                                     [b.is_null for b in blocks]))
+        groups = resume_groups(n, views, self.kv_cache_manager.block_pool.null_block)
+        if groups is None:
+            return None
         hashes = list(request.block_hashes[: n // self.hash_block_size])
-        return Resume(n, hashes, list(request.all_token_ids[len(hashes) * self.hash_block_size: n]), tuple(groups),
+        return Resume(n, hashes, list(request.all_token_ids[len(hashes) * self.hash_block_size: n]), groups,
                       request.cache_salt, _lora_id(request), _mm_before(request, n))
 
     def _get_local_prefix_cache_hit(self, request, *args, **kwargs):
@@ -340,13 +377,12 @@ class AgentScheduler(Scheduler):
         self._resume_offered.discard(request.request_id)  # (offered at an earlier try that did not fit)
         r = self.sessions.resume_point(request.session_id)
         bound = args[0] if args else kwargs.get("max_cache_hit_length")
-        if (r is None or r.tokens <= hit[1] or r.tokens > request.num_tokens - 1
-                or bound is not None and r.tokens > bound
+        if (not resume_in_reach(r, hit[1], request.num_tokens, bound)
                 or not self.kv_cache_manager.prefix_cache_lookup_enabled(request)
-                or request.cache_salt != r.cache_salt or _lora_id(request) != r.lora_id
-                or request.block_hashes[: len(r.block_hashes)] != r.block_hashes
-                or request.prompt_token_ids[len(r.block_hashes) * self.hash_block_size: r.tokens] != r.tail_ids
-                or _mm_before(request, r.tokens) != r.mm):
+                or not resume_matches(r, request.cache_salt, _lora_id(request),
+                                      request.block_hashes[: len(r.block_hashes)],
+                                      request.prompt_token_ids[len(r.block_hashes) * self.hash_block_size: r.tokens],
+                                      _mm_before(request, r.tokens))):
             return hit
         self._resume_offered.add(request.request_id)  # counted once it is allocated (schedule)
         blocks = self.kv_cache_manager.create_kv_cache_blocks(tuple(list(g) for g in r.groups))
@@ -355,7 +391,7 @@ class AgentScheduler(Scheduler):
     # --- soft retention ----------------------------------------------------------------------------------------
     def _release_blocks(self, blocks: list, fence: int) -> None:
         """Give pinned blocks back to the pool (tail first), after the step that wrote them if it may still run."""
-        if not self.defer_block_free or fence <= self.processed_step_seq:
+        if Retention.release_now(self.defer_block_free, fence, self.processed_step_seq):
             self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
         else:
             self.deferred_frees.append((fence, blocks))
@@ -381,18 +417,13 @@ class AgentScheduler(Scheduler):
             i = running.index(request)
         except ValueError:  # a waiting request: no preemption follows
             return
-        if len(running) - i > 2:
+        if VictimOrder.applies(True, len(running) - i - 1):
             running[i + 1:] = sorted(running[i + 1:], key=self._victim_order)
 
     def _victim_order(self, r) -> tuple:
-        """Sort key of preemption candidates, the victim last: one whose blocks cannot be freed now (an async step in
-        flight) is kept; a request preempted before is kept over one never preempted (no ping-pong: a readmitted
-        request keeps its place); an unfinished prefill goes before any decode, the largest remaining prefill first
-        (its blocks are the largest demand still to come); among decodes the least computed first (the least work
-        to redo); the latest arrival last."""
-        prefilling = r.num_computed_tokens < r.num_prompt_tokens
-        return (self._request_blocks_can_be_freed(r), -r.num_preemptions, prefilling,
-                r.num_prompt_tokens - r.num_computed_tokens if prefilling else -r.num_computed_tokens, r.arrival_time)
+        """Sort key of preemption candidates, the victim last (``VictimOrder.key``)."""
+        return VictimOrder.key(Candidate(self._request_blocks_can_be_freed(r), r.num_preemptions, r.num_prompt_tokens,
+                                         r.num_computed_tokens, r.arrival_time))
 
     def _preempt_request(self, request, *args, **kwargs):
         self.preempted_tokens += request.num_computed_tokens  # computed work the preemption throws away
@@ -408,26 +439,31 @@ class AgentScheduler(Scheduler):
 
     def _free_blocks(self, request):
         sid = request.session_id
-        if sid is None or request.resumable or self.sessions.state(sid) is State.CLOSED:
+        if not Retention.session_matter(session=sid is not None, resumable=bool(request.resumable),
+                                        closed=sid is not None and self.sessions.state(sid) is State.CLOSED):
             return super()._free_blocks(request)
-        if request.status in _RETAINABLE and not _closes_session(request):
+        normal = request.status in _RETAINABLE
+        decision = Retention.on_end(finished_normally=normal, closes=normal and _closes_session(request),
+                                    ttl=self.sessions.ttl,
+                                    sole_active=self.sessions.sessions[sid].active == {request.request_id})
+        if decision in (Freed.PIN, Freed.UNPINNED):
             pin = None
-            if self.sessions.ttl > 0 and self.sessions.sessions[sid].active == {request.request_id}:
-                fence = request.last_sched_seq if self.defer_block_free else 0
+            if decision is Freed.PIN:
+                fence = Retention.pin_fence(self.defer_block_free, request.last_sched_seq)
                 resume = self._resume_record(request)
                 blocks = self.kv_cache_manager.pop_blocks_for_free(request)
                 pin = self.sessions.new_pin(blocks + self._checkpoint_blocks(request, blocks), fence,
                                             request.request_id, resume, request.num_computed_tokens)
             state = self._fire(sid, Event.FINISH, request.request_id, pin)
             if pin is None:
-                self._checkpoints.pop(request.request_id, None)
+                self.checkpoints.drop(request.request_id)
                 return super()._free_blocks(request)
             if state is not State.RETAINED:  # refused: nothing holds the popped blocks
                 self._release_blocks(pin.blocks, pin.fence)
             del self.requests[request.request_id]
             return
-        self._checkpoints.pop(request.request_id, None)
-        self._fire(sid, Event.ABORT if request.status not in _RETAINABLE else Event.CLOSE, request.request_id)
+        self.checkpoints.drop(request.request_id)
+        self._fire(sid, Event.ABORT if decision is Freed.ABORT else Event.CLOSE, request.request_id)
         return super()._free_blocks(request)
 
     def _fire(self, sid: str, event: Event, request_id: str | None = None, pin=None) -> State | None:
@@ -451,106 +487,107 @@ class AgentScheduler(Scheduler):
         return r.session_id is not None and r.status == RequestStatus.WAITING and r.session_id in self.sessions.handoff
 
     def _waiting_rank(self, r) -> int:
-        """``SessionPriorityQueue``'s key within a priority class: 0 for a next turn while favouring is on, else 1."""
-        return 0 if self._favouring and self._is_continuation(r) else 1
+        """``SessionPriorityQueue``'s key within a priority class (``Admission.rank``): 0 for a next turn while
+        favouring is on, else 1."""
+        return Admission.rank(self._favouring, self._favouring and self._is_continuation(r))
 
     def _continuations_first_by_priority(self) -> list:
         """``--scheduling-policy priority``: the queue itself orders next turns first within their class
         (``SessionPriorityQueue``); here favouring pauses while a first turn of the best waiting class has waited
-        ``HEAD_WAIT_S`` (and resumes when none has). The favoured turns: the next turns at the front of the queue,
-        at most ``CONTINUATIONS_PER_STEP`` (none while a first turn of a better class is at its front)."""
+        ``HEAD_WAIT_S`` (and resumes when none has; ``Admission.favouring``). The favoured turns: the next turns at
+        the front of the queue, at most ``CONTINUATIONS_PER_STEP`` (``Admission.favoured_by_priority``)."""
         waiting = self.waiting
         if not waiting or not self.sessions.handoff:  # (no next turn waits: only ranks left over from one that went)
             self._favouring = True
             waiting.refresh()
             return []
         now, best = time.time(), waiting.peek_request().priority
-        self._favouring = not any(r.priority == best and not self._is_continuation(r)
-                                  and now - r.arrival_time > HEAD_WAIT_S for r in waiting.requests())
+        self._favouring = _ADMISSION.favouring((Queued(self._is_continuation(r), r.arrival_time, r.priority)
+                                                for r in waiting.requests()), best, now)
         waiting.refresh()
-        favoured = []
-        for r in waiting:
-            if r.priority != best or not self._favouring or not self._is_continuation(r):
-                break
-            favoured.append(r)
-            if len(favoured) == CONTINUATIONS_PER_STEP:
-                break
-        return favoured
+        seen = []
+
+        def ordered():
+            for r in waiting:
+                seen.append(r)
+                yield Queued(self._is_continuation(r), r.arrival_time, r.priority)
+
+        return seen[:_ADMISSION.favoured_by_priority(ordered(), best, self._favouring)]
 
     def _continuations_first(self) -> list:
         """Move the waiting turns of sessions whose blocks are held (HANDOFF) ahead of the queue, at most
-        ``CONTINUATIONS_PER_STEP``, unless the queue's head has waited ``HEAD_WAIT_S``; the turns favoured."""
+        ``CONTINUATIONS_PER_STEP``, unless the queue's head has waited ``HEAD_WAIT_S`` (``Admission.favoured_fcfs``);
+        the turns favoured."""
         waiting = self.waiting
         if isinstance(waiting, SessionPriorityQueue):
             return self._continuations_first_by_priority()
         if not waiting or not self.sessions.handoff:
             return []
-        head = waiting.peek_request()
-        favoured = [r for r in waiting if self._is_continuation(r)][:CONTINUATIONS_PER_STEP]
-        if head not in favoured and time.time() - head.arrival_time > HEAD_WAIT_S:
-            return []
-        if favoured and any(a is not b for a, b in zip(favoured, waiting)):
+        queue = list(waiting)
+        positions = _ADMISSION.favoured_fcfs([Queued(self._is_continuation(r), r.arrival_time) for r in queue],
+                                             time.time())
+        favoured = [queue[i] for i in positions]
+        if Admission.moves(positions):
             waiting.remove_requests(favoured)
             waiting.prepend_requests(reversed(favoured))  # (vLLM's FCFS queue prepends them one by one: extendleft)
         return favoured
 
     def _continuations_running_first(self) -> None:
-        """Move favoured turns admitted with part of their prefill left to the front of the running queue: vLLM
-        ends a chunk that starts mid-block at the block boundary, so a turn resuming just short of one is admitted
-        with the rest of its new tokens still to prefill, and as a running request behind a long first-turn
-        prefill (admitted before it) it would wait for all that prefill's chunks. At the front it takes only its
-        remaining prompt tokens (under one block) before the others."""
-        for rid in list(self._continuing):
-            r = self.requests.get(rid)
-            if r is None or r.status != RequestStatus.RUNNING or r.num_computed_tokens >= r.num_prompt_tokens:
-                self._continuing.discard(rid)
+        """Move favoured turns admitted with part of their prefill left to the front of the running queue
+        (``Admission.still_continuing``, ``Admission.running_order``): vLLM ends a chunk that starts mid-block at the
+        block boundary, so a turn resuming just short of one is admitted with the rest of its new tokens still to
+        prefill, and as a running request behind a long first-turn prefill (admitted before it) it would wait for
+        all that prefill's chunks. At the front it takes only its remaining prompt tokens (under one block) before
+        the others."""
         if self._continuing:
-            order = ([r for r in self.running if r.request_id in self._continuing]
-                     + [r for r in self.running if r.request_id not in self._continuing])
-            if any(a is not b for a, b in zip(order, self.running)):  # (counted where it went ahead of another)
-                self.running[:] = order
+            state = {rid: Admitted(r.status == RequestStatus.RUNNING, r.num_prompt_tokens - r.num_computed_tokens)
+                     for rid in self._continuing if (r := self.requests.get(rid)) is not None}
+            keep = Admission.still_continuing(self._continuing, state)
+            self._continuing.intersection_update(keep)
+        if self._continuing:
+            positions = Admission.running_order([r.request_id for r in self.running], self._continuing)
+            if Admission.moves(positions):  # (counted where it went ahead of another)
+                self.running[:] = [self.running[i] for i in positions]
                 self.continued_steps += 1
 
     def _track_continuing(self, favoured: list) -> None:
         """After a step: the favoured turns it admitted with part of their prompt left, at most a chunk's worth
         (``QWEN4EXP_CONTINUATION_CHUNK`` or one block: the rest of a turn cut at a block boundary), run first in the
-        steps after. (A turn that lost its session's blocks before admission has its whole prompt left: it is
-        prefilled as any other.) ``num_computed_tokens`` already counts what this step scheduled."""
+        steps after (``Admission.newly_continuing``). ``num_computed_tokens`` already counts what this step
+        scheduled."""
         most = max(self.cache_config.block_size, envs.QWEN4EXP_CONTINUATION_CHUNK)
-        for r in favoured:
-            if r.status == RequestStatus.RUNNING and 0 < r.num_prompt_tokens - r.num_computed_tokens <= most:
-                self._continuing.add(r.request_id)
+        self._continuing.update(Admission.newly_continuing(
+            {r.request_id: Admitted(r.status == RequestStatus.RUNNING, r.num_prompt_tokens - r.num_computed_tokens)
+             for r in favoured}, most))
 
     def _continuation_chunk(self, favoured: list) -> int:
-        """The prefill cap of a step in which ``favoured`` turns wait (0: none): vLLM schedules running requests
-        before waiting ones, so a first turn in the middle of a long prefill would take the whole token budget and
-        the next turn would wait for every one of its chunks. ``QWEN4EXP_CONTINUATION_CHUNK`` in whole blocks (the
-        hybrid state is cached at block boundaries), at least one block and at least the favoured turns' own new
-        tokens (past what their session holds), so they are not chunked themselves."""
+        """The prefill cap of a step in which ``favoured`` turns wait (0: none; ``Admission.continuation_chunk``):
+        vLLM schedules running requests before waiting ones, so a first turn in the middle of a long prefill would
+        take the whole token budget and the next turn would wait for every one of its chunks."""
         cap = envs.QWEN4EXP_CONTINUATION_CHUNK
         if not favoured or cap <= 0:
             return 0
         block = self.cache_config.block_size
-        need = 0
+        new_tokens = []
         for r in favoured:
             pin = self.sessions.pin_of(r.session_id)
-            held = 0 if pin is None else pin.resume.tokens if pin.resume is not None else pin.tokens // block * block
-            need = max(need, r.num_tokens - held)
-        return max(block, cap // block * block, need)
+            held = Admission.held_tokens(pin is not None, None if pin is None or pin.resume is None
+                                         else pin.resume.tokens, 0 if pin is None else pin.tokens, block)
+            new_tokens.append(r.num_tokens - held)
+        return Admission.continuation_chunk(cap, block, new_tokens)
 
     def _pause_budget(self) -> tuple[int, int]:
-        """(the step's token budget, its prefill part) while a session is in a tool pause, else (0, 0): the prefill
-        part is ``QWEN4EXP_PAUSE_CHUNK`` in whole blocks (at least one), and every running request's decode tokens
-        (with MTP its drafts too) come on top, so decodes are never squeezed. Only with chunked prefill (without it
-        a prompt longer than the budget would never be admitted) and where it is below vLLM's own budget."""
+        """(the step's token budget, its prefill part) while a session is in a tool pause, else (0, 0)
+        (``Admission.pause_budget``: ``QWEN4EXP_PAUSE_CHUNK`` in whole blocks plus every running request's decode
+        tokens, only with chunked prefill and where it binds)."""
         chunk = envs.QWEN4EXP_PAUSE_CHUNK
-        if (chunk <= 0 or not self.scheduler_config.enable_chunked_prefill
-                or not (self.sessions.retained_count() or self.sessions.handoff)):
+        if chunk <= 0 or not self.scheduler_config.enable_chunked_prefill:
             return 0, 0
-        block = self.cache_config.block_size
-        chunk = max(block, chunk // block * block)
-        budget = chunk + len(self.running) * (1 + self.num_spec_tokens)
-        return (budget, chunk) if budget < self.max_num_scheduled_tokens else (0, 0)
+        return Admission.pause_budget(
+            chunk, self.cache_config.block_size,
+            paused=bool(self.sessions.retained_count() or self.sessions.handoff),
+            chunked_prefill=True, running=len(self.running), spec_tokens=self.num_spec_tokens,
+            step_budget=self.max_num_scheduled_tokens)
 
     def schedule(self, *args, **kwargs):
         self.sessions.expire()
@@ -560,7 +597,7 @@ class AgentScheduler(Scheduler):
         budget, chunk = (0, 0) if cap else self._pause_budget()
         config = self.scheduler_config
         saved, saved_budget = config.long_prefill_token_threshold, self.max_num_scheduled_tokens
-        capped = 0 < cap < self.max_num_scheduled_tokens and not 0 < saved <= cap  # (else it would not bind)
+        capped = Admission.cap_binds(cap, self.max_num_scheduled_tokens, saved)
         # the per_step_scheduler_config entry of qwen4exp.vllm.patches: set for this step, restored below
         if capped:  # (vLLM reads the threshold at the start of its schedule and where it aligns a chunk)
             config.long_prefill_token_threshold = cap
