@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from . import metrics as M
+from .status import EXIT_OK, EXIT_SETUP, EXIT_TURNS_FAILED
+from .status import run_nonce as _nonce
 
 AB_COLUMNS = [
     "config",
@@ -321,9 +323,9 @@ def _plan_configs(args: argparse.Namespace) -> list[tuple[str, dict[str, str], l
     return plans
 
 
-def run_ab(args: argparse.Namespace) -> int:
-    from .cli import EXIT_OK, EXIT_SETUP, EXIT_TURNS_FAILED, _nonce, run_one
-
+def run_ab(args: argparse.Namespace, run_one) -> int:
+    """Run the workload against each ``--ab`` configuration's server in turn; ``run_one(args) -> (status, rows)`` is
+    the single-server run (``cli.run_one``, handed in: ``cli`` imports this module)."""
     names = [n for n, _ in args.ab]
     if len(names) < 2:
         print("qwen4exp-bench: --ab takes two or more configurations (give it twice)", file=sys.stderr)

@@ -16,10 +16,11 @@ from typing import Any
 from . import metrics as M
 from .plot import plot_rows, plot_summary_csvs
 from .runner import BenchConfig, Runner, SetupError
+from .status import EXIT_OK, EXIT_SETUP, EXIT_TURNS_FAILED
+from .status import run_nonce as _nonce
 from .think import parse_think_time
 from .workload import WorkloadSpec
 
-EXIT_OK, EXIT_TURNS_FAILED, EXIT_SETUP = 0, 1, 2
 
 DESCRIPTION = """\
 Multi-turn agentic benchmark against an OpenAI-compatible server (vLLM).
@@ -262,12 +263,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _nonce(value: str | None) -> str:
-    if value is None:
-        return secrets.token_hex(4)
-    return "" if value.lower() == "none" else value
-
-
 def _gpus_text(n: float | None) -> str:
     return "" if n is None else f"{n:g} GPU" + ("" if n == 1 else "s")
 
@@ -305,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ab:
         from .ab import run_ab
 
-        return run_ab(args)
+        return run_ab(args, run_one)
     return run_one(args)[0]
 
 

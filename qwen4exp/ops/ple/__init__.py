@@ -4,8 +4,8 @@
 
 from .. import _registry
 from . import reference
-from .reference import (hash_multipliers, head_table_sizes, lookup_to, ngram_context, ngram_context_decode,
-                        splitmix64, table_rows)
+from .reference import (hash_multipliers, head_table_sizes, ngram_context, ngram_context_decode, splitmix64,
+                        table_rows)
 
 KERNELS = _registry.Kernels(__name__, cuda=".cuda")  # the CUDA kernels (cuda.py), loaded on the first CUDA call
 pick = KERNELS.pick
@@ -19,6 +19,12 @@ def ngram_ids(ctx, multipliers, head_sizes, head_offsets, heads_per_ngram):
 
 def ple_lookup(table, rows, scale=None, out_dtype=None):
     return pick("ple_lookup", rows.device, reference.ple_lookup)(table, rows, scale, out_dtype)
+
+
+def lookup_to(device, table, rows, scale=None, out_dtype=None):
+    """``ple_lookup`` (this dispatcher's) with the result on ``device``: a pinned host table with rows for a GPU is
+    gathered by the GPU through unified addressing (only the rows cross the bus), any other table where it is."""
+    return reference.gather_to(device, table, rows, scale, out_dtype, ple_lookup)
 
 
 def ngram_lookup_decode(ids, prev, eos, multipliers, head_sizes, head_offsets, heads_per_ngram, table, scale,

@@ -72,7 +72,7 @@ def ngram_lookup_decode(ids, prev, eos, multipliers, head_sizes, head_offsets, h
     """Decode: n-gram context, hashing and the gather in one launch (table on the GPU or pinned on the host)."""
     if not ngram_lookup_decode_supported(ids, prev, table, scale, out_dtype):
         return ref.ngram_lookup_decode(ids, prev, eos, multipliers, head_sizes, head_offsets, heads_per_ngram,
-                                       table, scale, out_dtype)
+                                       table, scale, out_dtype, lookup=ple_lookup)
     _registry.ran("ngram_lookup_decode", "kernel")
     return ngram_lookup_decode_op(ids, prev, int(eos), multipliers, head_sizes, head_offsets, int(heads_per_ngram),
                                   table, scale, host.out_dtype_of(table, scale, out_dtype))

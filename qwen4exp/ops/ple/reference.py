@@ -149,22 +149,22 @@ def ngram_lookup_decode(
     table: torch.Tensor,
     scale: torch.Tensor | None,
     out_dtype: torch.dtype | None,
+    lookup=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode: context, hashed rows and the table gather of one token per sequence -> (embeddings [N, G*d_g] on
-    ids' device, the new context [N, n-1]: prev shifted by one, the id last). A pinned host table with GPU ids is
-    gathered by the GPU (unified addressing)."""
+    ids' device, the new context [N, n-1]: prev shifted by one, the id last). ``lookup``: the gather (default
+    ``ple_lookup`` here; the CUDA path hands in its kernel, which gathers a pinned host table for GPU ids through
+    unified addressing)."""
     ctx = ngram_context_decode(ids, prev, eos)
     rows = ngram_ids(ctx, multipliers, head_sizes, head_offsets, heads_per_ngram)
-    emb = lookup_to(ids.device, table, rows, scale, out_dtype)
+    emb = gather_to(ids.device, table, rows, scale, out_dtype, lookup or ple_lookup)
     return emb, torch.cat([prev[:, 1:], ids.unsqueeze(1).to(prev.dtype)], 1)
 
 
-def lookup_to(device: torch.device, table: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None,
-              out_dtype: torch.dtype | None) -> torch.Tensor:
-    """``ple_lookup`` (the dispatcher's) with the result on ``device``: a pinned host table with rows for a GPU is
-    gathered by the GPU through unified addressing (only the rows cross the bus), any other table where it is."""
-    from . import ple_lookup as lookup
-
+def gather_to(device: torch.device, table: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None,
+              out_dtype: torch.dtype | None, lookup) -> torch.Tensor:
+    """``lookup(table, rows, scale, out_dtype)`` with the result on ``device``: a pinned host table with rows for a GPU
+    is gathered by the GPU (only the rows cross the bus), any other table where it is."""
     dev = device if table.device.type == "cpu" and device.type != "cpu" else table.device
     return lookup(table, rows.to(dev), scale, out_dtype).to(device)
 
