@@ -14,10 +14,15 @@ import math
 from typing import Any
 
 from transformers import PretrainedConfig
+from transformers import configuration_utils as _tcu
 
 LINEAR = "linear_attention"
-INDEXED = "indexed_attention"
-_INDEXED_ALIASES = {"full_attention", "qwen_sparse_attention", INDEXED}
+# The QSA layers' name in layer_types: transformers' validator accepts only its own list, which calls them
+# "indexed_attention" from 5.18 on and "qwen_sparse_attention" before (5.16.1, 5.17: the name upstream vLLM 0.32's
+# range still allows); our configs read either and write the installed transformers' name.
+INDEXED = ("indexed_attention" if "indexed_attention" in getattr(_tcu, "ALLOWED_LAYER_TYPES", ("indexed_attention",))
+           else "qwen_sparse_attention")
+_INDEXED_ALIASES = {"full_attention", "qwen_sparse_attention", "indexed_attention"}
 _LINEAR_ALIASES = {"mamba", LINEAR}  # transformers remaps the legacy "mamba" the same way
 _QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 
