@@ -246,7 +246,8 @@ def test_router_block():
 
     make_line, replicas_line = command_lines(ROUTER_BLOCK)
     assert shell_argv(make_line) == ["make", "router"]
-    dry = subprocess.run(["make", "-n", "router"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    # -B: the recipe even where `make test` already installed it (the clean-clone CI: the stamp is up to date)
+    dry = subprocess.run(["make", "-n", "-B", "router"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "install -q --no-deps -r requirements-router.lock" in dry, dry
     words = shell_argv(replicas_line)
     assert words[:3] == [".venv/bin/python", "-m", "qwen4exp.replicas"], words
