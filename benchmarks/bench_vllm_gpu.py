@@ -330,7 +330,7 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
                 counts.append(sum(got.values()) - before)
     if sample:
         _pyspy_window(None)
-    if not profiled:  # say so where the table would be (run 29's MTP requests ended before their 32nd step)
+    if not profiled:  # say so where the table would be
         with open(profile_to, "w") as f:
             f.write(f"no profile: the requests ended after {len(steps)} timed decode steps, before the "
                     f"{PROFILE_AT_STEP}th (give them more tokens: profile_tokens)\n")
@@ -349,12 +349,15 @@ def step_layers(layers: int, mtp: int, prefill: bool = False) -> tuple[int, ...]
     return ((layers + (1 if prefill else mtp)),) * bool(mtp) + (layers,)
 
 
+def tokens_per_step(mtp: int, acceptance_length: float) -> float:
+    """Tokens a request gains in a decode step: 1, or with MTP about the acceptance length."""
+    return max(acceptance_length, 1.0) if mtp else 1.0
+
+
 def profile_tokens(mtp: int, acceptance_length: float) -> int:
     """Output tokens a request needs for the profile of its decode steps PROFILE_AT_STEP.. (+ the steps that time
-    nothing after it): with MTP a step gains up to 1 + mtp tokens (run 29 asked 48 tokens of MTP 3 requests, which
-    ended after ~15 steps: no profile)."""
-    per_step = acceptance_length if mtp else 1.0
-    return int((PROFILE_AT_STEP + PROFILE_STEPS + 8) * max(per_step, 1.0) * 1.25) + 1
+    nothing after it): with MTP a step gains several tokens, so a fixed token count ends before the profiled steps."""
+    return int((PROFILE_AT_STEP + PROFILE_STEPS + 8) * tokens_per_step(mtp, acceptance_length) * 1.25) + 1
 
 
 def mtp_config(k: int, acceptance_length: float) -> dict:
@@ -906,9 +909,8 @@ def apply_preset(args) -> None:
         if getattr(args, k) is None:
             setattr(args, k, v)
     # a batch's requests must outlast its prefill for steps with all of them decoding; with MTP a step gains
-    # ~acceptance-length tokens, so the same number of steps needs that many times the tokens (run 29: 192 tokens of
-    # MTP 3 ended ~60 steps in, while 32 x 30k prompts took ~59 steps to prefill: at most 31 of 32 decoded at once)
-    per_step = max(args.acceptance_length, 1.0) if args.mtp else 1.0
+    # ~acceptance-length tokens, so the same number of steps needs that many times the tokens
+    per_step = tokens_per_step(args.mtp, args.acceptance_length)
     for k, v in (("bs8_tokens", 96), ("bs32_tokens", 192)):
         if getattr(args, k) is None:
             setattr(args, k, int(round(v * per_step)))

@@ -242,8 +242,8 @@ case "${1:-}" in
       [ -e "$ROOT/$f" ] && cp -r "$ROOT/$f" "$q/tree/"
     done
     cd "$q/tree"
-    # the venv's qwen4exp becomes this copy: a registration pointing at the synced tree (or a carried folder that a
-    # later call removes) lost the package under run 29's running queue (ModuleNotFoundError in the engine core)
+    # the venv's qwen4exp becomes this copy: a registration of the synced tree, or of a carried folder that a later
+    # call removes, can lose the package under a running job
     ROOT="$q/tree" register > "$q/register.log" 2>&1 || { cat "$q/register.log"; exit 1; }
     setsid nohup bash -c '
       q=$1; shift; i=0
