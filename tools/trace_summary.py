@@ -82,11 +82,21 @@ def busy_shares(gpu: list[dict]) -> dict:
     return out
 
 
+def _spans(events: list[dict]) -> list[dict]:
+    """The trace's complete events (``ph`` X) with a start and a duration."""
+    return [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+
+
+def _gpu_ops(spans: list[dict]) -> list[dict]:
+    """GPU work: kernels, memcpys and memsets."""
+    return [e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
 def summarize(events: list[dict], steps: int = 0) -> dict:
     """Figures of the trace's GPU kernels (cat "kernel"; memcpy / memset count as GPU work too) and host
     annotations. ``steps``: divide per-step figures by this (0: by the number of CUDA graph launches, else 1)."""
-    xs = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
-    gpu = [e for e in xs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    xs = _spans(events)
+    gpu = _gpu_ops(xs)
     launches = [e for e in xs if e.get("cat") == "cuda_runtime" and e.get("name") in ("cudaGraphLaunch",
                                                                                        "cuGraphLaunch")]
     n = steps or len(launches) or 1
@@ -229,8 +239,7 @@ def census(events: list[dict], steps: int, layers_per_step) -> dict:
     kernel_us and wall_us (medians a layer), periods (how many), sequence [(name, median us)]}, rest_us a step,
     kernels_per_step}; or
     {error: why} when no kernel runs exactly once a layer."""
-    gpu = sorted((e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e
-                  and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: float(e["ts"]))
+    gpu = sorted(_gpu_ops(_spans(events)), key=lambda e: float(e["ts"]))
     counts: dict = defaultdict(int)
     for e in gpu:
         counts[e["name"]] += 1
