@@ -77,6 +77,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "HC mixer on CUDA at decode sizes (an open A/B at full depth): fused (two Triton launches, chained by "
            "programmatic dependent launch) or cublas (the many-token path: cuBLAS projections around the norm, "
            "activation and gated-mean kernels, as upstream's)", ("fused", "cublas")),
+    Switch("QWEN4EXP_MOE_DECODE", "bool", False,
+           "the MoE decode kernels (qwen4exp.ops.moe_decode: router GEMV + top-k in one launch, NVFP4 W4A16 expert "
+           "GEMVs) on CUDA for <= 4 tokens; 0: that op's torch reference. Not wired into the vLLM model yet, so it "
+           "only affects direct calls of the op (tests, benchmarks/bench_ops.py)"),
     Switch("QWEN4EXP_QSA_WARMUP", "bool", True,
            "vLLM plugin on GPUs: compile every QSA kernel variant of prefills and eager decode rows at start-up "
            "(after the KV caches are allocated), so no request waits on a Triton compile; 0: compile on first use"),
@@ -144,6 +148,7 @@ if TYPE_CHECKING:  # each switch's type for type checkers and editors (vLLM's en
     QWEN4EXP_PLE_TABLE: str
     QWEN4EXP_PLE_PREFETCH: bool
     QWEN4EXP_HC_DECODE: str
+    QWEN4EXP_MOE_DECODE: bool
     QWEN4EXP_QSA_WARMUP: bool
     QWEN4EXP_SESSION_TTL: float
     QWEN4EXP_CONTINUATION_CHUNK: int

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.moe_combine import shared_gate_combine
+from ..ops.moe_decode.reference import select_experts
 from .linear import LinearFactory, default_linear, linear_weight
 
 
@@ -27,12 +28,9 @@ class Router(nn.Module):
         return F.linear(x, self.weight)
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router logits [T, E] -> (top-k weights [T, k] in the logits' dtype, top-k ids [T, k])."""
-        p = torch.softmax(logits, dim=-1, dtype=torch.float)
-        w, ids = p.topk(self.top_k, dim=-1)
-        if self.norm_topk:
-            w = w / w.sum(-1, keepdim=True)
-        return w.to(logits.dtype), ids
+        """Router logits [T, E] -> (top-k weights [T, k] in the logits' dtype, top-k ids [T, k]); the math is the
+        MoE decode op's reference (one copy, which its router kernel is tested against)."""
+        return select_experts(logits, self.top_k, self.norm_topk)
 
 
 class Experts(nn.Module):
