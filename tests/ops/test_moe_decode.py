@@ -247,3 +247,36 @@ def test_kernels_follow_the_switch():
     with _registry.record() as ran:
         moe_decode.router_topk(x, w, 4, True)
     assert ran["router_topk"] == "reference"
+
+
+# ------------------------------------------------------------------------------------------ Triton interpreter
+@pytest.mark.triton_check("moe_decode_router")
+def test_interpreter_router(triton_checks):
+    triton_checks.passed("moe_decode_router")
+
+
+@pytest.mark.triton_check("moe_decode_experts")
+def test_interpreter_experts(triton_checks):
+    triton_checks.passed("moe_decode_experts")
+
+
+@pytest.mark.triton_check("moe_decode_registration")
+def test_custom_op_schema_and_fake(triton_checks):
+    triton_checks.passed("moe_decode_registration")
+
+
+@pytest.mark.triton_check("moe_decode_router")
+def test_router_kernel_compiles_for_hopper(triton_checks):
+    triton_checks.compiled("_router_topk_kernel")
+
+
+@pytest.mark.triton_check("moe_decode_experts")
+@pytest.mark.parametrize("kernel", ["_w13_silu_kernel", "_w2_combine_kernel"])
+def test_expert_kernels_compile_for_hopper(triton_checks, kernel):
+    triton_checks.compiled(kernel)
+
+
+@pytest.mark.triton_check("moe_decode_router")
+def test_kernels_compile_at_real_sizes(triton_checks):
+    """The host's launches at 512 experts, top-10, hidden 2560, intermediate 640 (M = 1..4): sm_90, no spills."""
+    triton_checks.compile_check("moe_decode_real_sizes")

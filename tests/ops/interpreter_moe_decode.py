@@ -1,0 +1,145 @@
+"""Triton checks of the MoE decode op (``qwen4exp.ops.moe_decode``), registered into ``interpreter.py`` (listed in
+its MODULES): the router and the NVFP4 expert kernels under the CPU interpreter against the reference at small
+sizes of the real structure (16 experts, top-4, hidden 256, intermediate 64; M = 1, 2, 4), each launch setting
+the host picks or a knob allows (one and several down-projection groups, a partial group, several K steps, masked
+K tails), and the custom operators' registration; in the compile step, the launches the host makes at the model's
+sizes (512 experts, top-10, hidden 2560, intermediate 640; M = 1..4), compiled for sm_90 without register spills."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from interpreter import BF, _describe, _registration, check, close, compile_check
+from moe_decode_cases import nvfp4_experts, routed_inputs, router_case
+
+
+@contextlib.contextmanager
+def knobs(mod, **kw):
+    old = {k: getattr(mod, k) for k in kw}
+    for k, v in kw.items():
+        setattr(mod, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(mod, k, v)
+
+
+def _by_id(w, ids):
+    order = ids.long().argsort(-1)
+    return w.float().gather(-1, order), ids.long().gather(-1, order)
+
+
+@check("moe_decode_router")
+def check_moe_decode_router():
+    from qwen4exp.ops.moe_decode import reference as ref, triton_kernel as tk
+    cases = [(1, 256, 16, 4, BF, True, {}), (2, 256, 16, 4, BF, True, {}), (4, 256, 16, 4, BF, True, {}),
+             (3, 96, 18, 5, BF, False, dict(ROUTER_BLOCK_E=8, ROUTER_BLOCK_D=32)),  # E, D tails; no renorm
+             (4, 64, 16, 16, torch.float32, True, dict(ROUTER_BLOCK_E=2))]          # k = E, fp32
+    for i, (M, D, E, k, dt, renorm, kw) in enumerate(cases):
+        what = f"router M={M} D={D} E={E} k={k} {dt} renorm={renorm} {kw}"
+        x, w = router_case(M, D, E, k, seed=10 + i, dtype=dt)
+        want_l, want_w, want_ids = ref.router_topk(x, w, k, renorm)
+        for rep in range(2):  # the second launch finds the ticket counter reset
+            with knobs(tk, **kw):
+                lg, tw, ids = tk.router_topk_triton(x, w, k, renorm)
+            assert lg.dtype == tw.dtype == dt and ids.dtype == torch.int64 and ids.shape == (M, k), what
+            close(lg, want_l, 1e-5 if dt == torch.float32 else 2e-2, f"{what} logits", rtol=2 ** -7)
+            gw, gi = _by_id(tw, ids)
+            ww, wi = _by_id(want_w, want_ids)
+            assert torch.equal(gi, wi), f"{what}: ids {ids.tolist()} vs {want_ids.tolist()}"
+            close(gw, ww, 1e-6, f"{what} weights", rtol=2 ** -7)
+            # descending weights, as torch.topk's
+            assert bool((tw.float()[:, :-1] >= tw.float()[:, 1:]).all()), what
+
+
+@check("moe_decode_experts")
+def check_moe_decode_experts():
+    from qwen4exp.ops.moe_decode import reference as ref, triton_kernel as tk
+    E, D, I, k = 16, 256, 64, 4
+    t = nvfp4_experts(E, D, I, seed=1)
+    settings = [{}, dict(W2_EXPERTS=4), dict(W2_EXPERTS=3, W13_BLOCK_K=64, W2_BLOCK_K=32, W2_BLOCK_N=64)]
+    for M in (1, 2, 4):
+        x, w, ids = routed_inputs(M, D, k, E, seed=M)
+        want = ref.experts_nvfp4(x, *t.values(), w, ids)
+        for kw in settings:
+            with knobs(tk, **kw):
+                got = tk.experts_nvfp4_triton(x, *t.values(), w, ids)
+            assert got.dtype == BF and got.shape == (M, D)
+            # one bf16 unit of an activation (another summation order) moves an output by far less than this
+            close(got, want, 1e-2, f"experts M={M} {kw}", rtol=2 ** -7)
+    # fp32, int32 ids, repeated ids across tokens, D and I that are not powers of two (masked K tails)
+    E, D, I, k = 6, 80, 48, 3
+    t = nvfp4_experts(E, D, I, seed=2)
+    x, w, ids = routed_inputs(3, D, k, E, seed=3, dtype=torch.float32)
+    ids[1] = ids[0]
+    want = ref.experts_nvfp4(x, *t.values(), w, ids)
+    for kw in ({}, dict(W2_EXPERTS=1)):
+        with knobs(tk, **kw):
+            got = tk.experts_nvfp4_triton(x, *t.values(), w, ids.int())
+        close(got, want, 1e-5, f"experts fp32 {kw}", rtol=1e-5)
+
+
+@check("moe_decode_registration")
+def check_moe_decode_registration():
+    def fakes(ops, t):
+        lg, tw, ids = ops["router_topk"](t(2, 256), t(16, 256), 4, True)
+        assert lg.shape == (2, 16) and tw.shape == (2, 4) and tw.dtype == BF and ids.dtype == torch.int64
+        u8, f8, f32 = torch.uint8, torch.float8_e4m3fn, torch.float32
+        out = ops["experts_nvfp4"](t(3, 256), t(16, 128, 128, dtype=u8), t(16, 128, 16, dtype=f8), t(16, dtype=f32),
+                                   t(16, 256, 32, dtype=u8), t(16, 256, 4, dtype=f8), t(16, dtype=f32), t(3, 4),
+                                   t(3, 4, dtype=torch.int64))
+        assert out.shape == (3, 256) and out.dtype == BF
+    _registration("qwen4exp.ops.moe_decode.cuda", ("router_topk", "experts_nvfp4"), fakes)
+
+
+@compile_check("moe_decode_real_sizes")
+def check_moe_decode_real_sizes(target):
+    """The launchers run on meta tensors of the model's sizes with the kernel launch intercepted (nothing runs),
+    so the launches compiled are the host's own (its block sizes, groups, padding), then each compiled for sm_90:
+    within Hopper's shared memory, no register spills (decode kernels: a spill goes through local memory)."""
+    import triton
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from interpreter import SMEM_MAX, ptxas_resources
+    from qwen4exp.ops.moe_decode import triton_kernel as tk
+
+    E, D, I, k = 512, 2560, 640, 10
+    launches = {}
+    orig = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        d = _describe(self.fn, args, kwargs)
+        launches[repr(d)] = d
+
+    def meta(*shape, dtype=BF):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    u8, f8, f32 = torch.uint8, torch.float8_e4m3fn, torch.float32
+    JITFunction.run = record
+    try:
+        for M in (1, 2, 3, 4):
+            for dt in (BF, f32):
+                x = meta(M, D, dtype=dt)
+                tk.router_topk_triton(x, meta(E, D, dtype=dt), k, True)
+                tk.experts_nvfp4_triton(x, meta(E, 2 * I, D // 2, dtype=u8), meta(E, 2 * I, D // 16, dtype=f8),
+                                        meta(E, dtype=f32), meta(E, D, I // 2, dtype=u8), meta(E, D, I // 16, dtype=f8),
+                                        meta(E, dtype=f32), meta(M, k, dtype=dt), meta(M, k, dtype=torch.int64))
+    finally:
+        JITFunction.run = orig
+    names = {d["name"] for d in launches.values()}
+    assert names == {"_router_topk_kernel", "_w13_silu_kernel", "_w2_combine_kernel"}, names
+    problems = []
+    for d in launches.values():
+        what = f"{d['name']} {d['constexprs']} {d['options']}"
+        fn = getattr(tk, d["name"])
+        c = triton.compile(ASTSource(fn, d["signature"], constexprs=d["constexprs"]), target=target,
+                           options=d["options"])
+        regs, spill = ptxas_resources(c.asm["ptx"], c.metadata.target.arch)
+        print(f"resources {what}: {regs} registers, {spill} bytes spilled, {c.metadata.shared} B shared", flush=True)
+        if spill or c.metadata.shared > SMEM_MAX:
+            problems.append(f"{what}: {regs} registers, {spill} bytes spilled, {c.metadata.shared} B shared")
+    assert not problems, "\n".join(problems)
