@@ -7,7 +7,10 @@ For each op at the real widths (batch 1 and 32; QSA: context 50,000; the paged d
 as the vLLM plugin does; RMSNorm / RoPE at the QSA projections' sizes): the median time per call, the bytes it must
 move (each input read once, each output written once) and FLOPs, the achieved fraction of the HBM bandwidth
 measured in the same run (a device-to-device copy, bytes read + written), and the speed-up over the reference and
-over torch.compile of the reference.
+over torch.compile of the reference. The MoE decode kernels (``--only moe_router,moe_experts,moe_decode``; issue 50
+item 3, QWEN4EXP_MOE_DECODE turned on for this run): M = 1..4 tokens, 512 experts, top-10, hidden 2560,
+intermediate 640, NVFP4; bytes = the distinct selected experts' weights and scales (27.6 MB at M = 1), plus a sweep
+of the expert kernels' launch settings.
 
 Timing: CUDA events around CUDA-graph replays of one call per input set, several input sets in rotation so the
 weights and caches are re-read from HBM rather than L2 (the inputs of all sets together are > 3x the L2); the
@@ -568,6 +571,49 @@ def profile_once():
     torch.cuda.synchronize()
 
 
+def moe_decode_weights(E=512, D=2560, I=640):
+    """Random NVFP4 experts at the model's sizes (the kernels' plain layout; codes and scales random, not from a
+    quantizer: the timing does not depend on the values). 1.4 GB: one copy shared by every input set."""
+    u8, f8 = torch.uint8, torch.float8_e4m3fn
+    return (torch.randint(0, 256, (E, 2 * I, D // 2), dtype=u8, device="cuda"),
+            (torch.rand(E, 2 * I, D // 16, device="cuda") + 0.5).to(f8), torch.full((E,), 1e-3, device="cuda"),
+            torch.randint(0, 256, (E, D, I // 2), dtype=u8, device="cuda"),
+            (torch.rand(E, D, I // 16, device="cuda") + 0.5).to(f8), torch.full((E,), 1e-3, device="cuda"))
+
+
+def moe_decode_case(M, part, E=512, D=2560, I=640, k=10):
+    """The routed MoE at M decode tokens (``part``: "router", "experts" or "both"): each set its own x and random
+    top-k, over one copy of the experts (1.4 GB, so a set's experts come from HBM). Bytes: the router weight, the
+    distinct selected experts' NVFP4 weights and scales (averaged over the sets), x and the output."""
+    W = (torch.randn(E, D, device="cuda") * D ** -0.5).to(BF)
+    experts = moe_decode_weights(E, D, I)
+    per_expert = 2 * I * D // 2 + 2 * I * D // 16 + D * I // 2 + D * I // 16 + 8
+    sets, distinct = [], []
+    for _ in range(16):
+        x = torch.randn(M, D, device="cuda").to(BF)
+        ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(M)])
+        w = torch.softmax(torch.randn(M, k, device="cuda"), -1).to(BF)
+        distinct.append(len(set(ids.flatten().tolist())))
+        sets.append((x, W, k, True) if part == "router" else (x, *experts, w, ids) if part == "experts" else
+                    (x, W, k, *experts))
+    by = M * D * 2 * 2 + (E * D * 2 + M * E * 2 if part != "experts" else 0)
+    if part != "router":
+        by += statistics.mean(distinct) * per_expert
+    fl = 2 * M * E * D * (part != "experts") + 2 * M * k * 3 * I * D * (part != "router")
+    return sets, by, fl
+
+
+def moe_decode_both(cuda_mod, x, W, k, *experts):
+    _, tw, ids = cuda_mod.router_topk(x, W, k, True)  # (the router's outputs feed the experts, as in the model)
+    return cuda_mod.experts_nvfp4(x, *experts, tw, ids)
+
+
+def moe_decode_both_ref(x, W, k, *experts):
+    from qwen4exp.ops.moe_decode import reference as md_ref
+    _, tw, ids = md_ref.router_topk(x, W, k, True)
+    return md_ref.experts_nvfp4(x, *experts, tw, ids)
+
+
 # ---------------------------------------------------------------------------------------------------------- main
 def main():
     ap = argparse.ArgumentParser()
@@ -661,6 +707,29 @@ def main():
     for T in (1, 32):
         cases.append(("shared_gate_combine", f"T={T},D=2560", lambda T=T: moe_combine_case(T),
                       moe_cuda.shared_gate_combine, moe_ref.shared_gate_combine))
+    # the MoE decode kernels (issue 50 item 3; QWEN4EXP_MOE_DECODE, off in serving, on for this run), M = 1..4
+    os.environ["QWEN4EXP_MOE_DECODE"] = "1"
+    from qwen4exp import envs
+    envs.reset()
+    from qwen4exp.ops.moe_decode import cuda as md_cuda, reference as md_ref, triton_kernel as md_tk
+    for M in (1, 2, 3, 4):
+        cases.append(("moe_router", f"M={M},512x2560,top10", lambda M=M: moe_decode_case(M, "router"),
+                      md_cuda.router_topk, md_ref.router_topk))
+        cases.append(("moe_experts", f"M={M},nvfp4,top10", lambda M=M: moe_decode_case(M, "experts"),
+                      md_cuda.experts_nvfp4, md_ref.experts_nvfp4))
+        cases.append(("moe_decode", f"M={M},router+experts", lambda M=M: moe_decode_case(M, "both"),
+                      lambda *a: moe_decode_both(md_cuda, *a), moe_decode_both_ref))
+    for M in (1, 4):  # launch settings of the expert kernels (rows a program; experts a down-projection program)
+        for knobs in (dict(W13_BLOCK_N=4), dict(W13_BLOCK_N=16), dict(W13_BLOCK_K=256), dict(W2_EXPERTS=1),
+                      dict(W2_EXPERTS=5), dict(W2_EXPERTS=10), dict(W2_BLOCK_N=16), dict(W2_BLOCK_N=64),
+                      dict(W2_BLOCK_K=256), dict(W13_WARPS=8, W2_WARPS=8)):
+            name = ",".join(f"{a.lower()}={b}" for a, b in knobs.items())
+            cases.append(("moe_experts", f"M={M},{name}", lambda M=M: moe_decode_case(M, "experts"),
+                          with_knobs(md_cuda.experts_nvfp4, md_tk, **knobs), None))
+        for knobs in (dict(ROUTER_BLOCK_E=2), dict(ROUTER_BLOCK_E=8), dict(ROUTER_BLOCK_D=256)):
+            name = ",".join(f"{a.lower()}={b}" for a, b in knobs.items())
+            cases.append(("moe_router", f"M={M},{name}", lambda M=M: moe_decode_case(M, "router"),
+                          with_knobs(md_cuda.router_topk, md_tk, **knobs), None))
     for T in (1, 32):
         cases.append(("apply_rope", f"T={T},24x256,R=64", lambda T=T: rope_case(T), rope_cuda.apply_rope,
                       rope_ref.apply_rope))
@@ -705,7 +774,7 @@ def main():
         tr, mr = time_calls(ref, sets, graph=ref_graph) if ref is not None else (float("nan"), "-")
         tc, mc = float("nan"), "-"
         if (not args.no_compile and ref is not None and "pinned" not in case and "no-L2" not in case
-                and op not in ("qsa_prefill_paged", "gdn_chunk")):
+                and op not in ("qsa_prefill_paged", "gdn_chunk", "moe_experts", "moe_decode")):
             try:
                 comp = torch.compile(ref, dynamic=False)
                 tc, mc = time_calls(comp, sets, graph=ref_graph)

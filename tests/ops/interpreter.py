@@ -55,7 +55,7 @@ for _p in (os.path.dirname(os.path.dirname(HERE)), HERE):  # the repository (qwe
         sys.path.insert(0, _p)
 
 BF = torch.bfloat16
-MODULES = ("interpreter_qsa_ple", "interpreter_moe_decode")  # other check modules (tests/ops/<name>.py), imported when present
+MODULES = ("interpreter_qsa_ple", "interpreter_moe_decode")  # other check modules (tests/ops/<name>.py), if present
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
          torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
          torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}

@@ -254,6 +254,6 @@ def experts_nvfp4_triton(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, topk_we
     row_blocks = triton.cdiv(D, W2_BLOCK_N)
     ws, cnt = _w2_scratch(x.device, D, row_blocks)
     _w2_combine_kernel[(row_blocks, M * groups)](
-        act, w2, s2, w2_gs, topk_ids, topk_weights, out, ws, ws.view(torch.int32), cnt, D, I, out.stride(0), TOP_K=k, EXPERTS=experts,
-        GROUPS=groups, BLOCK_N=W2_BLOCK_N, BLOCK_K=host.block_k(I, W2_BLOCK_K), BF16=bf16, num_warps=W2_WARPS)
+        act, w2, s2, w2_gs, topk_ids, topk_weights, out, ws, ws.view(torch.int32), cnt, D, I, out.stride(0), TOP_K=k,
+        EXPERTS=experts, GROUPS=groups, BLOCK_N=W2_BLOCK_N, BLOCK_K=host.block_k(I, W2_BLOCK_K), BF16=bf16, num_warps=W2_WARPS)
     return out
