@@ -21,7 +21,7 @@ def nvfp4_experts(E, D, I, seed=0, device="cpu"):
         w13 = torch.randn(2 * I, D, generator=g) * D ** -0.5 * (1 + 3 * (torch.rand(D, generator=g) > 0.9))
         w2 = torch.randn(D, I, generator=g) * I ** -0.5 * (1 + 3 * (torch.rand(I, generator=g) > 0.9))
         for name, w in (("w13", w13), ("w2", w2)):
-            q, s, gs = quantize_nvfp4(w)
+            q, s, gs = quantize_nvfp4(w.to(device))  # (on the GPU for the real-size cases: far faster)
             t[name].append(q)
             t[name + "_scale"].append(s)
             t[name + "_gs"].append(gs.reshape(()))

@@ -223,12 +223,18 @@ def test_router_kernel_real_size(M, kernels_on):
     torch.testing.assert_close(kw, ww, rtol=2 ** -7, atol=1e-3)
 
 
+@pytest.fixture(scope="module")
+def real_experts():
+    """512 experts at the model's sizes, quantized once for the module (the quantizer runs on the CPU)."""
+    return nvfp4_experts(512, 2560, 640, seed=7, device="cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [BF, torch.float32])
-def test_experts_kernel_real_size(M, dtype, kernels_on):
+def test_experts_kernel_real_size(M, dtype, kernels_on, real_experts):
     E, D, I, k = 512, 2560, 640, 10
-    t = nvfp4_experts(E, D, I, seed=7, device="cuda")
+    t = real_experts
     x, w, ids = routed_inputs(M, D, k, E, seed=M, dtype=dtype, device="cuda")
     poison()
     with expect_kernel("experts_nvfp4"):
