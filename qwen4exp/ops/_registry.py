@@ -13,7 +13,8 @@ wrappers that check what each kernel covers and send the rest to the reference. 
 
 ``record()`` tells tests which implementation ran: wrappers call ``ran(op, "kernel")`` on their kernel path, the
 dispatcher ``ran(op, "reference")`` when it picks the reference, so a GPU test can assert its kernel ran and not
-a fallback.
+a fallback. While it is active the kernel modules' ``LAUNCHED`` tables (``Launches``) also keep each kernel's last
+launch; otherwise nothing is stored per launch.
 
 Custom operators are defined straight in a ``torch.library.Library`` fragment (schema inferred from the type
 hints, the kernel as the CUDA implementation, the fake as the Meta one) rather than through
@@ -49,6 +50,16 @@ def record():
 def ran(op: str, impl: str) -> None:
     if _RECORD is not None:
         _RECORD[op] = impl
+
+
+class Launches(dict):
+    """The last launch handle of each kernel of one kernel module (``LAUNCHED``), kept only while ``record()`` is
+    active: tests read which kernels ran, benchmarks their registers and spills; a serving step stores nothing."""
+
+    def keep(self, name: str, handle):
+        if _RECORD is not None:
+            self[name] = handle
+        return handle
 
 
 class Kernels:

@@ -11,6 +11,8 @@ import torch
 from interpreter import BF, check, close, compile_check
 from op_helpers import paged_qsa_case, qsa_inputs
 
+from qwen4exp.ops import _registry
+
 
 @contextlib.contextmanager
 def settings(module, **values):
@@ -235,13 +237,13 @@ def check_qsa_prefill_warmup():
         cases, have = covered(120, 8, 2, 1500)
         assert {("topk", "radix"), ("topk", "split-chunks"), ("attn_loop",), ("attn", True), ("attn", False)} <= have
         tk.LAUNCHED.clear()
-        with launch_signatures() as warm:
+        with launch_signatures() as warm, _registry.record():  # (record: the launches are kept in tk.LAUNCHED)
             got = tk.warm_up_prefill(kv, ikv, 6, 4, 4 * 120, 4, 32, 0.3, 0.4)
         assert got == cases, (got, cases)
         # real prefills (indexed and dense, looping and split attention, one-query remainders) launch nothing the
         # warm-up did not: no argument of another dtype (run 24: dense block ids were int64, the selects' int32)
         q, iq = seqs[0][0], seqs[0][3]
-        with launch_signatures() as calls:
+        with launch_signatures() as calls, _registry.record():
             for L, n in ((150, 40), (150, 3), (150, 1), (20, 10), (20, 2), (60, 7), (33, 33)):
                 tk.qsa_prefill_paged_triton(q[L - n:L], torch.arange(L - n, L), iq[L - n:L], kv, bt[0], ikv, L, 4,
                                             32, 0.3, 0.4)
@@ -286,11 +288,11 @@ def check_qsa_decode_warmup():
         cases, have = covered(12, 120, 8, 2, 1500)
         assert {("topk", "radix"), ("topk", "split-chunks"), ("attn", True), ("attn", False)} <= have
         tk.LAUNCHED.clear()
-        with launch_signatures() as warm:
+        with launch_signatures() as warm, _registry.record():  # (record: the launches are kept in tk.LAUNCHED)
             assert tk.warm_up_decode(kv, ikv, 6, 4, 4 * 120, 12, 4, 32, 0.3, 0.4) == cases
         # real decode rows (every row dense, past the budget, mixed; 1 to 12 rows) launch nothing the warm-up did not
         q, iq = seqs[0][0], seqs[0][3]
-        with launch_signatures() as calls:
+        with launch_signatures() as calls, _registry.record():
             for n_blocks, lens in ((5, [4, 9, 20]), (37, [150, 20, 99]), (37, [150]), (37, [150] * 12),
                                    (8, [33] * 5)):
                 pos = torch.tensor(lens) - 1

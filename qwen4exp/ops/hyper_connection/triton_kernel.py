@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._registry import Launches
 from ..triton_utils import dot as _dot
 from ..triton_utils import round_bf16 as _rbf
 from ..triton_utils import rsqrt as _rsqrt
@@ -320,7 +321,7 @@ def _split_for(D: int, NK: int, T: int = 1, hn_ready: bool = False) -> int:
     return 0
 
 
-LAUNCHED = {}  # the last compiled kernels (registers / spills for the notes)
+LAUNCHED = Launches()  # the last launch of each kernel, under _registry.record() (registers / spills)
 
 
 def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, Hn=None, _stop_after_down: bool = False):
@@ -355,18 +356,18 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, Hn=None, _s
     x = torch.empty(T, D, dtype=H.dtype, device=dev)
     c_buf = x if a_ready else torch.empty(max(T * NI, 1), dtype=H.dtype, device=dev)  # never a null pointer
     c = None if a_ready else c_buf[: T * NI].view(T, NI)  # (a_ready: the finish kernel's)
-    LAUNCHED["hc_down"] = _hc_down_kernel[grid](
+    LAUNCHED.keep("hc_down", _hc_down_kernel[grid](
         H2, nw, down, wi, rstd, part, T, float(eps), 1.0 / D, H2.stride(0), **shapes, **a_meta,
-        PDL=USE_PDL and not _stop_after_down, HN_READY=hn_ready, num_warps=A_WARPS)
+        PDL=USE_PDL and not _stop_after_down, HN_READY=hn_ready, num_warps=A_WARPS))
     if _stop_after_down:  # (benchmark breakdown)
         return rstd, part
     if a_ready:  # finish the down projection once per token, in one launch
         part, c = hc_finish_triton(part, R, n, pdl=USE_PDL)
     BLOCK_D = B_BLOCK_D_MANY if a_ready else B_BLOCK_D
-    LAUNCHED["hc_up"] = _hc_up_kernel[(triton.cdiv(D, BLOCK_D),)](
+    LAUNCHED.keep("hc_up", _hc_up_kernel[(triton.cdiv(D, BLOCK_D),)](
         H2, nw, up, rstd, part, x, c_buf, T, n_split, 1.0 / n, H2.stride(0), x.stride(0), **shapes, **b_meta,
         BLOCK_D=BLOCK_D, PDL=USE_PDL, A_READY=a_ready, C_IN_KERNEL=(NI > 0) and not a_ready, HN_READY=hn_ready,
-        num_warps=B_WARPS, launch_pdl=USE_PDL)
+        num_warps=B_WARPS, launch_pdl=USE_PDL))
     return x.view(*lead, D), c.reshape(*lead, NI)
 
 
@@ -397,10 +398,10 @@ def hc_finish_triton(part, R: int, n: int, pdl: bool = False, ni: int | None = N
     a = torch.empty(T, R, dtype=torch.bfloat16, device=part.device)
     c = torch.empty(T, NI, dtype=torch.bfloat16, device=part.device)
     if T:
-        LAUNCHED["hc_finish"] = _hc_finish_kernel[(T,)](
+        LAUNCHED.keep("hc_finish", _hc_finish_kernel[(T,)](
             part, a, c if NI else a, n_split, part.stride(0), part.stride(1), 1.0 / n, R=R, NI=NI,
             R_P=triton.next_power_of_2(R), NI_P=max(2, triton.next_power_of_2(max(NI, 1))),
-            NSPLIT_P=triton.next_power_of_2(n_split), PDL=pdl, num_warps=8 if n_split > 1 else 4, launch_pdl=pdl)
+            NSPLIT_P=triton.next_power_of_2(n_split), PDL=pdl, num_warps=8 if n_split > 1 else 4, launch_pdl=pdl))
     return a, c
 
 

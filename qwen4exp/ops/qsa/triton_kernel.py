@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._registry import Launches
 from ..triton_utils import dot as _dot
 from ..triton_utils import round_bf16 as _rbf
 from ..triton_utils import rsqrt as _rsqrt
@@ -447,7 +448,7 @@ def _qsa_merge_kernel(OP, MP, LP, O, n_split, stride_ot, stride_oh,
     tl.store(O + t * stride_ot + (g * G + i) * stride_oh + offs_d, out.to(tl.bfloat16))
 
 
-LAUNCHED = {}  # the last launch of each kernel (tests check which ran; tools read registers / spills from them)
+LAUNCHED = Launches()  # the last launch of each kernel, under _registry.record() (which ran; registers / spills)
 # Launch settings (the chosen values; docs/performance.md has the measurements behind them).
 # Decode attention, few queries (batch 1): selected-token slots per loop step and warps. 32 x 8 fits the real widths
 # (12 heads padded to 16 x 256) in registers without spills; 64 x 8 is a little faster but spills.
@@ -507,10 +508,10 @@ def score_keys(q_pos, index_q, block_keys, r: int, index_scale: float):
     HI, DI = index_q.shape[1], index_q.shape[2]
     keys = torch.empty(Tq, Nb, dtype=torch.int64, device=q_pos.device)
     BLOCK_N = 64
-    LAUNCHED["qsa_score"] = _qsa_score_kernel[(triton.cdiv(Nb, BLOCK_N), Tq)](
+    LAUNCHED.keep("qsa_score", _qsa_score_kernel[(triton.cdiv(Nb, BLOCK_N), Tq)](
         index_q, block_keys, q_pos, keys, Nb, r, float(index_scale),
         index_q.stride(0), index_q.stride(1), block_keys.stride(0), keys.stride(0),
-        HI=HI, HI_P=max(16, triton.next_power_of_2(HI)), DI=DI, BLOCK_N=BLOCK_N, num_warps=4)
+        HI=HI, HI_P=max(16, triton.next_power_of_2(HI)), DI=DI, BLOCK_N=BLOCK_N, num_warps=4))
     return keys
 
 
@@ -539,19 +540,19 @@ def top_ids(keys, m: int):
     if plan[0] == "split":
         n_chunks, N_P = plan[1], plan[2]
         cand = torch.empty(Tq, n_chunks * m, dtype=torch.int64, device=keys.device)
-        LAUNCHED["qsa_topk_split"] = _qsa_topk_small_kernel[(Tq, n_chunks)](
+        LAUNCHED.keep("qsa_topk_split", _qsa_topk_small_kernel[(Tq, n_chunks)](
             keys, cand, Nb, m, keys.stride(0), cand.stride(0), N_P=TOPK_SPLIT, M_P=M_P, BITS=TOPK_SPLIT_BITS,
-            MODE=1, num_warps=TOPK_SPLIT_WARPS)
-        LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
+            MODE=1, num_warps=TOPK_SPLIT_WARPS))
+        LAUNCHED.keep("qsa_topk", _qsa_topk_small_kernel[(Tq,)](
             cand, out, n_chunks * m, m, cand.stride(0), out.stride(0), N_P=N_P, M_P=M_P, BITS=TOPK_SPLIT_BITS,
-            MODE=2, num_warps=TOPK_SPLIT_WARPS)
+            MODE=2, num_warps=TOPK_SPLIT_WARPS))
     elif plan[0] == "small":
-        LAUNCHED["qsa_topk"] = _qsa_topk_small_kernel[(Tq,)](
+        LAUNCHED.keep("qsa_topk", _qsa_topk_small_kernel[(Tq,)](
             keys, out, Nb, m, keys.stride(0), out.stride(0), N_P=plan[1], M_P=M_P, BITS=TOPK_SMALL_BITS,
-            num_warps=TOPK_SMALL_WARPS)
+            num_warps=TOPK_SMALL_WARPS))
     else:
-        LAUNCHED["qsa_topk"] = _qsa_topk_kernel[(Tq,)](keys, out, Nb, m, keys.stride(0), out.stride(0),
-                                                       CH=TOPK_CHUNK, M_P=M_P, num_warps=16)
+        LAUNCHED.keep("qsa_topk", _qsa_topk_kernel[(Tq,)](keys, out, Nb, m, keys.stride(0), out.stride(0),
+                                                          CH=TOPK_CHUNK, M_P=M_P, num_warps=16))
     return out
 
 
@@ -638,25 +639,25 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
     scale_log2 = float(scale) * 1.4426950408889634
     if loop:
         SB = LOOP_SLOT_BLOCK
-        LAUNCHED["qsa_attn_loop"] = _qsa_attn_loop_kernel[(Hkv, Tq)](
+        LAUNCHED.keep("qsa_attn_loop", _qsa_attn_loop_kernel[(Hkv, Tq)](
             q, k, v, q_pos, sel, out, r, m, triton.cdiv(max(n_slots, 1), SB), scale_log2,
             q.stride(0), q.stride(1), *strides, sel.stride(0), *paged, out.stride(0), out.stride(1),
             G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
-            num_warps=LOOP_WARPS, num_stages=LOOP_STAGES)
+            num_warps=LOOP_WARPS, num_stages=LOOP_STAGES))
         return out
     many, SB, warps, n_chunks, cpp, n_split = attn_split(Tq, Hkv, n_slots)
     op = torch.empty(Tq * Hkv * n_split * G_P * HD, dtype=torch.float32, device=dev)
     mp = torch.empty(Tq * Hkv * n_split * G_P, dtype=torch.float32, device=dev)
     lp = torch.empty_like(mp)
-    LAUNCHED["qsa_attn"] = _qsa_attn_kernel[(n_split, Hkv, Tq)](
+    LAUNCHED.keep("qsa_attn", _qsa_attn_kernel[(n_split, Hkv, Tq)](
         q, k, v, q_pos, sel, op, mp, lp, r, m, n_chunks, cpp, scale_log2,
         q.stride(0), q.stride(1), *strides, sel.stride(0), *paged,
         G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
         PREFETCH=ATTN_PREFETCH_MANY if many else ATTN_PREFETCH, num_warps=warps,
-        num_stages=ATTN_STAGES_MANY if many else ATTN_STAGES)
-    LAUNCHED["qsa_merge"] = _qsa_merge_kernel[(G, Hkv, Tq)](
+        num_stages=ATTN_STAGES_MANY if many else ATTN_STAGES))
+    LAUNCHED.keep("qsa_merge", _qsa_merge_kernel[(G, Hkv, Tq)](
         op, mp, lp, out, n_split, out.stride(0), out.stride(1),
-        G=G, G_P=G_P, HD=HD, NSP=triton.next_power_of_2(n_split), CH=16, num_warps=4)
+        G=G, G_P=G_P, HD=HD, NSP=triton.next_power_of_2(n_split), CH=16, num_warps=4))
     return out
 
 
@@ -681,12 +682,12 @@ def paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks: int,
     else:
         keys = torch.empty(B, n_blocks, dtype=torch.int64, device=index_q.device)
         vis = keys  # (not written)
-    LAUNCHED["qsa_score_paged"] = _qsa_score_paged_kernel[(triton.cdiv(n_blocks, SCORE_PAGED_BLOCK_N), B)](
+    LAUNCHED.keep("qsa_score_paged", _qsa_score_paged_kernel[(triton.cdiv(n_blocks, SCORE_PAGED_BLOCK_N), B)](
         index_q, index_kv, index_block_table, q_pos, keys, vis, n_blocks, r, float(index_scale),
         index_block_table.shape[1], index_q.stride(0), index_q.stride(1), index_kv.stride(0),
         index_kv.stride(2), index_block_table.stride(0), keys.stride(0),
         HI=HI, HI_P=max(16, triton.next_power_of_2(HI)), DI=DI, IBS=index_kv.shape[2], BLOCK_N=SCORE_PAGED_BLOCK_N,
-        LOGITS=logits, num_warps=SCORE_PAGED_WARPS)
+        LOGITS=logits, num_warps=SCORE_PAGED_WARPS))
     return (keys, vis) if logits else keys
 
 
@@ -816,11 +817,11 @@ def prefill_score_keys(q_pos, index_q, index_kv, block_row, n_blocks: int, r: in
     """[Tq, n_blocks] int64 sort keys of queries of one sequence against its paged block keys (tiled kernel)."""
     Tq, HI, DI = index_q.shape
     keys = torch.empty(Tq, n_blocks, dtype=torch.int64, device=index_q.device)
-    LAUNCHED["qsa_score_prefill"] = _qsa_score_prefill_kernel[
+    LAUNCHED.keep("qsa_score_prefill", _qsa_score_prefill_kernel[
         (triton.cdiv(n_blocks, SCORE_BLOCK_N), triton.cdiv(Tq, SCORE_BLOCK_M))](
         index_q, index_kv, block_row, q_pos, keys, Tq, n_blocks, r, float(index_scale), block_row.shape[0],
         index_q.stride(0), index_q.stride(1), index_kv.stride(0), index_kv.stride(2), keys.stride(0),
-        HI=HI, DI=DI, IBS=index_kv.shape[2], BLOCK_M=SCORE_BLOCK_M, BLOCK_N=SCORE_BLOCK_N, num_warps=SCORE_WARPS)
+        HI=HI, DI=DI, IBS=index_kv.shape[2], BLOCK_M=SCORE_BLOCK_M, BLOCK_N=SCORE_BLOCK_N, num_warps=SCORE_WARPS))
     return keys
 
 
