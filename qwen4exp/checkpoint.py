@@ -1,9 +1,6 @@
-"""The official checkpoint's tensor names, shared by every runtime's loader (``qwen4exp.hf.loading``,
-``qwen4exp.vllm.weights``).
-
-Layouts: composite (``model.language_model.*``, ``model.visual.*``) or text-only (``model.*``); experts fused
-(``mlp.experts.gate_up_proj`` [E, 2I, D], ``down_proj`` [E, D, I]) or per expert (``EXPERT``); PLE tables as row
-shards (``PLE_SHARD``, concatenated in numeric order); tensors no runtime reads (``IGNORED``).
+"""Checkpoint directories: reading them (safetensors headers and index, tokenizer size) and validating them against
+the model before anything is allocated. The tensor layout itself (names, joins, expected shapes) is
+``qwen4exp.checkpoint_layout``; ``check_tensors`` only walks it.
 
 ``validate_checkpoint``: the one check of a checkpoint directory that both runtimes (and ``qwen4exp-serve``) run
 before allocating anything: config fields, safetensors headers and index, tensor names/shapes/dtypes, tokenizer size.
@@ -18,17 +15,10 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-# the final mixer's unused injection, and training artefacts (hashstats_*, token_lookup)
-IGNORED = (re.compile(r"(^|\.)hyper_connection_mixer\.block_inject_weight\.weight$"),
-           re.compile(r"\.hashstats_"), re.compile(r"\.token_lookup"))
-# a PLE table's row shard s: groups (table module, s)
-PLE_SHARD = re.compile(r"^(.*\.ngram_embedding)\.shards?[._](\d+)\.weight$")
-# one expert's projection: groups (experts module, expert index, projection)
-EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model: the message names the tensor (missing, unexpected, mis-shaped)."""
+# (CheckpointError, canonical_name and mtp_layout are also imported from here)
+from .checkpoint_layout import (EXPERT_PART, PLE_ROWS, TABLE_SCALE_OF, CheckpointError, canonical_name,  # noqa: F401
+                                check_shard_order, classify, expected_tensors, expert_shapes,
+                                missing_error, missing_experts, mtp_layout)
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -69,22 +59,6 @@ def missing_checkpoint(path, hub: bool = False) -> str | None:
     hint = (f"; from_pretrained reads a local directory: for a Hub repo, download it first "
             f"(hf download {path} --local-dir DIR)" if looks_like_hub_id(path) and "/" in path else "")
     return f"no checkpoint directory at {path!r}{where}: no such directory{hint}"
-
-
-def canonical_name(name: str, composite: bool) -> str | None:
-    """Checkpoint name -> our parameter name (None: ignore). ``composite``: the model is the composite one
-    (``model.language_model.*``); otherwise text-only (``model.*``, vision tensors ignored)."""
-    if any(p.search(name) for p in IGNORED):
-        return None
-    if composite:
-        if name.startswith("model.") and not name.startswith(("model.language_model.", "model.visual.")):
-            name = "model.language_model." + name[len("model."):]
-    else:
-        if name.startswith("model.visual."):
-            return None
-        if name.startswith("model.language_model."):
-            name = "model." + name[len("model.language_model."):]
-    return name
 
 
 # -- validation before anything is allocated (both runtimes, and qwen4exp-serve before it starts vLLM) -------------
@@ -175,37 +149,24 @@ def checkpoint_tensors(path: str) -> dict[str, TensorInfo]:
     return out
 
 
-def mtp_layout(names) -> tuple[int, bool]:
-    """(MTP layers, has an MTP LM head of its own) from a checkpoint's (canonical) tensor names."""
-    ids = {int(m.group(1)) for n in names if (m := re.match(r"^mtp\.layers\.(\d+)\.", n))}
-    return (max(ids) + 1 if ids else 0), any(n.startswith("mtp.shared_head.") for n in names)
-
-
-def _dtype_ok(ck: str, want, fp8_ok: bool) -> bool:
-    if want.is_floating_point:
+def _dtype_ok(ck: str, floating: bool, fp8_ok: bool) -> bool:
+    if floating:
         return ck in _FLOAT or (fp8_ok and ck == "F8_E4M3")
     return ck in _INT
 
 
 def check_tensors(tc, tensors: dict[str, TensorInfo], quantized: bool = False) -> None:
-    """The checkpoint's tensors against those the model builds from text config ``tc`` (our HF model on the meta
-    device, with the MTP layers the checkpoint has): names, shapes and dtype kinds (float for weights, integer for
-    the PLE hashing buffers; FP8 for a PLE table). Routed experts of a quantized checkpoint (``quantized``) are
-    left to the quantized-expert checks, which know their packed layouts. Raises CheckpointError naming the tensor
-    and its file."""
-    import torch
-
-    from .hf.modeling import Qwen4ExpForCausalLM
-
+    """The checkpoint's tensors against those text config ``tc`` builds (``checkpoint_layout.expected_tensors``, with
+    the MTP layers the checkpoint has): names, shapes and dtype kinds (float for weights, integer for the PLE hashing
+    buffers; FP8 for a PLE table). Routed experts of a quantized checkpoint (``quantized``) are left to the
+    quantized-expert checks, which know their packed layouts. Raises CheckpointError naming the tensor and its
+    file."""
     canon: dict[str, tuple[str, TensorInfo]] = {}
     for k, info in tensors.items():
         n = canonical_name(k, composite=False)
         if n is not None:
             canon[n] = (k, info)
-    n_mtp, shared_head = mtp_layout(canon)
-    with torch.device("meta"):
-        ref = Qwen4ExpForCausalLM(tc, mtp_layers=n_mtp, mtp_shared_head=shared_head)
-    expected = dict(ref.state_dict())
+    expected = expected_tensors(tc, *mtp_layout(canon))
     if getattr(tc, "tie_word_embeddings", False):
         expected.pop("lm_head.weight", None)
     covered: set[str] = set()
@@ -215,46 +176,47 @@ def check_tensors(tc, tensors: dict[str, TensorInfo], quantized: bool = False) -
     def at(info: TensorInfo) -> str:
         return f" (in {os.path.basename(info.file)})"
 
+    def unexpected(k: str, info: TensorInfo, what: str = "the model (config.json) has no such tensor"):
+        return CheckpointError(f"qwen4exp: unexpected tensor {k}{at(info)}: {what}")
+
+    def mis_shaped(k: str, info: TensorInfo, want) -> CheckpointError:
+        return CheckpointError(f"qwen4exp: tensor {k} has shape {list(info.shape)}, the config implies "
+                               f"[{', '.join(map(str, want))}]{at(info)}")
+
     for n, (k, info) in canon.items():
-        if (m := PLE_SHARD.match(n)):
-            shards[m.group(1)][int(m.group(2))] = (k, info)
+        part = classify(n)
+        if part.kind == PLE_ROWS:
+            shards[part.target][part.index] = (k, info)
             continue
-        if n.endswith("ngram_embedding.weight_scale") and n[: -len("_scale")] in expected:
+        if part.kind == TABLE_SCALE_OF and part.target + ".weight" in expected:
             continue  # an FP8 table's scale (checked with the table by the loaders)
         if quantized and ".mlp.experts." in n:
             base = n.split(".mlp.experts.")[0] + ".mlp.experts"
             covered.update(x for x in expected if x.startswith(base + "."))
             continue
-        if (m := EXPERT.match(n)):
-            experts[m.group(1)][(int(m.group(2)), m.group(3))] = (k, info)
+        if part.kind == EXPERT_PART and part.field == "weight":
+            experts[part.target][(part.index, part.proj)] = (k, info)
             continue
         want = expected.get(n)
         if want is None:
-            raise CheckpointError(f"qwen4exp: unexpected tensor {k}{at(info)}: the model (config.json) has no "
-                                  f"such tensor")
-        if info.shape != tuple(want.shape):
-            raise CheckpointError(f"qwen4exp: tensor {k} has shape {list(info.shape)}, the config implies "
-                                  f"{list(want.shape)}{at(info)}")
-        if not _dtype_ok(info.dtype, want.dtype, fp8_ok=n.endswith("ngram_embedding.weight")):
-            kind = "a float dtype (BF16, F16, F32)" if want.dtype.is_floating_point else "an integer dtype"
+            raise unexpected(k, info)
+        if info.shape != want.shape:
+            raise mis_shaped(k, info, want.shape)
+        if not _dtype_ok(info.dtype, want.floating, fp8_ok=n.endswith("ngram_embedding.weight")):
+            kind = "a float dtype (BF16, F16, F32)" if want.floating else "an integer dtype"
             raise CheckpointError(f"qwen4exp: tensor {k} has dtype {info.dtype}, expected {kind}{at(info)}")
         covered.add(n)
     for base, parts in shards.items():
         want = expected.get(base + ".weight")
-        k0, i0 = next(iter(parts.values()))
         if want is None:
-            raise CheckpointError(f"qwen4exp: unexpected tensor {k0}{at(i0)}: the model has no PLE table {base}")
-        order = sorted(parts)
-        if order != list(range(len(order))):
-            raise CheckpointError(f"qwen4exp: PLE table {base} is missing shards "
-                                  f"{sorted(set(range(order[-1] + 1)) - set(order))[:8]}")
+            raise unexpected(*next(iter(parts.values())), f"the model has no PLE table {base}")
+        order = check_shard_order(base, parts)
         rows = 0
         for s in order:
             k, info = parts[s]
             if len(info.shape) != 2 or info.shape[1] != want.shape[1]:
-                raise CheckpointError(f"qwen4exp: tensor {k} has shape {list(info.shape)}, the config implies "
-                                      f"[rows, {want.shape[1]}]{at(info)}")
-            if not _dtype_ok(info.dtype, want.dtype, fp8_ok=True):
+                raise mis_shaped(k, info, ["rows", want.shape[1]])
+            if not _dtype_ok(info.dtype, True, fp8_ok=True):
                 raise CheckpointError(f"qwen4exp: tensor {k} has dtype {info.dtype}, expected BF16/F16/F32 "
                                       f"or F8_E4M3{at(info)}")
             rows += info.shape[0]
@@ -263,29 +225,21 @@ def check_tensors(tc, tensors: dict[str, TensorInfo], quantized: bool = False) -
                                   f"config implies {want.shape[0]}")
         covered.add(base + ".weight")
     for base, per in experts.items():
-        gu, dn = expected.get(base + ".gate_up_proj"), expected.get(base + ".down_proj")
-        if gu is None or dn is None:
-            k, info = next(iter(per.values()))
-            raise CheckpointError(f"qwen4exp: unexpected tensor {k}{at(info)}: the model has no routed experts "
-                                  f"{base}")
-        n_exp, i2, d = gu.shape
-        want = {"gate_proj": (i2 // 2, d), "up_proj": (i2 // 2, d), "down_proj": tuple(dn.shape[1:])}
+        if (shapes := expert_shapes(expected, base)) is None:
+            raise unexpected(*next(iter(per.values())), f"the model has no routed experts {base}")
+        n_exp, want = shapes
         for (e, proj), (k, info) in per.items():
             if e >= n_exp:
                 raise CheckpointError(f"qwen4exp: tensor {k}{at(info)}: expert {e} beyond num_experts {n_exp}")
             if info.shape != want[proj]:
-                raise CheckpointError(f"qwen4exp: tensor {k} has shape {list(info.shape)}, the config implies "
-                                      f"{list(want[proj])}{at(info)}")
-            if not _dtype_ok(info.dtype, gu.dtype, fp8_ok=False):
+                raise mis_shaped(k, info, want[proj])
+            if not _dtype_ok(info.dtype, True, fp8_ok=False):
                 raise CheckpointError(f"qwen4exp: tensor {k} has dtype {info.dtype}, expected a float dtype{at(info)}")
-        absent = [f"{base}.{e}.{p}.weight" for e in range(n_exp) for p in want if (e, p) not in per]
-        if absent:
-            raise CheckpointError(f"qwen4exp: checkpoint is missing tensor(s): {', '.join(absent[:10])}")
-        covered.update((base + ".gate_up_proj", base + ".down_proj"))
-    missing = [k for k in expected if k not in covered]
-    if missing:
-        raise CheckpointError(f"qwen4exp: checkpoint is missing tensor(s): {', '.join(missing[:10])}"
-                              + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+        if (absent := missing_experts(base, per, n_exp)):
+            raise missing_error(absent)
+        covered.update(f"{base}.{f}" for f in ("gate_up_proj", "down_proj"))
+    if (missing := [k for k in expected if k not in covered]):
+        raise missing_error(missing)
 
 
 def tokenizer_vocab(path: str) -> tuple[str, int] | None:

@@ -24,8 +24,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..checkpoint import (EXPERT, PLE_SHARD, CheckpointError, CheckpointNotFoundError, canonical_name, mtp_layout,
-                          validate_checkpoint)
+from ..checkpoint import CheckpointNotFoundError, checkpoint_tensors, validate_checkpoint
+from ..checkpoint_layout import (EXPERT_PART, PLE_ROWS, CheckpointError, canonical_name, classify, fuse_experts,
+                                 join_rows, missing_error, mtp_layout, split_rows)
 from ..configuration import Qwen4ExpConfig, Qwen4ExpTextConfig
 from ..layers.rope import RotaryEmbedding
 from ..quant import QuantConfigError, QuantTensorError, load_quant_config
@@ -36,27 +37,18 @@ __all__ = ["CheckpointError", "CheckpointNotFoundError", "canonical_name", "conv
            "load_pretrained", "save_pretrained"]
 
 
-def _weight_files(path: str) -> list[str]:
-    idx = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(idx):
-        with open(idx) as f:
-            return sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
-    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise CheckpointError(f"qwen4exp: no .safetensors files in {path}")
-    return files
-
-
 def iter_checkpoint(path: str):
-    """Yield (name, tensor) for every tensor of a checkpoint directory."""
-    for fn in _weight_files(path):
+    """Yield (name, tensor) for every tensor of a checkpoint directory (its files as ``checkpoint_tensors`` finds
+    them)."""
+    for fn in sorted({info.file for info in checkpoint_tensors(path).values()}):
         with safe_open(fn, framework="pt") as f:
             for k in f.keys():
                 yield k, f.get_tensor(k)
 
 
 def convert(weights, composite: bool) -> dict[str, torch.Tensor]:
-    """Map official names to ours, fuse per-expert weights and concatenate PLE shards."""
+    """Official names -> ours, with the layout's joins applied (``checkpoint_layout.JOINS``: PLE row shards into
+    one table, per-expert weights into the fused experts)."""
     out: dict[str, torch.Tensor] = {}
     shards: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
@@ -64,30 +56,17 @@ def convert(weights, composite: bool) -> dict[str, torch.Tensor]:
         name = canonical_name(name, composite)
         if name is None:
             continue
-        m = PLE_SHARD.match(name)
-        if m:
-            shards[m.group(1)][int(m.group(2))] = t
-            continue
-        m = EXPERT.match(name)
-        if m:
-            experts[m.group(1)][int(m.group(2))][m.group(3)] = t
-            continue
-        out[name] = t
+        part = classify(name)
+        if part.kind == PLE_ROWS:
+            shards[part.target][part.index] = t
+        elif part.kind == EXPERT_PART and part.field == "weight":
+            experts[part.target][part.index][part.proj] = t
+        else:
+            out[name] = t
     for base, parts in shards.items():
-        order = sorted(parts)
-        if order != list(range(len(order))):
-            missing = sorted(set(range(max(order) + 1)) - set(order))
-            raise CheckpointError(f"qwen4exp: PLE table {base} is missing shards {missing[:8]}")
-        out[f"{base}.weight"] = torch.cat([parts[i] for i in order], 0)
+        out[f"{base}.weight"] = join_rows(base, parts)
     for base, per in experts.items():
-        n = max(per) + 1
-        for e in range(n):
-            for p in ("gate_proj", "up_proj", "down_proj"):
-                if p not in per.get(e, {}):
-                    raise CheckpointError(f"qwen4exp: missing tensor {base}.{e}.{p}.weight")
-        out[f"{base}.gate_up_proj"] = torch.stack([torch.cat([per[e]["gate_proj"], per[e]["up_proj"]], 0)
-                                                   for e in range(n)])
-        out[f"{base}.down_proj"] = torch.stack([per[e]["down_proj"] for e in range(n)])
+        out.update(fuse_experts(base, per))
     return out
 
 
@@ -141,10 +120,8 @@ def load_pretrained(cls, path, dtype=None, device="cpu", config=None, quant_mode
         for k in [k for k in expected if k.startswith(base + ".")]:
             del expected[k]
     _check_ple_tables(sd, qcfg, layout)
-    missing = [k for k in expected if k not in sd]
-    if missing:
-        raise CheckpointError(f"qwen4exp: checkpoint {path} is missing tensor(s): {', '.join(missing[:10])}"
-                              + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+    if (missing := [k for k in expected if k not in sd]):
+        raise missing_error(missing, f"checkpoint {path}")
     unexpected = [k for k in sd if k not in expected]
     if unexpected:
         raise CheckpointError(f"qwen4exp: checkpoint {path} has unexpected tensor(s): {', '.join(unexpected[:10])}")
@@ -266,10 +243,8 @@ def save_pretrained(model, save_directory, max_shard_size: int | str = "50GB", *
     for k, t in model.state_dict().items():
         if k.rsplit(".", 1)[0] in qmods:
             continue
-        m = re.match(r"^(.*\.ngram_embedding)\.weight$", k)
-        if m:
-            for s, part in enumerate(torch.chunk(t, tc.split_ngram_parts, 0)):
-                out[f"{m.group(1)}.shard_{s}.weight"] = part.contiguous()
+        if k.endswith(".ngram_embedding.weight"):
+            out.update(split_rows(k[: -len(".weight")], t, tc.split_ngram_parts))
             continue
         out[k] = t.contiguous()
     _save_shards(out, save_directory, limit)

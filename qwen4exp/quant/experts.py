@@ -12,20 +12,14 @@ Per expert ``e`` and projection ``p`` (gate_proj, up_proj: [I, D]; down_proj: [D
 
 from __future__ import annotations
 
-import re
-
 import torch
 
+# the tensor names and field sets are the checkpoint layout's (re-exported for the loaders)
+from ..checkpoint_layout import EXPERT_FIELDS, EXPERT_TENSOR, NVFP4_FIELDS, PROJS  # noqa: F401
 from .config import NVFP4_ALGOS
 from .errors import QuantConfigError, QuantTensorError
 from .fp8 import dequantize_fp8_block, validate_fp8_block
 from .nvfp4 import dequantize_nvfp4, validate_nvfp4_tensors
-
-PROJS = ("gate_proj", "up_proj", "down_proj")
-# one expert's tensor: groups (experts module, expert index, projection, tensor)
-EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
-                           r"(weight|weight_scale|weight_scale_2|input_scale|weight_scale_inv)$")
-NVFP4_FIELDS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
 
 def is_quantized(t: torch.Tensor, field: str) -> bool:
@@ -66,7 +60,7 @@ def required_fields(fmt: str, weight_only: bool, scale_name: str = "weight_scale
     """The tensors one projection must carry."""
     if fmt == "nvfp4":
         return NVFP4_FIELDS[:3] if weight_only else NVFP4_FIELDS
-    return ("weight", scale_name)
+    return EXPERT_FIELDS[fmt][:1] + (scale_name,)
 
 
 def check_projection(fmt: str, name: str, f: dict[str, torch.Tensor], in_f: int, out_f: int, *,

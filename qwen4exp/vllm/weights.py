@@ -5,15 +5,15 @@ Accepts what the HF reference loads (``qwen4exp.hf.loading``): text-only (``mode
 ModelOpt checkpoints (``qwen4exp.vllm.quant``): quantized experts per expert, each projection's tensors checked
 together (``qwen4exp.quant.experts``) and then handed to vLLM's quantized MoE method or dequantized, an FP8 PLE
 table with its per-tensor scale.
-Which tensors a vLLM module takes, and under which parameter names, is one declarative ``NameMap`` per module
-(``TARGET``, ``MTP_DRAFT``). Every tensor a module takes is checked against the shape our reference model expects
-(built on the meta device from the same config, with the MTP head for the draft) before it is handed to a vLLM
-weight loader, and tensors that never arrive are reported by their checkpoint names.
+The layout (names, joins, merged projections, expected shapes) is ``qwen4exp.checkpoint_layout``; this loader walks
+it. Which tensors a vLLM module takes, and under which parameter names, is one declarative ``NameMap`` per module
+(``TARGET``, ``MTP_DRAFT``). Every tensor a module takes is checked against the shape the layout expects (the shared
+model assembly built on the meta device from the same config, with the MTP layers for the draft) before it is
+handed to a vLLM weight loader, and tensors that never arrive are reported by their checkpoint names.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -22,18 +22,18 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from ..checkpoint import EXPERT, PLE_SHARD, CheckpointError, canonical_name
+from ..checkpoint_layout import (EXPERT_PART, FUSED_EXPERTS, MERGED, PLE_ROWS, TABLE_SCALE_OF, CheckpointError,
+                                 canonical_name, check_rows, classify, expected_tensors, expert_shapes,
+                                 is_hashing_buffer, missing_error, missing_experts, shard_span)
 from ..quant import QuantTensorError, validate_fp8_per_tensor
-from ..quant.experts import (EXPERT_TENSOR, check_expert_index, check_projection, dequantize_projection,
-                             fp8_scale_name, is_quantized, projection_dims, required_fields)
+from ..quant.experts import (check_expert_index, check_projection, dequantize_projection, fp8_scale_name,
+                             is_quantized, projection_dims, required_fields)
 from .quant import ExpertsQuant
 
 log = init_logger("vllm.plugins.qwen4exp")  # (under vLLM's logger: shown like its own lines)
 
-_GDN_FUSED = {"in_proj_qkv": ("in_proj_qkvz", None), "in_proj_z": ("in_proj_qkvz", 3),
-              "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
-_SWIGLU_MERGED = {"gate_proj": 0, "up_proj": 1}  # vllm.layers.MergedSwiGLU
-_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+# the shared expert's gate / up -> halves 0 / 1 of vllm.layers.MergedSwiGLU's gate_up_proj (the layout's MERGED)
+_SWIGLU_MERGED = {leaf: shard for leaf, (_, shard) in MERGED["shared_expert"].items()}
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,14 @@ MTP_DRAFT = NameMap((("mtp.", "model."), ("model.embed_tokens.weight", "model.em
                      ("lm_head.weight", "lm_head.weight")))
 
 
-def _reference_shapes(config, mtp_layers: int = 0) -> dict[str, tuple[int, ...]]:
+def _expected(config, names: NameMap, mtp_layers: int):
+    """The layout's float tensors (``checkpoint_layout.expected_tensors``) that ``names`` selects; the PLE hashing
+    buffers are checked against the modules' own (from the config) where a checkpoint has them."""
     from ..configuration import load_config
-    from ..hf.modeling import Qwen4ExpForCausalLM as Reference
 
     ours = load_config(config.to_dict())
     ours = ours.get_text_config() if hasattr(ours, "get_text_config") else ours
-    with torch.device("meta"):
-        ref = Reference(ours, mtp_layers=mtp_layers)
-    return {k: tuple(v.shape) for k, v in ref.named_parameters()}
+    return {k: e for k, e in expected_tensors(ours, mtp_layers).items() if e.floating and names.param(k) is not None}
 
 
 def _experts_dtype(experts) -> torch.dtype:
@@ -82,7 +81,7 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
     """Load the tensors ``names`` selects into ``model``; returns the names of the parameters written.
     ``mtp_layers``: the number of MTP layers the reference is built with (the draft's)."""
     cfg = model.config
-    expected = {k: s for k, s in _reference_shapes(cfg, mtp_layers).items() if names.param(k) is not None}
+    expected = _expected(cfg, names, mtp_layers)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     seen: set[str] = set()  # checkpoint names (canonical) that arrived
@@ -141,94 +140,84 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
 
     tables_fp8: dict[str, torch.Tensor | None] = {}  # FP8 PLE table -> its scale (None until it arrives)
 
+    def load_rows(ck_name: str, table: str, s: int, t: torch.Tensor):
+        """Row shard ``s`` of PLE table ``table`` into its rows of the (whole-table) parameter."""
+        if f"{table}.weight" not in expected:
+            check(ck_name, t, None)
+        rows, dim = expected[f"{table}.weight"].shape
+        start, n = shard_span(rows, cfg.split_ngram_parts, s)
+        check(ck_name, t, (n, dim))
+        pbase = names.param(f"{table}.weight")
+        p = params[pbase]
+        if t.dtype == torch.float8_e4m3fn:
+            tables_fp8.setdefault(table, None)
+            if p.dtype != t.dtype:  # a table the config does not list as FP8 (small models): re-typed here
+                p.data = torch.empty(p.shape, dtype=t.dtype, device=p.device, pin_memory=p.is_pinned())
+        elif p.dtype == torch.float8_e4m3fn:
+            raise QuantTensorError(f"{ck_name}: the quantization config lists the PLE table as FP8, but the "
+                                   f"checkpoint stores it as {t.dtype}")
+        p.data[start: start + t.shape[0]].copy_(t.to(p.dtype))
+        shard_rows.setdefault(table, {})[s] = t.shape[0]
+        loaded.add(pbase)
+
+    def load_tensor(pname: str, t: torch.Tensor):
+        """One tensor as stored, into its parameter, or into its shard(s) of a fused one (the layout's MERGED)."""
+        pmod, leaf = pname.rsplit(".", 1)
+        owner, _, leafmod = pmod.rpartition(".")
+        merged = MERGED.get(owner.rpartition(".")[2], {}).get(leafmod)
+        if pmod.endswith(".mlp.experts") and leaf in FUSED_EXPERTS:
+            load_experts(pmod, [(leaf, t)])
+        elif merged is not None and hasattr(modules[owner], merged[0]):
+            fused, shard = merged
+            if isinstance(shard, tuple):  # rows split by the owner's sizes (GDN [q | k | v]) -> shards 0, 1, ...
+                for i, part in enumerate(t.split([getattr(modules[owner], a) for a in shard], 0)):
+                    load_param(f"{owner}.{fused}.weight", part, i)
+            else:
+                load_param(f"{owner}.{fused}.weight", t, shard)
+        else:
+            load_param(pname, t)
+
     for ck_name, t in weights:
         name = canonical_name(ck_name, composite=False)
-        if name is None:
+        if name is None or (pname := names.param(name)) is None:
             continue
-        pname = names.param(name)
-        if pname is None:
-            continue
-        if name.endswith(".ngram_embedding.weight_scale"):  # an FP8 PLE table's per-tensor scale
-            table = name[: -len(".weight_scale")]
-            if f"{table}.weight" not in expected:
+        part = classify(name)
+        if part.kind == TABLE_SCALE_OF:  # an FP8 PLE table's per-tensor scale
+            if f"{part.target}.weight" not in expected:
                 check(ck_name, t, None)
-            tables_fp8[table] = t
-            continue
-        m = PLE_SHARD.match(name)
-        if m:
-            base = f"{m.group(1)}.weight"
-            rows, dim = expected.get(base, (None, None))
-            if rows is None:
-                check(ck_name, t, None)
-            s = int(m.group(2))
-            step = math.ceil(rows / cfg.split_ngram_parts)
-            check(ck_name, t, (max(0, min(step, rows - s * step)), dim))
-            pbase = names.param(base)
-            p = params[pbase]
-            if t.dtype == torch.float8_e4m3fn:
-                tables_fp8.setdefault(m.group(1), None)
-                if p.dtype != t.dtype:  # a table the config does not list as FP8 (small models): re-typed here
-                    p.data = torch.empty(p.shape, dtype=t.dtype, device=p.device, pin_memory=p.is_pinned())
-            elif p.dtype == torch.float8_e4m3fn:
-                raise QuantTensorError(f"{ck_name}: the quantization config lists the PLE table as FP8, but the "
-                                       f"checkpoint stores it as {t.dtype}")
-            p.data[s * step: s * step + t.shape[0]].copy_(t.to(p.dtype))
-            shard_rows.setdefault(base, {})[s] = t.shape[0]
-            loaded.add(pbase)
-            continue
-        m = EXPERT_TENSOR.match(name)
-        if m and (experts_quant_of(m.group(1)).fmt is not None or is_quantized(t, m.group(4))):
-            base, e, proj, field = m.group(1), int(m.group(2)), m.group(3), m.group(4)
-            eq = experts_quant_of(base)
-            if eq.fmt is None:
+            tables_fp8[part.target] = t
+        elif part.kind == PLE_ROWS:
+            load_rows(ck_name, part.target, part.index, t)
+        elif part.kind == EXPERT_PART and (experts_quant_of(part.target).fmt is not None
+                                           or is_quantized(t, part.field)):
+            base, e, proj = part.target, part.index, part.proj
+            if experts_quant_of(base).fmt is None:
                 raise QuantTensorError(f"{ck_name}: the checkpoint stores {base} quantized, but its quantization "
                                        f"config keeps it unquantized (excluded, not listed, or no config)")
             check_expert_index(base, e, cfg.num_experts, ck_name)
             if (base, e, proj) in done:
                 continue  # a field the format does not read (a weight-only checkpoint's input_scale)
             f = pending.setdefault((base, e, proj), {})
-            f[field] = t
+            f[part.field] = t
             if flush(base, e, proj, f):
                 del pending[(base, e, proj)]
-            continue
-        m = EXPERT.match(name)
-        if m:
-            base, e, proj = m.group(1), int(m.group(2)), m.group(3)
-            E, twoI, D = expected.get(f"{base}.gate_up_proj", (0, 0, 0))
-            I = twoI // 2
-            if e >= E:
+        elif part.kind == EXPERT_PART:  # one unquantized expert's projection weight
+            shapes = expert_shapes(expected, part.target)
+            if shapes is None or part.index >= shapes[0]:
                 check(ck_name, t, None)
-            check(ck_name, t, (D, I) if proj == "down_proj" else (I, D))
-            load_experts(names.param(base), [(f"{e}.{proj}.weight", t)])
-            per_expert.setdefault(base, set()).add((e, proj))
-            continue
-        pmod, leaf = pname.rsplit(".", 1)
-        owner, _, leafmod = pmod.rpartition(".")  # (the fused projections' module and leaf names)
-        if name.endswith(tuple(f".ple_embedding.{b}" for b in _BUFFERS)):
+            check(ck_name, t, shapes[1][part.proj])
+            load_experts(names.param(part.target), [(f"{part.index}.{part.proj}.weight", t)])
+            per_expert.setdefault(part.target, set()).add((part.index, part.proj))
+        elif is_hashing_buffer(name):
+            pmod, leaf = pname.rsplit(".", 1)
             ours = getattr(modules[pmod], leaf)
             if tuple(t.shape) != tuple(ours.shape) or not torch.equal(t.to(ours.dtype).cpu(), ours.cpu()):
                 raise CheckpointError(f"qwen4exp: tensor {ck_name} does not match the config's PLE hashing")
-            continue
-        check(ck_name, t, expected.get(name))
-        seen.add(name)
-        if pmod.endswith(".mlp.experts") and leaf in ("gate_up_proj", "down_proj"):
-            load_experts(pmod, [(leaf, t)])
-        elif leafmod in _SWIGLU_MERGED and hasattr(modules[owner], "gate_up_proj"):
-            # the shared expert's gate / up -> halves 0 / 1 of gate_up_proj
-            load_param(f"{owner}.gate_up_proj.weight", t, _SWIGLU_MERGED[leafmod])
-        elif (leafmod in _GDN_FUSED and ".linear_attn." in pmod
-              and hasattr(modules[owner], "in_proj_qkvz")):  # vLLM's fused GDN projections
-            target, shard = _GDN_FUSED[leafmod]
-            fused = f"{owner}.{target}.weight"
-            if shard is None:  # [q | k | v] rows -> shards 0, 1, 2
-                lin = modules[owner]
-                kd, vd = lin.key_dim, lin.value_dim
-                for i, part in enumerate(t.split([kd, kd, vd], 0)):
-                    load_param(fused, part, i)
-            else:
-                load_param(fused, t, shard)
         else:
-            load_param(pname, t)
+            want = expected.get(name)
+            check(ck_name, t, None if want is None else want.shape)
+            seen.add(name)
+            load_tensor(pname, t)
 
     # completeness
     for (base, e, proj), f in pending.items():
@@ -243,23 +232,13 @@ def load_qwen4exp_weights(model, weights: Iterable[tuple[str, torch.Tensor]], na
                             if k in dequantized)
         log.info("qwen4exp: %s routed-experts module(s) dequantized to %s at load (vLLM has no NVFP4 or block-FP8 MoE "
                  "on this platform; the weights are the HF reference's dequantization)", what, dequantized_dtype[0])
-    for base, per in shard_rows.items():
-        rows = expected[base][0]
-        if sum(per.values()) != rows:
-            step = math.ceil(rows / cfg.split_ngram_parts)
-            missing = [s for s in range(math.ceil(rows / step)) if s not in per]
-            raise CheckpointError(f"qwen4exp: PLE table {base[:-len('.weight')]} is missing shard(s) "
-                                  + ", ".join(f"shard_{s}" for s in missing))
-        seen.add(base)
+    for table, got in shard_rows.items():
+        check_rows(table, got, expected[f"{table}.weight"].shape[0], cfg.split_ngram_parts)
+        seen.add(f"{table}.weight")
     for base, got in per_expert.items():
-        E = expected[f"{base}.gate_up_proj"][0]
-        for e in range(E):
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                if (e, proj) not in got:
-                    raise CheckpointError(f"qwen4exp: missing tensor {base}.{e}.{proj}.weight")
-        seen.update({f"{base}.gate_up_proj", f"{base}.down_proj"})
-    missing = [k for k in expected if k not in seen]
-    if missing:
-        raise CheckpointError("qwen4exp: checkpoint is missing tensor(s): " + ", ".join(missing[:10])
-                              + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+        if (absent := missing_experts(base, got, expected[f"{base}.gate_up_proj"].shape[0])):
+            raise CheckpointError(f"qwen4exp: missing tensor {absent[0]}")
+        seen.update(f"{base}.{f}" for f in FUSED_EXPERTS)
+    if (missing := [k for k in expected if k not in seen]):
+        raise missing_error(missing)
     return loaded
