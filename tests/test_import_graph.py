@@ -142,6 +142,38 @@ def test_the_model_binding_does_not_import_the_serving_stack_at_import_time():
         "reach it through the patch registry (qwen4exp/vllm/patches.py) instead"
 
 
+def _reach(start: str, edges) -> set[str]:
+    """The modules ``start`` imports, directly or through others (every edge given, lazy ones too)."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+    seen, todo = set(), [start]
+    while todo:
+        for b in graph.get(todo.pop(), ()):
+            if b not in seen:
+                seen.add(b)
+                todo.append(b)
+    return seen
+
+
+@pytest.mark.parametrize("mod", ["qwen4exp.checkpoint", "qwen4exp.checkpoint_layout"])
+def test_the_checkpoint_layout_reaches_no_runtime(mod):
+    """The layout and its validator take expected shapes from the shared model assembly (``modeling``, ``layers``),
+    never from a runtime's model class: no import of ``qwen4exp.hf`` or ``qwen4exp.vllm``, even inside a function
+    (this was the cycle checkpoint -> hf.modeling -> hf.loading -> checkpoint)."""
+    reached = _reach(mod, EDGES)
+    assert "qwen4exp.modeling" in reached
+    bad = sorted(m for m in reached if _in(m, "qwen4exp.hf") or _in(m, BINDING))
+    assert not bad, bad
+
+
+def test_no_cycle_through_the_checkpoint_loaders():
+    """Neither at import time nor lazily: the layout, the validator and the two runtimes' loaders."""
+    mods = {"qwen4exp.checkpoint", "qwen4exp.checkpoint_layout", "qwen4exp.hf.loading", "qwen4exp.vllm.weights"}
+    bad = [c for c in _cycles(list(EDGES)) if mods & set(c)]
+    assert not bad, bad
+
+
 def test_the_patch_registry_names_existing_functions():
     """Entries pointing into the serving package are strings (imported when applied): each names a module and a
     top-level function of it."""

@@ -1,12 +1,12 @@
 """Official-checkpoint loading and saving for the HF runtime.
 
-Accepted layouts (names: ``qwen4exp.checkpoint``): composite (``model.language_model.*``, ``model.visual.*``) or
-text-only (``model.*``); experts fused (``mlp.experts.gate_up_proj`` [E, 2I, D], ``down_proj`` [E, D, I]) or per
-expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``); PLE tables as row shards ``ngram_embedding.shard_{s}.weight``
-(concatenated in numeric order) with an optional per-tensor ``weight_scale`` (FP8 tables); ``mtp.*`` kept when the
-model has an MTP head. A missing or mis-shaped tensor fails the load with its name; a path that is no directory
-fails it at once with ``CheckpointNotFoundError`` (a ``FileNotFoundError``) naming the path (checkpoints are read
-from a local directory: a Hub repo is downloaded first).
+Accepted layouts (``qwen4exp.checkpoint_layout``, walked here): composite (``model.language_model.*``,
+``model.visual.*``) or text-only (``model.*``); experts fused (``mlp.experts.gate_up_proj`` [E, 2I, D],
+``down_proj`` [E, D, I]) or per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``); PLE tables as row shards
+``ngram_embedding.shard_{s}.weight`` (concatenated in numeric order) with an optional per-tensor ``weight_scale``
+(FP8 tables); ``mtp.*`` kept when the model has an MTP head. A missing or mis-shaped tensor fails the load with its
+name; a path that is no directory fails it at once with ``CheckpointNotFoundError`` (a ``FileNotFoundError``) naming
+the path (checkpoints are read from a local directory: a Hub repo is downloaded first).
 
 Quantized checkpoints (ModelOpt ``quantization_config`` in config.json, or ``hf_quant_config.json``): routed experts
 NVFP4 or block FP8, the PLE table FP8; ``qwen4exp.hf.quant`` says what is read and the two ``quant_mode`` values.

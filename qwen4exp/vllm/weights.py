@@ -39,7 +39,7 @@ _SWIGLU_MERGED = {leaf: shard for leaf, (_, shard) in MERGED["shared_expert"].it
 @dataclass(frozen=True)
 class NameMap:
     """The checkpoint tensors a vLLM module takes and its parameter names for them: ``rules`` are (checkpoint
-    prefix, parameter prefix) pairs over canonical checkpoint names (``checkpoint.canonical_name``), first match
+    prefix, parameter prefix) pairs over canonical checkpoint names (``checkpoint_layout.canonical_name``), first match
     wins; a tensor whose first match has no parameter prefix (None), or that matches no rule, is not this module's
     (skipped, and not required)."""
 
