@@ -4,12 +4,14 @@ loader (``hf.loading``) and the vLLM loader (``vllm.weights``) only walk it.
 * Names: ``canonical_name`` maps a checkpoint name to the text model's (composite ``model.language_model.*`` or
   text-only ``model.*``); ``IGNORED`` tensors are read by no runtime.
 * Parts: ``classify`` says what a canonical name is: a model tensor as stored (``TENSOR``), one row shard of a PLE
-  table (``PLE_ROWS``), the FP8 scale companion of a PLE table (``TABLE_SCALE``), or one tensor of one routed expert
-  (``EXPERT``: its projection and field).
-* Joins: the checkpoint tensors one model tensor is made of (``JOINS``): PLE row shards -> one table
-  (``join_rows``, ``shard_span``); per-expert projections -> the fused experts (``fuse_experts``, ``expert_shapes``).
-  ``MERGED``: projections a runtime may hold as shards of one fused parameter (the shared expert's gate/up, GDN's
-  q/k/v/z and b/a: vLLM's merged linears).
+  table (``PLE_ROWS``), the FP8 scale companion of a PLE table (``TABLE_SCALE_OF``), or one tensor of one routed
+  expert (``EXPERT_PART``: its projection and field).
+* Joins: the checkpoint tensors one model tensor is made of. PLE row shards -> one table, shard s holding rows
+  [s * ceil(R / S), ...) of R, S = split_ngram_parts (``join_rows``, ``shard_span``, ``check_rows``; ``split_rows``
+  writes them); per-expert projections -> the fused experts, gate_up_proj[e] = [gate_proj; up_proj] and
+  down_proj[e] (``fuse_experts``, ``expert_shapes``, ``missing_experts``). ``MERGED``: projections a runtime may
+  hold as shards of one fused parameter (the shared expert's gate/up, GDN's q/k/v/z and b/a: vLLM's merged
+  linears).
 * Quantized routed experts: their field sets per format (``EXPERT_FIELDS``; the checks in ``quant.experts``).
 * Expected tensors: ``expected_tensors`` gives the shape and dtype kind of every tensor of the text model (and its MTP
   head), from the shared model assembly (``modeling.DecoderLayer``, ``layers/*``) built on the meta device.
@@ -38,8 +40,6 @@ IGNORED = (re.compile(r"(^|\.)hyper_connection_mixer\.block_inject_weight\.weigh
 PLE_SHARD = re.compile(r"^(.*\.ngram_embedding)\.shards?[._](\d+)\.weight$")
 # an FP8 PLE table's per-tensor scale: group (table module)
 TABLE_SCALE = re.compile(r"^(.*\.ngram_embedding)\.weight_scale$")
-# one expert's projection weight: groups (experts module, expert index, projection)
-EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # any tensor of one expert's projection (weight or a quantization scale): groups (experts module, expert, projection,
 # field)
 EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
@@ -63,24 +63,6 @@ MERGED = {
     "shared_expert": {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)},
     "linear_attn": {"in_proj_qkv": ("in_proj_qkvz", ("key_dim", "key_dim", "value_dim")),
                     "in_proj_z": ("in_proj_qkvz", 3), "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)},
-}
-
-
-@dataclass(frozen=True)
-class Join:
-    """Checkpoint tensors (``parts``, a pattern over canonical names) that make model tensors (``into``, templates
-    over the pattern's first group), and how."""
-
-    parts: re.Pattern
-    into: tuple[str, ...]
-    how: str
-
-
-JOINS = {
-    "ple_rows": Join(PLE_SHARD, ("{}.weight",), "row shards 0..S-1 concatenated in shard order (S: split_ngram_parts, "
-                                                "each ceil(rows / S) rows but the last)"),
-    "experts": Join(EXPERT, tuple("{}." + f for f in FUSED_EXPERTS),
-                    "gate_up_proj[e] = [gate_proj; up_proj] of expert e, down_proj[e] = its down_proj"),
 }
 
 

@@ -47,8 +47,8 @@ def iter_checkpoint(path: str):
 
 
 def convert(weights, composite: bool) -> dict[str, torch.Tensor]:
-    """Official names -> ours, with the layout's joins applied (``checkpoint_layout.JOINS``: PLE row shards into
-    one table, per-expert weights into the fused experts)."""
+    """Official names -> ours, with the layout's joins applied (``checkpoint_layout``: PLE row shards into one
+    table, per-expert weights into the fused experts)."""
     out: dict[str, torch.Tensor] = {}
     shards: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
