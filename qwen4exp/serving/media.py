@@ -20,8 +20,6 @@ from urllib3.util import parse_url
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector
 
-from qwen4exp.vllm import MEDIA_CONNECTOR
-
 _FIELDS = {"ImageMediaIO": ("image_url", "an image"), "VideoMediaIO": ("video_url", "a video"),
            "AudioMediaIO": ("audio_url", "audio")}
 
@@ -67,7 +65,6 @@ def data_url_error(field: str, what: str, e: Exception) -> VLLMValidationError:
     return VLLMValidationError(msg, parameter=field)
 
 
-@MEDIA_CONNECTOR_REGISTRY.register(MEDIA_CONNECTOR)
 class LocalMediaConnector(MediaConnector):
     """vLLM's ``MediaConnector`` that refuses remote (and, by default, local file) URLs before any I/O and names the
     problem of a data URL it cannot decode."""
@@ -100,3 +97,10 @@ class LocalMediaConnector(MediaConnector):
             if url[:5].lower() != "data:":
                 raise  # (vLLM's fetch errors, with --allowed-media-domains / --allowed-local-media-path)
             raise data_url_error(field, what, e) from e
+
+
+def register(name: str) -> None:
+    """Make ``LocalMediaConnector`` vLLM's media connector ``name`` (the model binding's ``register()`` calls this
+    with its ``MEDIA_CONNECTOR`` where ``VLLM_MEDIA_CONNECTOR`` selects it; this module imports nothing of the
+    binding)."""
+    MEDIA_CONNECTOR_REGISTRY.register(name)(LocalMediaConnector)

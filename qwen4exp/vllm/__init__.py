@@ -65,7 +65,9 @@ def register_media_connector() -> None:
     import os
 
     if os.environ.get("VLLM_MEDIA_CONNECTOR") == MEDIA_CONNECTOR:
-        from ..serving import media  # noqa: F401  (registers at import; the one import of the serving package here)
+        from ..serving import media  # (the one import of the serving package here; media imports nothing of ours)
+
+        media.register(MEDIA_CONNECTOR)
 
 
 def _install_config_hooks() -> None:

@@ -21,6 +21,7 @@ import functools
 import torch
 
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 
 from .. import envs
@@ -29,6 +30,8 @@ from ..ops.qsa import (block_mean, index_update_decode, qsa_attend_paged, qsa_de
                        qsa_select_paged, reused_block_ids, warm_up_decode, warm_up_prefill, write_paged)
 from ..ops.qsa import layout as qlayout
 from .layers import eager_segment, vllm_linear
+
+logger = init_logger("vllm.plugins.qwen4exp")  # (as the package's: shown and formatted like vLLM's own)
 
 # Requests of a mixed step with up to this many queries (decodes, MTP verifications, short prefill chunks) are
 # served together, one row per query (``qsa_decode_paged``); longer chunks one by one (``qsa_prefill_paged``).
@@ -297,7 +300,6 @@ class QSAMixer(QSAAttention):
         _WARMED.add(key)
         import time
 
-        from . import _logger
         t0 = time.perf_counter()
         try:
             cases = warm_up_prefill(kv, ikv, self.n_heads, self.indexer.n_heads, self._max_len, self.r, self.budget,
@@ -316,11 +318,11 @@ class QSAMixer(QSAAttention):
                 write_paged(view, none, half, half)
             torch.cuda.synchronize(q.device)
         except Exception as e:  # (e.g. out of memory): the kernels then compile on first use, as without it
-            _logger().warning("qwen4exp QSA: the kernel warm-up stopped (%s: %s); kernels compile on first use",
-                              type(e).__name__, e)
+            logger.warning("qwen4exp QSA: the kernel warm-up stopped (%s: %s); kernels compile on first use",
+                           type(e).__name__, e)
             return True
-        _logger().info("qwen4exp QSA: prefill and eager decode kernels warmed up for up to %d tokens (%d cases) in "
-                       "%.1f s", self._max_len, len(cases), time.perf_counter() - t0)
+        logger.info("qwen4exp QSA: prefill and eager decode kernels warmed up for up to %d tokens (%d cases) in "
+                    "%.1f s", self._max_len, len(cases), time.perf_counter() - t0)
         return True
 
     def _complete_blocks(self, raw, qsl, seq_lens, m, views, slots, pos3=None) -> None:
@@ -597,15 +599,11 @@ def _request_start(m, b: int, qsl) -> int:
 
 @functools.cache
 def _log_reuse_once(layer: str) -> None:
-    from . import _logger
-
-    _logger().info("qwen4exp MTP %s: draft steps 1+ reuse step 0's QSA block selection "
-                   "(index_share_for_mtp_iteration)", layer)
+    logger.info("qwen4exp MTP %s: draft steps 1+ reuse step 0's QSA block selection "
+                "(index_share_for_mtp_iteration)", layer)
 
 
 @functools.cache
 def _log_capture_once(nq: int) -> None:
-    from . import _logger
-
-    _logger().info("qwen4exp QSA: capturing FULL CUDA graphs of %d queries per request (MTP verification / draft "
-                   "prefill)", nq)
+    logger.info("qwen4exp QSA: capturing FULL CUDA graphs of %d queries per request (MTP verification / draft "
+                "prefill)", nq)
