@@ -658,8 +658,16 @@ def main():
     for T in (1, 32):
         cases.append(("hc_inject", f"T={T}", lambda T=T: hc_inject_case(T), hc_cuda.hc_inject, hc_ref.hc_inject))
     from qwen4exp.ops.hyper_connection import host as hc_host, triton_kernel as hc_tk
-    for T in (1, 8, 32):  # one HC transition (write-back + mixer) both ways, side by side
+    for T in (1, 2, 4, 8, 32):  # one HC transition (write-back + mixer) both ways, side by side
         mk = lambda T=T: hc_step_case(T)  # noqa: E731
+        if T in (2, 4):  # MTP verification sizes (run 30: _hc_up_kernel 24-26 us a call at T = 4 against ~11 at 1):
+            # the finish kernel between A and B instead of every B program summing the partials, and cuBLAS
+            cases.append(("hc_step", f"T={T},inject_norm+mix,finish-kernel", mk,
+                          with_knobs(hc_step_fused_norm, hc_tk, IN_KERNEL_SILU_MAX_T=1), hc_step_ref))
+            cases.append(("hc_step", f"T={T},inject_norm+mix,finish-kernel,BD16", mk,
+                          with_knobs(hc_step_fused_norm, hc_tk, IN_KERNEL_SILU_MAX_T=1, B_BLOCK_D_MANY=16), None))
+            cases.append(("hc_step", f"T={T},inject_norm+gemm-path", mk,
+                          lambda *a: hc_step_fused_norm(*a, many=True), hc_step_ref))
         cases.append(("hc_step", f"T={T},inject+mix(own norm)", mk,
                       with_knobs(hc_step_before, hc_host, IN_KERNEL_NORM_MAX_T=1 << 30), hc_step_ref))
         cases.append(("hc_step", f"T={T},inject+mix", mk, hc_step_before, None))  # (norm kernel first past 4)

@@ -75,8 +75,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "stream at the top of the forward, overlapping the layers before it"),
     Switch("QWEN4EXP_HC_DECODE", "choice", "fused",
            "HC mixer on CUDA at decode sizes (an open A/B at full depth): fused (two Triton launches, chained by "
-           "programmatic dependent launch) or cublas (the many-token path: cuBLAS projections around the norm, "
-           "activation and gated-mean kernels, as upstream's)", ("fused", "cublas")),
+           "programmatic dependent launch; up to 4 tokens each program of the second finishes the down projection "
+           "itself), fused-finish (the same, with the finish kernel between them from 2 tokens on: MTP "
+           "verification sizes) or cublas (the many-token path: cuBLAS projections around the norm, activation and "
+           "gated-mean kernels, as upstream's)", ("fused", "fused-finish", "cublas")),
     Switch("QWEN4EXP_MOE_DECODE", "bool", False,
            "the MoE decode kernels (qwen4exp.ops.moe_decode: router GEMV + top-k in one launch, NVFP4 W4A16 expert "
            "GEMVs) on CUDA for <= 4 tokens; 0: that op's torch reference. Not wired into the vLLM model yet, so it "

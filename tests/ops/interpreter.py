@@ -148,9 +148,26 @@ def hc_mix_both_ways(args, what, own_norm=True):
 
 @check("hc_mix")
 def check_hc_mix():
+    from qwen4exp import envs
+    from qwen4exp.ops.hyper_connection import triton_kernel as tk
     g = torch.Generator().manual_seed(3)
     for T, n, D, R, inj in HC_SMALL:
         hc_mix_both_ways((*_hc_case(g, T, n, D, R, inj), n, 1e-6), f"T={T}")
+    # QWEN4EXP_HC_DECODE=fused-finish: the finish kernel between A and B from 2 tokens on (MTP verification sizes)
+    saved = os.environ.get("QWEN4EXP_HC_DECODE")
+    os.environ["QWEN4EXP_HC_DECODE"] = "fused-finish"
+    envs.reset()
+    try:
+        assert tk.silu_in_kernel_max_t() == 1
+        for T, inj in ((2, True), (4, False)):
+            hc_mix_both_ways((*_hc_case(g, T, 4, 256, 40, inj), 4, 1e-6), f"T={T} fused-finish")
+    finally:
+        if saved is None:
+            os.environ.pop("QWEN4EXP_HC_DECODE", None)
+        else:
+            os.environ["QWEN4EXP_HC_DECODE"] = saved
+        envs.reset()
+    assert tk.silu_in_kernel_max_t() == tk.IN_KERNEL_SILU_MAX_T
 
 
 @check("hc_inject")

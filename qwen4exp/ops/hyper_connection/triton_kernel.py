@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import envs
 from .._registry import Launches
 from ..triton_utils import dot as _dot
 from ..triton_utils import round_bf16 as _rbf
@@ -309,6 +310,13 @@ IN_KERNEL_SILU_MAX_T = 4  # up to this many tokens every program of kernel B fin
 GATE_MEAN_BLOCK = 1024  # columns per program of the many-token path's gate-mean kernel
 
 
+def silu_in_kernel_max_t() -> int:
+    """Up to how many tokens kernel B's programs finish the down projection themselves (IN_KERNEL_SILU_MAX_T; 1 under
+    QWEN4EXP_HC_DECODE=fused-finish: each of the ~160 programs re-reads every token's split-K partials, ~26 KB a
+    token, which run 30 suspects at MTP verification sizes)."""
+    return 1 if envs.QWEN4EXP_HC_DECODE == "fused-finish" else IN_KERNEL_SILU_MAX_T
+
+
 def _split_for(D: int, NK: int, T: int = 1, hn_ready: bool = False) -> int:
     """K chunk (power of two dividing D): 512 for the real D = 2560 (256 past 16 tokens, for registers, unless Hn
     is handed in: A_KC_HN)."""
@@ -352,7 +360,7 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, Hn=None, _s
     a_meta = dict(KC=KC, BLOCK_R=BLOCK_R, NORM_BLOCK=512 if T <= 16 else 256)
     b_meta = dict(R_P=triton.next_power_of_2(R), NI_P=max(2, triton.next_power_of_2(max(NI, 1))),
                   NSPLIT_P=triton.next_power_of_2(n_split))
-    a_ready = T > IN_KERNEL_SILU_MAX_T  # the finish kernel completes the down projection between the stages
+    a_ready = T > silu_in_kernel_max_t()  # the finish kernel completes the down projection between the stages
     x = torch.empty(T, D, dtype=H.dtype, device=dev)
     c_buf = x if a_ready else torch.empty(max(T * NI, 1), dtype=H.dtype, device=dev)  # never a null pointer
     c = None if a_ready else c_buf[: T * NI].view(T, NI)  # (a_ready: the finish kernel's)
