@@ -77,8 +77,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "HC mixer on CUDA at decode sizes (an open A/B at full depth): fused (two Triton launches, chained by "
            "programmatic dependent launch; up to 4 tokens each program of the second finishes the down projection "
            "itself), fused-finish (the same, with the finish kernel between them from 2 tokens on: MTP "
-           "verification sizes) or cublas (the many-token path: cuBLAS projections around the norm, activation and "
-           "gated-mean kernels, as upstream's)", ("fused", "fused-finish", "cublas")),
+           "verification sizes), fused-ticket (the same two launches at every token count, the last program of the "
+           "first to finish a row block summing its split-K partials: no finish kernel, no partials re-read in the "
+           "second) or cublas (the many-token path: cuBLAS projections around the norm, activation and "
+           "gated-mean kernels, as upstream's)", ("fused", "fused-finish", "fused-ticket", "cublas")),
     Switch("QWEN4EXP_MOE_DECODE", "bool", False,
            "the MoE decode kernels (qwen4exp.ops.moe_decode: router GEMV + top-k in one launch, NVFP4 W4A16 expert "
            "GEMVs) on CUDA for <= 4 tokens; 0: that op's torch reference. Not wired into the vLLM model yet, so it "
