@@ -68,7 +68,7 @@ SMEM_MAX = 232448  # shared memory one program may use on Hopper (227 KiB): more
 NO_SPILL = {"_hc_finish_kernel", "_hc_inject_kernel", "_hc_inject_norm_kernel", "_hc_gate_mean_kernel",
             "_rms_norm_kernel", "_shared_gate_combine_kernel", "_norm_rope_kernel", "_rope_kernel",
             "_ple_mix_decode_kernel", "_ngram_gather_decode_kernel", "_ple_gather_kernel"}
-NO_SPILL_AT = {"_qsa_attn_kernel": {"HD": 256}}
+NO_SPILL_AT = {"_qsa_attn_kernel": {"HD": 256}, "_hc_down_kernel": {"TICKET": True}}
 
 CHECKS: dict[str, Callable[[], None]] = {}
 COMPILE_CHECKS: dict[str, Callable] = {}
@@ -161,6 +161,18 @@ def check_hc_mix():
         assert tk.silu_in_kernel_max_t() == 1
         for T, inj in ((2, True), (4, False)):
             hc_mix_both_ways((*_hc_case(g, T, 4, 256, 40, inj), 4, 1e-6), f"T={T} fused-finish")
+        # fused-ticket: kernel A's last program of each row block finishes it (no finish kernel at any T); twice
+        # over, so the second pass runs on the counters the first left (each must be zero again)
+        os.environ["QWEN4EXP_HC_DECODE"] = "fused-ticket"
+        envs.reset()
+        assert tk.silu_in_kernel_max_t() == 0
+        for rep in range(2):
+            for T in (1, 2, 4, 8):
+                for inj, R in ((True, 40), (False, 100)):  # R = 100: two row blocks of W_down, one partial
+                    hc_mix_both_ways((*_hc_case(g, T, 4, 256, R, inj), 4, 1e-6),
+                                     f"T={T} R={R} fused-ticket pass {rep}")
+            cnt = tk._TICKETS[torch.device("cpu")]
+            assert not cnt.any(), f"fused-ticket counters not reset: {cnt.tolist()}"
     finally:
         if saved is None:
             os.environ.pop("QWEN4EXP_HC_DECODE", None)

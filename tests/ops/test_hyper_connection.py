@@ -472,6 +472,47 @@ def test_hc_mix_fused_finish_at_verification_sizes(monkeypatch, hn):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hn", [False, True])
+def test_hc_mix_fused_ticket_at_verification_sizes(monkeypatch, hn):
+    """QWEN4EXP_HC_DECODE=fused-ticket: kernel A's last program of each row block finishes the down projection (a, c)
+    and kernel B reads a, at every decode token count: no finish kernel, the result as the reference, the counters
+    zero after each call, and a CUDA graph of it replays to the same bits (the last arriver sums the partials in a
+    fixed order, whichever program it is)."""
+    from qwen4exp import envs
+    from qwen4exp.ops import _registry
+    from qwen4exp.ops.hyper_connection import cuda as hc_cuda, triton_kernel as tk
+    monkeypatch.setenv("QWEN4EXP_HC_DECODE", "fused-ticket")
+    envs.reset()
+    try:
+        for T in (1, 2, 3, 4, 8, 16) + ((32,) if hn else ()):
+            H, nw, Wd, Wu, Wi = hc_case(T, 4, 2560, 320, True, seed=190 + T)
+            Hn = hc_ref.grouped_rms_norm(H, nw, 2560, 1e-6) if hn else None
+            for inj in (Wi, None):
+                poison()
+                tk.LAUNCHED.clear()
+                with expect_kernel("hc_mix"), _registry.record():
+                    x, c = hc_cuda.hc_mix(H, nw, Wd, Wu, inj, 4, 1e-6, Hn)
+                assert "hc_finish" not in tk.LAUNCHED and "hc_down" in tk.LAUNCHED, sorted(tk.LAUNCHED)
+                assert not tk._TICKETS[H.device].any(), tk._TICKETS[H.device][:8].tolist()
+                xr, cr = hc_ref.hc_mix(H, nw, Wd, Wu, inj, 4, 1e-6, Hn)
+                bf16_close(x, xr, 0.95)
+                if inj is not None:
+                    bf16_close(c, cr, 0.5)
+                else:
+                    assert c is None
+        graph, out = capture(lambda: hc_cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6, Hn))
+        for _ in range(3):  # replays reuse the counters: each must leave them zero
+            graph.replay()
+        torch.cuda.synchronize()
+        x, c = hc_cuda.hc_mix(H, nw, Wd, Wu, Wi, 4, 1e-6, Hn)
+        assert torch.equal(out[0], x) and torch.equal(out[1], c)
+        assert not tk._TICKETS[H.device].any()
+    finally:
+        monkeypatch.delenv("QWEN4EXP_HC_DECODE")
+        envs.reset()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T,n,D", [(1, 4, 2560), (5, 4, 2560), (33, 4, 2560), (3, 2, 384)])
 def test_hc_inject_kernel_is_bit_exact(T, n, D):
     g = gen(T + D, "cuda")

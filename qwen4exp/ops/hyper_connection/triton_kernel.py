@@ -17,6 +17,12 @@ up-projection, since every output needs all r down-projected values):
      Then bf16(W_up a), sigmoid (bf16), the gated re-normalised Hn columns (bf16 product) and the mean over the n
      streams (fp32 sum, * 1/n, bf16).  Program 0 also finishes c = 2*sigmoid(bf16(bf16(W_inj Hn) / n)).
 
+QWEN4EXP_HC_DECODE=fused-ticket: kernel A finishes the down projection itself, at every token count.  Each program
+takes a ticket (an atomic counter per row block) after storing its partials; the last of a row block's K splits
+sums that block's partials over the splits and writes a (or, for the W_inj block, c) in bf16, then zeroes its
+counter.  Kernel B then always reads the finished a [T, r] (A_READY), its PDL wait after the W_up prefetch as
+before: no finish launch, and no program of B re-reads the partials.
+
 Rounding points are the reference's (``_rbf`` makes each one explicit: the compiler folded plain
 ``x.to(bf16).to(fp32)`` round trips away); exp / rsqrt are CUDA's expf / rsqrtf as in PyTorch's kernels.  The dot
 products accumulate in fp32 in another order than cuBLAS, so a bf16 result can differ by one unit now and then.
@@ -95,21 +101,71 @@ def _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid_r, pid
 # T (the step's token count) is not specialised: Triton would compile a variant per T % 16 == 0 or not within each
 # BLOCK_T bucket, and serving reaches counts the start-up's captures did not (e.g. 7 requests x 4 MTP queries = 28:
 # FN-24L's JIT monitor named both kernels mid-serving). T only bounds masks.
+@triton.jit
+def _hc_down_ticket_finish(PART, A, C, T, inv_n, pid_r, n_split, R: tl.constexpr, NI: tl.constexpr,
+                           BLOCK_R: tl.constexpr, NSPLIT_P: tl.constexpr, TT: tl.constexpr):
+    """Run by the last program of row block pid_r to store its partials (the ticket): the sum over the n_split
+    partials of this block's columns, TT tokens at a time, as the finish kernel rounds it:
+    a = bf16(silu(bf16(bf16(d) / n))) into A [T, R] (a W_down block), c = 2 * bf16(sigmoid(bf16(bf16(z) / n)))
+    into C [T, NI] (the W_inj block). The partials of the other programs are read through L2 (.cg: this SM's L1
+    never held them, and is not coherent)."""
+    n_rb: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
+    RT: tl.constexpr = R + NI
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, NSPLIT_P)
+    kmask = offs_k < n_split
+    if pid_r < n_rb:
+        cols = pid_r * BLOCK_R + offs_r
+        cmask = cols < R
+        part_col = cols
+    else:
+        cols = offs_r
+        cmask = offs_r < NI
+        part_col = R + offs_r
+    offs_tt = tl.arange(0, TT)
+    for t0 in range(0, T, TT):
+        tok = t0 + offs_tt
+        tmask = tok < T
+        blk = tl.load(PART + tok[:, None, None] * (n_split * RT) + offs_k[None, :, None] * RT
+                      + part_col[None, None, :],
+                      mask=tmask[:, None, None] & kmask[None, :, None] & cmask[None, None, :], other=0.0,
+                      cache_modifier=".cg")
+        d = tl.sum(blk, axis=1)  # [TT, BLOCK_R]
+        omask = tmask[:, None] & cmask[None, :]
+        if pid_r < n_rb:
+            tl.store(A + tok[:, None] * R + cols[None, :], _down_act(d, inv_n), mask=omask)
+        else:
+            tl.store(C + tok[:, None] * NI + cols[None, :], _inj_weight(d, inv_n), mask=omask)
+
+
 @triton.jit(do_not_specialize=['T'])
 def _hc_down_kernel(
-    H, NW, WD, WI, RSTD, PART,
-    T, eps, inv_d,
+    H, NW, WD, WI, RSTD, PART, A, C, CNT,
+    T, eps, inv_d, inv_n,
     stride_h,
     R: tl.constexpr, NI: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
     KC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    PDL: tl.constexpr, HN_READY: tl.constexpr,
+    PDL: tl.constexpr, HN_READY: tl.constexpr, TICKET: tl.constexpr, NSPLIT_P: tl.constexpr, TT: tl.constexpr,
 ):
+    """TICKET (QWEN4EXP_HC_DECODE=fused-ticket): the last of the n_split programs of a row block to store its
+    partials finishes that block (``_hc_down_ticket_finish``): a [T, R] into A, c [T, NI] into C, for kernel B's
+    A_READY path. CNT: one int32 counter per row block, zero before the launch and zeroed again by the last
+    arriver (so the launch replays in a CUDA graph). Ordering: every thread's partial stores, a CTA barrier, then
+    one acq_rel atomic at GPU scope (release: this program's stores; acquire: the earlier arrivers' released
+    ones). Kernel B's gdc_wait waits for the whole grid, the finishing programs included."""
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
+    n_split = tl.num_programs(1)
     if PDL:  # let kernel B start now: it loads W_up while this kernel runs, then waits for the partials
         gdc_launch_dependents()
-    _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid_r, pid_k, tl.num_programs(1),
+    _hc_down_part(H, NW, WD, WI, RSTD, PART, T, eps, inv_d, stride_h, pid_r, pid_k, n_split,
                   R, NI, D, NS, KC, BLOCK_R, BLOCK_T, NORM_BLOCK, HN_READY)
+    if TICKET:
+        tl.debug_barrier()  # all of this program's partial stores issued before its ticket
+        ticket = tl.atomic_add(CNT + pid_r, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_split - 1:  # the last arriver of this row block
+            tl.atomic_xchg(CNT + pid_r, 0, sem="relaxed", scope="gpu")  # ready for the next launch / replay
+            _hc_down_ticket_finish(PART, A, C, T, inv_n, pid_r, n_split, R, NI, BLOCK_R, NSPLIT_P, TT)
 
 
 @triton.jit
@@ -313,8 +369,27 @@ GATE_MEAN_BLOCK = 1024  # columns per program of the many-token path's gate-mean
 def silu_in_kernel_max_t() -> int:
     """Up to how many tokens kernel B's programs finish the down projection themselves (IN_KERNEL_SILU_MAX_T; 1 under
     QWEN4EXP_HC_DECODE=fused-finish: each of the ~160 programs re-reads every token's split-K partials, ~26 KB a
-    token, which run 30 suspects at MTP verification sizes)."""
-    return 1 if envs.QWEN4EXP_HC_DECODE == "fused-finish" else IN_KERNEL_SILU_MAX_T
+    token, which run 30 suspects at MTP verification sizes; 0 under fused-ticket: kernel A finishes it)."""
+    mode = envs.QWEN4EXP_HC_DECODE
+    return 0 if mode == "fused-ticket" else 1 if mode == "fused-finish" else IN_KERNEL_SILU_MAX_T
+
+
+TICKET_TT = 4  # tokens per step of kernel A's ticket finish ([TT, n_split, BLOCK_R] fp32 partials a load)
+_TICKETS: dict = {}  # device -> int32 counters of kernel A's ticket finish (zero between launches)
+
+
+def _ticket_counters(dev, n: int):
+    """The per-device counters of the ticket finish (one per row block of kernel A; always zero between
+    launches: the last arriver of each block zeroes its own). Allocated on the first call outside a CUDA graph
+    capture (a capture would own the memory); None inside a capture that finds none (the caller then takes the
+    finish kernel). One buffer per device: launches on two streams at once would share it, which the decode path
+    does not do (one stream, each kernel A launched after the previous mixer's kernels completed)."""
+    buf = _TICKETS.get(dev)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_available() and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _TICKETS[dev] = torch.zeros(max(n, 64), dtype=torch.int32, device=dev)
+    return buf
 
 
 def _split_for(D: int, NK: int, T: int = 1, hn_ready: bool = False) -> int:
@@ -360,18 +435,29 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, Hn=None, _s
     a_meta = dict(KC=KC, BLOCK_R=BLOCK_R, NORM_BLOCK=512 if T <= 16 else 256)
     b_meta = dict(R_P=triton.next_power_of_2(R), NI_P=max(2, triton.next_power_of_2(max(NI, 1))),
                   NSPLIT_P=triton.next_power_of_2(n_split))
-    a_ready = T > silu_in_kernel_max_t()  # the finish kernel completes the down projection between the stages
+    max_t = silu_in_kernel_max_t()
+    a_ready = T > max_t  # the down projection finished before stage B: by kernel A (ticket) or the finish kernel
+    cnt = _ticket_counters(dev, grid[0]) if max_t == 0 and not _stop_after_down else None
+    ticket = cnt is not None
     x = torch.empty(T, D, dtype=H.dtype, device=dev)
     c_buf = x if a_ready else torch.empty(max(T * NI, 1), dtype=H.dtype, device=dev)  # never a null pointer
-    c = None if a_ready else c_buf[: T * NI].view(T, NI)  # (a_ready: the finish kernel's)
+    c = None if a_ready else c_buf[: T * NI].view(T, NI)  # (a_ready: the finish kernel's, or kernel A's)
+    a_buf = part  # (not written unless ticket)
+    if ticket:
+        a_buf = torch.empty(T, R, dtype=H.dtype, device=dev)
+        c = torch.empty(T, NI, dtype=H.dtype, device=dev)
     LAUNCHED.keep("hc_down", _hc_down_kernel[grid](
-        H2, nw, down, wi, rstd, part, T, float(eps), 1.0 / D, H2.stride(0), **shapes, **a_meta,
-        PDL=USE_PDL and not _stop_after_down, HN_READY=hn_ready, num_warps=A_WARPS))
+        H2, nw, down, wi, rstd, part, a_buf, c if ticket and NI else a_buf, part if cnt is None else cnt,
+        T, float(eps), 1.0 / D, 1.0 / n, H2.stride(0), **shapes, **a_meta,
+        PDL=USE_PDL and not _stop_after_down, HN_READY=hn_ready, TICKET=ticket, NSPLIT_P=b_meta["NSPLIT_P"],
+        TT=TICKET_TT, num_warps=A_WARPS))
     if _stop_after_down:  # (benchmark breakdown)
         return rstd, part
-    if a_ready:  # finish the down projection once per token, in one launch
+    if ticket:  # kernel A finished the down projection: stage B reads a [T, R]
+        part = a_buf
+    elif a_ready:  # finish the down projection once per token, in one launch
         part, c = hc_finish_triton(part, R, n, pdl=USE_PDL)
-    BLOCK_D = B_BLOCK_D_MANY if a_ready else B_BLOCK_D
+    BLOCK_D = B_BLOCK_D_MANY if T > IN_KERNEL_SILU_MAX_T or (a_ready and not ticket) else B_BLOCK_D
     LAUNCHED.keep("hc_up", _hc_up_kernel[(triton.cdiv(D, BLOCK_D),)](
         H2, nw, up, rstd, part, x, c_buf, T, n_split, 1.0 / n, H2.stride(0), x.stride(0), **shapes, **b_meta,
         BLOCK_D=BLOCK_D, PDL=USE_PDL, A_READY=a_ready, C_IN_KERNEL=(NI > 0) and not a_ready, HN_READY=hn_ready,
