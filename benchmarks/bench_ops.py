@@ -152,6 +152,26 @@ def with_knobs(fn, mod, **knobs):
     return run
 
 
+def with_env(fn, **env):
+    """fn with ``qwen4exp.envs`` switches set for the call (and for the CUDA graph captured around it)."""
+    from qwen4exp import envs
+
+    def run(*a):
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        envs.reset()
+        try:
+            return fn(*a)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            envs.reset()
+    return run
+
+
 def hc_inject_case(T, n=4, D=2560):
     by = T * n * D * 2 * 2 + T * D * 2 + T * n * 2
     sets = [(torch.randn(T, n * D, device="cuda").to(BF), torch.rand(T, n, device="cuda").to(BF),
@@ -668,6 +688,16 @@ def main():
                           with_knobs(hc_step_fused_norm, hc_tk, IN_KERNEL_SILU_MAX_T=1, B_BLOCK_D_MANY=16), None))
             cases.append(("hc_step", f"T={T},inject_norm+gemm-path", mk,
                           lambda *a: hc_step_fused_norm(*a, many=True), hc_step_ref))
+        if T <= 8:  # kernel A's last program of each row block finishes the down projection (no finish kernel,
+            # no partials re-read by B): QWEN4EXP_HC_DECODE=fused-ticket, B's tile as the default's and the other one
+            ticket = with_env(hc_step_fused_norm, QWEN4EXP_HC_DECODE="fused-ticket")
+            cases.append(("hc_step", f"T={T},inject_norm+mix,ticket", mk, ticket, hc_step_ref))
+            bd = 32 if T <= hc_tk.IN_KERNEL_SILU_MAX_T else 16
+            cases.append(("hc_step", f"T={T},inject_norm+mix,ticket,BD{bd}", mk,
+                          with_knobs(ticket, hc_tk, B_BLOCK_D=bd, B_BLOCK_D_MANY=bd), None))
+            cases.append(("hc_step", f"T={T},inject+mix(own norm),ticket", mk,
+                          with_env(with_knobs(hc_step_before, hc_host, IN_KERNEL_NORM_MAX_T=1 << 30),
+                                   QWEN4EXP_HC_DECODE="fused-ticket"), hc_step_ref))
         cases.append(("hc_step", f"T={T},inject+mix(own norm)", mk,
                       with_knobs(hc_step_before, hc_host, IN_KERNEL_NORM_MAX_T=1 << 30), hc_step_ref))
         cases.append(("hc_step", f"T={T},inject+mix", mk, hc_step_before, None))  # (norm kernel first past 4)
