@@ -302,3 +302,58 @@ def test_eager_steps_keep_every_raw_key_a_later_step_may_read():
             for p in range(max(a, end // r * r), end):  # this step's positions of the block left open
                 assert qsl[b] + p - a in kept, (reqs[b], c, p)
     assert len(kept) < qsl[-1] - 40  # (a long chunk keeps only its open block's rows)
+
+
+def _block_plan_by_blocks(qsl, seq_lens, r, n):
+    """``block_plan``'s contract one block at a time (as it was written before it went array-wise): source rows,
+    first position, last row, earlier positions' requests and positions; first rows and requests per block."""
+    prev_owner, prev_pos, src, first, last, first_rows, block_owner = [], [], [], [], [], [], []
+    for b in range(len(seq_lens)):
+        s, e = qsl[b], qsl[b + 1]
+        start = seq_lens[b] - (e - s)
+        base = start // r * r
+        nfull = (seq_lens[b] - base) // r if e > s else 0
+        for j in range(nfull):
+            for p in range(base + j * r, base + j * r + r):  # the block's r positions: this step's row or earlier
+                if p >= start:
+                    src.append(s + p - start)
+                else:
+                    src.append(n + len(prev_pos))
+                    prev_owner.append(b)
+                    prev_pos.append(p)
+            first.append(base + j * r)
+            last.append(s + base + j * r + r - 1 - start)
+            first_rows.append(s + base + j * r - start if base + j * r >= start else -1)
+            block_owner.append(b)
+    return src, first, last, prev_owner, prev_pos, first_rows, block_owner
+
+
+def test_block_plan_matches_a_per_block_loop():
+    """The blocks a step completes (``block_plan``, array-wise per request) against a loop over blocks and
+    positions, on random steps of decodes, verifications and chunks at several block sizes; None when no block
+    completes."""
+    import random
+
+    import torch
+
+    from qwen4exp.vllm.qsa import block_plan
+
+    rng = random.Random(0)
+    seen = 0
+    for _ in range(1500):
+        r = rng.choice([1, 2, 4, 8])
+        qsl, seq_lens = [0], []
+        for _ in range(rng.randint(1, 5)):
+            q = rng.choice([0, 1, 2, 4, 5, rng.randint(0, 70)])
+            qsl.append(qsl[-1] + q)
+            seq_lens.append(rng.randint(0, 50) + q)
+        want = _block_plan_by_blocks(qsl, seq_lens, r, qsl[-1])
+        got = block_plan(qsl, seq_lens, r, qsl[-1], torch.device("cpu"))
+        if not want[1]:
+            assert got is None, (qsl, seq_lens, r)
+            continue
+        seen += 1
+        for t, w in zip(got[:5], want[:5]):
+            assert t.dtype == torch.long and t.tolist() == w, (qsl, seq_lens, r)
+        assert [list(x) for x in got[5]] == [want[1], want[5], want[6]], (qsl, seq_lens, r)
+    assert seen > 1000
