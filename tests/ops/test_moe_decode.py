@@ -247,6 +247,31 @@ def test_experts_kernel_real_size(M, dtype, kernels_on, real_experts):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4])
+def test_experts_kernel_in_a_cuda_graph(M, kernels_on, real_experts):
+    """The router and the experts op captured in one CUDA graph after a first (warm-up) call, replayed on new
+    inputs: no host -> device copy or allocation of scratch inside the capture, the tickets reset on each replay."""
+    E, D, k = 512, 2560, 10
+    x, W = router_case(M, D, E, k, seed=20 + M, device="cuda")
+    t = real_experts
+
+    def step():
+        _, tw, ids = moe_decode.router_topk(x, W, k, True)
+        return tw, ids, moe_decode.experts_nvfp4(x, *t.values(), tw, ids)
+
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        tw, ids, out = step()
+    for seed in range(3):
+        x.copy_(torch.randn(M, D, generator=torch.Generator().manual_seed(seed)).to(x.dtype))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel(out, ref.experts_nvfp4(x, *t.values(), tw, ids)) < 1e-2
+
+
+@pytest.mark.gpu
 def test_kernels_follow_the_switch():
     x, w = router_case(1, 256, 16, 4, device="cuda")
     envs.reset()  # (the switch unset: off)
@@ -264,6 +289,12 @@ def test_interpreter_router(triton_checks):
 @pytest.mark.triton_check("moe_decode_experts")
 def test_interpreter_experts(triton_checks):
     triton_checks.passed("moe_decode_experts")
+
+
+@pytest.mark.triton_check("moe_decode_capture_safe")
+def test_wrappers_are_capture_safe(triton_checks):
+    """The wrappers issue no op on a CPU tensor and, after the first call, only allocate outputs (CUDA graphs)."""
+    triton_checks.passed("moe_decode_capture_safe")
 
 
 @pytest.mark.triton_check("moe_decode_registration")
