@@ -10,8 +10,9 @@ Each op file holds three kinds of tests:
   (with the reason) on a machine without CUDA;
 * the Triton checks without a GPU, one pytest item per check: ``@pytest.mark.triton_check(NAME)`` and the
   ``triton_checks`` fixture. The checks themselves are registered in ``interpreter.py`` (``@check(NAME)``; part of
-  them in ``interpreter_qsa_ple.py``) and run ONCE per session in one subprocess under Triton's CPU interpreter;
-  the kernels they launched are then compiled for sm_90 in a second one (only when a compile item is selected).
+  them in ``interpreter_qsa_ple.py``) and run ONCE per session under Triton's CPU interpreter, split over PARTS
+  subprocesses at once; the kernels they launched are then compiled for sm_90 the same way (only when a compile
+  item is selected).
   Only the checks named by the selected items' markers run.
 
 Fixtures: ``device`` (each test on the CPU, and on CUDA as a ``gpu`` case), ``triton_checks``.
@@ -24,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -33,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 TRITON_DIR = os.environ.get("QWEN4EXP_TRITON_PATH", os.path.join(ROOT, ".cache", "triton"))
 SCRIPT = os.path.join(HERE, "interpreter.py")
 TIMEOUT_S = float(os.environ.get("QWEN4EXP_INTERPRETER_TIMEOUT", "2400"))
+PARTS = max(1, min(2, os.cpu_count() or 1))  # each step's subprocesses at once (the session only waits on them)
 NO_CUDA = "needs a CUDA GPU (the Triton kernels); none here"
 
 
@@ -57,6 +60,13 @@ def device(request):
 
 
 # ------------------------------------------------------------------------------------------------ Triton checks
+def _load(path, default):
+    if not os.path.exists(path):
+        return default
+    with open(path) as f:
+        return json.load(f)
+
+
 class TritonChecks:
     """The session's Triton checks: ``passed(name)`` asserts one interpreter check passed (showing its error),
     ``compiled(kernel)`` that every recorded launch of a kernel compiled for sm_90 (within shared memory, without
@@ -67,30 +77,61 @@ class TritonChecks:
         self.tmp, self.names = tmp, names
         self.out = str(tmp / "out")
         os.makedirs(self.out, exist_ok=True)
-        self.results, self.run_log = self._step("run", True, names)
+        self.results, self.run_log = self._run_checks(list(names))
         self._compiled = None
 
-    def python(self, args, interpret=False):
-        """Python with the Triton beside the venv (under its CPU interpreter or not) -> (exit code, output tail)."""
+    def _env(self, interpret):
         env = dict(os.environ, TRITON_CACHE_DIR=str(self.tmp / "cache"),
                    PYTHONPATH=os.pathsep.join([TRITON_DIR, ROOT, HERE, os.path.dirname(HERE)]))
         env.pop("TRITON_INTERPRET", None)
         if interpret:
             env["TRITON_INTERPRET"] = "1"
+        return env
+
+    def python(self, args, interpret=False):
+        """Python with the Triton beside the venv (under its CPU interpreter or not) -> (exit code, output tail)."""
         try:
-            p = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+            p = subprocess.run([sys.executable, *args], env=self._env(interpret), capture_output=True, text=True,
+                               timeout=TIMEOUT_S)
             return p.returncode, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
         except subprocess.TimeoutExpired as e:
             tail = f"{(e.stdout or b'')[-3000:]!r}\n{(e.stderr or b'')[-6000:]!r}"
             return None, f"timed out after {TIMEOUT_S:.0f} s\n{tail}"
 
-    def _step(self, step, interpret, args):
-        _, log = self.python([SCRIPT, step, self.out, *args], interpret)
-        path = os.path.join(self.out, "checks.json" if step == "run" else "compiled.json")
-        results = {}
-        if os.path.exists(path):
-            with open(path) as f:
-                results = json.load(f)
+    def _all_at_once(self, runs, interpret):
+        """The scripts (argument lists) in subprocesses at once, within TIMEOUT_S in all -> their output tails."""
+        procs = []
+        for i, args in enumerate(runs):
+            log = open(os.path.join(self.out, f"{args[1]}-{i}.log"), "w+")
+            procs.append((subprocess.Popen([sys.executable, *args], env=self._env(interpret), stdout=log,
+                                           stderr=subprocess.STDOUT), log))
+        deadline, tails = time.monotonic() + TIMEOUT_S, []
+        for p, log in procs:
+            try:
+                head = f"exit {p.wait(timeout=max(1.0, deadline - time.monotonic()))}"
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                head = f"timed out after {TIMEOUT_S:.0f} s"
+            log.seek(0)
+            tails.append(f"{head}\n{log.read()[-9000:]}")
+            log.close()
+        return "\n".join(tails)
+
+    def _run_checks(self, names):
+        """The interpreter step: the named checks split over PARTS subprocesses (every PARTS-th name each), their
+        results and recorded launches merged into OUT/checks.json and OUT/launches.json (the compile step's input)."""
+        groups = [g for g in (names[i::PARTS] for i in range(PARTS)) if g] or [[]]
+        dirs = [os.path.join(self.out, f"run-{i}") for i in range(len(groups))]
+        log = self._all_at_once([[SCRIPT, "run", d, *g] for d, g in zip(dirs, groups)], True)
+        results, launches = {}, {}
+        for d in dirs:
+            results.update(_load(os.path.join(d, "checks.json"), {}))
+            for x in _load(os.path.join(d, "launches.json"), []):
+                launches[json.dumps(x, sort_keys=True)] = x
+        for name, data in (("checks.json", results), ("launches.json", list(launches.values()))):
+            with open(os.path.join(self.out, name), "w") as f:
+                json.dump(data, f)
         return results, log
 
     @staticmethod
@@ -106,8 +147,20 @@ class TritonChecks:
         self._assert(self.results.get(name), f"interpreter check {name!r}", self.run_log)
 
     def _compile(self):
+        """The compile step, the launches split over PARTS subprocesses (the compile checks in the first), their
+        results merged: a kernel fails if any part's launches of it failed."""
         if self._compiled is None:
-            self._compiled = self._step("compile", False, [])
+            log = self._all_at_once([[SCRIPT, "compile", self.out, str(i), str(PARTS)] for i in range(PARTS)], False)
+            kernels, checks = {}, {}
+            for i in range(PARTS):
+                got = _load(os.path.join(self.out, f"compiled-{i}.json"), {})
+                checks.update(got.get("checks", {}))
+                for k, r in got.get("kernels", {}).items():
+                    old = kernels.setdefault(k, dict(status="passed", message=""))
+                    if r["status"] != "passed":
+                        old["status"] = "failed"
+                        old["message"] = "\n".join(m for m in (old["message"], r["message"]) if m)
+            self._compiled = (dict(kernels=kernels, checks=checks), log)
         return self._compiled
 
     def compiled(self, kernel):
