@@ -187,7 +187,9 @@ def test_mtp_full_graphs_bf16_greedy_equals_plain(setup, tmp_path):
     shape (``near_tie.drift``), and MTP against plain may drift at most 3x that (a verification that computed
     something else would drift by whole logits), and part only on a tie no wider than twice that drift in either
     run. (A fixed 2-ulp bar failed on the H100 before and after the QSA page layout: prompt 2 parted at step 5 on a
-    3-ulp gap; this measures whether that is noise.)"""
+    3-ulp gap; this measures whether that is noise.) Run 30 (H100): MTP drifted 0.52 against a batch-shape drift of
+    0.125, with no flip; so upstream's in-tree model on the same checkpoint, plain and MTP in the same FULL-graph
+    mode, gives the drift a 4-token verification causes in a correct engine, and ours may reach 2x that too."""
     from near_tie import drift, flip_within, ulp_bf16
     from vllm_offline import run_offline
 
@@ -198,8 +200,11 @@ def test_mtp_full_graphs_bf16_greedy_equals_plain(setup, tmp_path):
     env = {"QWEN4EXP_VLLM_GDN": "vllm"}
     n = len(setup["prompts"])
     out = {}
-    for name, extra, batches in (("plain", {}, None), ("alone", {}, [[i] for i in range(n)]), ("mtp", MTP, None)):
-        spec = dict(model=CKPT, prompts=setup["prompts"], sampling=sampling, env=env, engine=dict(engine, **extra),
+    upstream = {"QWEN4EXP_VLLM": "0"}  # vLLM's in-tree qwen4_exp serves
+    for name, extra, batches, e in (("plain", {}, None, env), ("alone", {}, [[i] for i in range(n)], env),
+                                    ("mtp", MTP, None, env), ("up_plain", {}, None, upstream),
+                                    ("up_mtp", MTP, None, upstream)):
+        spec = dict(model=CKPT, prompts=setup["prompts"], sampling=sampling, env=e, engine=dict(engine, **extra),
                     batches=batches)
         out[name] = run_offline(spec, str(tmp_path / name), timeout=420)
     log = out["mtp"]["log"]
@@ -215,10 +220,12 @@ def test_mtp_full_graphs_bf16_greedy_equals_plain(setup, tmp_path):
     floor = 2 * ulp_bf16(top)
     d_batch = max(drift(*pair("plain", "alone", i)) for i in range(n))
     d_mtp = max(drift(*pair("plain", "mtp", i)) for i in range(n))
-    print(f"logit drift: one at a time vs batched {d_batch:.4g}, MTP vs plain {d_mtp:.4g} (bf16 ulp at the top "
-          f"logit {floor / 2:.4g})")
-    assert d_mtp <= max(3 * d_batch, floor), (d_mtp, d_batch)
-    bound = max(2 * d_batch, floor)
+    d_up = max(drift(*pair("up_plain", "up_mtp", i)) for i in range(n))
+    print(f"logit drift: one at a time vs batched {d_batch:.4g}, MTP vs plain {d_mtp:.4g}, upstream's MTP vs its "
+          f"plain {d_up:.4g} (bf16 ulp at the top logit {floor / 2:.4g})")
+    assert out["up_mtp"]["metrics"].get("vllm:spec_decode_num_drafts"), "upstream's MTP run drafted nothing"
+    assert d_mtp <= max(3 * d_batch, 2 * d_up, floor), (d_mtp, d_batch, d_up)
+    bound = max(2 * d_batch, d_up, floor)
     flips = [(i, f) for i in range(n) if (f := flip_within(*pair("plain", "mtp", i), bound)) is not None]
     assert not flips, flips
     print("MTP acceptance length", 1 + m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"])
