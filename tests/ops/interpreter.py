@@ -105,6 +105,19 @@ def close(got, want, atol, what, rtol=0.0):
     assert not bad.any(), f"{what}: {int(bad.sum())} elements off, max abs err {err.max().item()}"
 
 
+@contextlib.contextmanager
+def settings(module, **values):
+    """The module's launch settings (its upper-case knobs) set to ``values`` inside the block, restored after it."""
+    saved = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
 def load_modules() -> dict[str, str]:
     """Import the other check modules (their @check registrations) -> {module: error} for those that failed."""
     errors = {}

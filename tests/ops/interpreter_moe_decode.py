@@ -7,25 +7,12 @@ sizes (512 experts, top-10, hidden 2560, intermediate 640; M = 1..4), compiled f
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import torch
 
-from interpreter import BF, _describe, _registration, check, close, compile_check
+from interpreter import BF, _describe, _registration, check, close, compile_check, settings
 from moe_decode_cases import nvfp4_experts, routed_inputs, router_case
-
-
-@contextlib.contextmanager
-def knobs(mod, **kw):
-    old = {k: getattr(mod, k) for k in kw}
-    for k, v in kw.items():
-        setattr(mod, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(mod, k, v)
 
 
 def _by_id(w, ids):
@@ -44,7 +31,7 @@ def check_moe_decode_router():
         x, w = router_case(M, D, E, k, seed=10 + i, dtype=dt)
         want_l, want_w, want_ids = ref.router_topk(x, w, k, renorm)
         for rep in range(2):  # the second launch finds the ticket counter reset
-            with knobs(tk, **kw):
+            with settings(tk, **kw):
                 lg, tw, ids = tk.router_topk_triton(x, w, k, renorm)
             assert lg.dtype == tw.dtype == dt and ids.dtype == torch.int64 and ids.shape == (M, k), what
             close(lg, want_l, 1e-5 if dt == torch.float32 else 2e-2, f"{what} logits", rtol=2 ** -7)
@@ -61,13 +48,13 @@ def check_moe_decode_experts():
     from qwen4exp.ops.moe_decode import reference as ref, triton_kernel as tk
     E, D, I, k = 16, 256, 64, 4
     t = nvfp4_experts(E, D, I, seed=1)
-    settings = [{}, dict(W2_EXPERTS=4), dict(W2_EXPERTS=3, W13_BLOCK_K=64, W2_BLOCK_K=32, W2_BLOCK_N=64),
+    launch_settings = [{}, dict(W2_EXPERTS=4), dict(W2_EXPERTS=3, W13_BLOCK_K=64, W2_BLOCK_K=32, W2_BLOCK_N=64),
                 dict(DECODE="bytes"), dict(DECODE="bytes", W2_EXPERTS=3, W13_BLOCK_K=64, W2_BLOCK_K=32)]
     for M in (1, 2, 4):
         x, w, ids = routed_inputs(M, D, k, E, seed=M)
         want = ref.experts_nvfp4(x, *t.values(), w, ids)
-        for kw in settings:
-            with knobs(tk, **kw):
+        for kw in launch_settings:
+            with settings(tk, **kw):
                 got = tk.experts_nvfp4_triton(x, *t.values(), w, ids)
             assert got.dtype == BF and got.shape == (M, D)
             # one bf16 unit of an activation (another summation order) moves an output by far less than this
@@ -79,7 +66,7 @@ def check_moe_decode_experts():
     ids[1] = ids[0]
     want = ref.experts_nvfp4(x, *t.values(), w, ids)
     for kw in ({}, dict(W2_EXPERTS=1), dict(DECODE="bytes")):
-        with knobs(tk, **kw):
+        with settings(tk, **kw):
             got = tk.experts_nvfp4_triton(x, *t.values(), w, ids.int())
         close(got, want, 1e-5, f"experts fp32 {kw}", rtol=1e-5)
 
@@ -135,7 +122,7 @@ def check_moe_decode_capture_safe():
                            meta(E, D, I // 2, dtype=u8), meta(E, D, I // 16, dtype=f8), meta(E, dtype=f32))
                 W = meta(E, D)
                 for call in range(2):
-                    with knobs(tk, DECODE=decode), Ops() as mode:
+                    with settings(tk, DECODE=decode), Ops() as mode:
                         _, tw, ids = tk.router_topk_triton(x, W, k, True)
                         tk.experts_nvfp4_triton(x, *experts, tw, ids)
                     what = f"decode={decode} M={M} call {call}"
@@ -193,7 +180,7 @@ def check_moe_decode_real_sizes(target):
                 x = meta(M, D, dtype=dt)
                 tk.router_topk_triton(x, meta(E, D, dtype=dt), k, True)
                 for decode in ("words", "bytes"):
-                    with knobs(tk, DECODE=decode):
+                    with settings(tk, DECODE=decode):
                         tk.experts_nvfp4_triton(
                             x, meta(E, 2 * I, D // 2, dtype=u8), meta(E, 2 * I, D // 16, dtype=f8), meta(E, dtype=f32),
                             meta(E, D, I // 2, dtype=u8), meta(E, D, I // 16, dtype=f8), meta(E, dtype=f32),

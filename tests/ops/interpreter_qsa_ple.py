@@ -8,23 +8,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from interpreter import BF, check, close, compile_check
+from interpreter import BF, check, close, compile_check, settings
 from op_helpers import paged_qsa_case, qsa_inputs
 
 from qwen4exp.ops import _registry
-
-
-@contextlib.contextmanager
-def settings(module, **values):
-    """The module's launch settings set to ``values`` inside the block, restored after it."""
-    saved = {k: getattr(module, k) for k in values}
-    for k, v in values.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(module, k, v)
 
 
 @contextlib.contextmanager
