@@ -680,21 +680,20 @@ def main():
     from qwen4exp.ops.hyper_connection import host as hc_host, triton_kernel as hc_tk
     for T in (1, 2, 4, 8, 32):  # one HC transition (write-back + mixer) both ways, side by side
         mk = lambda T=T: hc_step_case(T)  # noqa: E731
-        if T in (2, 4):  # MTP verification sizes (run 30: _hc_up_kernel 24-26 us a call at T = 4 against ~11 at 1):
-            # the finish kernel between A and B instead of every B program summing the partials, and cuBLAS
+        if T == 1:  # the finish kernel at one token too (3 launches), against B's programs summing the partials
             cases.append(("hc_step", f"T={T},inject_norm+mix,finish-kernel", mk,
-                          with_knobs(hc_step_fused_norm, hc_tk, IN_KERNEL_SILU_MAX_T=1), hc_step_ref))
-            cases.append(("hc_step", f"T={T},inject_norm+mix,finish-kernel,BD16", mk,
-                          with_knobs(hc_step_fused_norm, hc_tk, IN_KERNEL_SILU_MAX_T=1, B_BLOCK_D_MANY=16), None))
+                          with_knobs(hc_step_fused_norm, hc_tk, IN_KERNEL_SILU_MAX_T=0), hc_step_ref))
+        if T in (2, 4):  # MTP verification sizes: the run-30 default (every B program sums the partials) and cuBLAS
+            cases.append(("hc_step", f"T={T},inject_norm+mix,in-kernel-finish,BD16", mk,
+                          with_knobs(hc_step_fused_norm, hc_tk, IN_KERNEL_SILU_MAX_T=4, B_BLOCK_D=16), None))
             cases.append(("hc_step", f"T={T},inject_norm+gemm-path", mk,
                           lambda *a: hc_step_fused_norm(*a, many=True), hc_step_ref))
         if T <= 8:  # kernel A's last program of each row block finishes the down projection (no finish kernel,
             # no partials re-read by B): QWEN4EXP_HC_DECODE=fused-ticket, B's tile as the default's and the other one
             ticket = with_env(hc_step_fused_norm, QWEN4EXP_HC_DECODE="fused-ticket")
             cases.append(("hc_step", f"T={T},inject_norm+mix,ticket", mk, ticket, hc_step_ref))
-            bd = 32 if T <= hc_tk.IN_KERNEL_SILU_MAX_T else 16
-            cases.append(("hc_step", f"T={T},inject_norm+mix,ticket,BD{bd}", mk,
-                          with_knobs(ticket, hc_tk, B_BLOCK_D=bd, B_BLOCK_D_MANY=bd), None))
+            cases.append(("hc_step", f"T={T},inject_norm+mix,ticket,BD16", mk,
+                          with_knobs(ticket, hc_tk, B_BLOCK_D=16, B_BLOCK_D_MANY=16), None))
             cases.append(("hc_step", f"T={T},inject+mix(own norm),ticket", mk,
                           with_env(with_knobs(hc_step_before, hc_host, IN_KERNEL_NORM_MAX_T=1 << 30),
                                    QWEN4EXP_HC_DECODE="fused-ticket"), hc_step_ref))

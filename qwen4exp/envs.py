@@ -74,13 +74,12 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "vLLM plugin on GPUs: the PLE layer's table gather and key/value projections start on a side CUDA "
            "stream at the top of the forward, overlapping the layers before it"),
     Switch("QWEN4EXP_HC_DECODE", "choice", "fused",
-           "HC mixer on CUDA at decode sizes (an open A/B at full depth): fused (two Triton launches, chained by "
-           "programmatic dependent launch; up to 4 tokens each program of the second finishes the down projection "
-           "itself), fused-finish (the same, with the finish kernel between them from 2 tokens on: MTP "
-           "verification sizes), fused-ticket (the same two launches at every token count, the last program of the "
-           "first to finish a row block summing its split-K partials: no finish kernel, no partials re-read in the "
-           "second) or cublas (the many-token path: cuBLAS projections around the norm, activation and "
-           "gated-mean kernels, as upstream's)", ("fused", "fused-finish", "fused-ticket", "cublas")),
+           "HC mixer on CUDA at decode sizes: fused (two Triton launches chained by programmatic dependent launch; "
+           "at one token each program of the second finishes the down projection itself, from 2 tokens a small "
+           "finish kernel between them does), fused-ticket (an open A/B at one token: the same two launches at "
+           "every token count, the last program of the first to finish a row block summing its split-K partials) "
+           "or cublas (the many-token path: cuBLAS projections around the norm, activation and gated-mean kernels, "
+           "as upstream's; slower at every decode size on an H100)", ("fused", "fused-ticket", "cublas")),
     Switch("QWEN4EXP_MOE_DECODE", "bool", False,
            "the MoE decode kernels (qwen4exp.ops.moe_decode: router GEMV + top-k in one launch, NVFP4 W4A16 expert "
            "GEMVs) on CUDA for <= 4 tokens; 0: that op's torch reference. Not wired into the vLLM model yet, so it "

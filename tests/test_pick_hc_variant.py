@@ -15,12 +15,12 @@ def test_picks_the_fastest_at_the_asked_size_and_honours_exclusions():
          dict(op="hc_step", case="T=4,inject_norm+mix,ticket", kernel_us="12"),
          dict(op="hc_step", case="T=4,inject_norm+mix,ticket,BD16", kernel_us="5"),  # not a default tile: ignored
          dict(op="hc_step", case="T=4,inject_norm+gemm-path", kernel_us="14"),
-         dict(op="hc_step", case="T=2,inject_norm+mix,finish-kernel", kernel_us="1"),
-         dict(op="hc_mix", case="T=4,inject_norm+mix,finish-kernel", kernel_us="1"),
-         dict(op="hc_step", case="T=4,inject_norm+mix,finish-kernel", kernel_us="nan")]
+         dict(op="hc_step", case="T=2,inject_norm+mix", kernel_us="1"),
+         dict(op="hc_mix", case="T=4,inject_norm+mix,ticket", kernel_us="1"),  # another op: ignored
+         dict(op="hc_step", case="T=4,inject_norm+gemm-path", kernel_us="nan")]
     assert pick(r, 4)[0] == "fused-ticket"
     assert pick(r, 4, ["fused-ticket"])[0] == "cublas"
-    assert pick(r, 2)[0] == "fused-finish"
+    assert pick(r, 2)[0] == "fused"
     with pytest.raises(SystemExit, match="T=8"):
         pick(r, 8)
 

@@ -10,8 +10,7 @@ import math
 import sys
 
 # bench_ops.py's hc_step case (the default tiles) behind each QWEN4EXP_HC_DECODE value
-CASES = {"fused": "inject_norm+mix", "fused-finish": "inject_norm+mix,finish-kernel",
-         "fused-ticket": "inject_norm+mix,ticket", "cublas": "inject_norm+gemm-path"}
+CASES = {"fused": "inject_norm+mix", "fused-ticket": "inject_norm+mix,ticket", "cublas": "inject_norm+gemm-path"}
 
 
 def pick(rows, tokens: int, exclude=()) -> tuple[str, dict]:

@@ -38,13 +38,16 @@ _RECORD: Optional[dict] = None  # {op: implementation} while record() is active
 
 @contextlib.contextmanager
 def record():
-    """``with record() as ran: ...``: afterwards ``ran[op]`` is "kernel" or "reference", whichever ran last."""
+    """``with record() as ran: ...``: afterwards ``ran[op]`` is "kernel" or "reference", whichever ran last. Nested
+    records nest: what an inner one saw is the outer one's too."""
     global _RECORD
     prev, _RECORD = _RECORD, {}
     try:
         yield _RECORD
     finally:
-        _RECORD = prev
+        inner, _RECORD = _RECORD, prev
+        if prev is not None:
+            prev.update(inner)
 
 
 def ran(op: str, impl: str) -> None:

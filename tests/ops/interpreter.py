@@ -167,14 +167,16 @@ def check_hc_mix():
     g = torch.Generator().manual_seed(3)
     for T, n, D, R, inj in HC_SMALL:
         hc_mix_both_ways((*_hc_case(g, T, n, D, R, inj), n, 1e-6), f"T={T}")
-    # QWEN4EXP_HC_DECODE=fused-finish: the finish kernel between A and B from 2 tokens on (MTP verification sizes)
+    # the finish kernel between A and B from 2 tokens on (above: T = 3, 6, 9), and at one token when set so
+    assert tk.silu_in_kernel_max_t() == tk.IN_KERNEL_SILU_MAX_T == 1
+    with settings(tk, IN_KERNEL_SILU_MAX_T=0):
+        for inj in (True, False):
+            hc_mix_both_ways((*_hc_case(g, 1, 4, 256, 40, inj), 4, 1e-6), f"T=1 finish kernel inj={inj}")
+    # in-kernel finish past one token (the earlier default, 16-column tiles: bench_ops' comparison)
+    with settings(tk, IN_KERNEL_SILU_MAX_T=4, B_BLOCK_D=16):
+        hc_mix_both_ways((*_hc_case(g, 4, 4, 256, 40, True), 4, 1e-6), "T=4 in-kernel finish")
     saved = os.environ.get("QWEN4EXP_HC_DECODE")
-    os.environ["QWEN4EXP_HC_DECODE"] = "fused-finish"
-    envs.reset()
     try:
-        assert tk.silu_in_kernel_max_t() == 1
-        for T, inj in ((2, True), (4, False)):
-            hc_mix_both_ways((*_hc_case(g, T, 4, 256, 40, inj), 4, 1e-6), f"T={T} fused-finish")
         # fused-ticket: kernel A's last program of each row block finishes it (no finish kernel at any T); twice
         # over, so the second pass runs on the counters the first left (each must be zero again)
         os.environ["QWEN4EXP_HC_DECODE"] = "fused-ticket"

@@ -20,3 +20,16 @@ def test_launches_are_kept_only_while_recording():
     assert set(table) == {"inner", "outer"}
     table.keep("after", handle)
     assert "after" not in table
+
+
+def test_nested_records_report_to_the_outer_one():
+    """A test's ``expect_kernel`` (an outer record) around a block that records launches itself (an inner one) still
+    sees which implementation ran (run 31: four GPU tests found "nothing ran" before)."""
+    with _registry.record() as outer:
+        with _registry.record() as inner:
+            _registry.ran("hc_mix", "kernel")
+        assert inner == {"hc_mix": "kernel"}
+        _registry.ran("rms_norm", "reference")
+    assert outer == {"hc_mix": "kernel", "rms_norm": "reference"}
+    _registry.ran("after", "kernel")
+    assert "after" not in outer

@@ -11,9 +11,9 @@ up-projection, since every output needs all r down-projected values):
      K chunk of H into Hn (fp32 math, one bf16 rounding, as the reference) and writes fp32 split-K partial dot
      products [T, split, r + n].
   B  ``_hc_up_kernel``    grid (D / B_BLOCK_D), launched with programmatic dependent launch: it starts while A runs,
-     loads its [n * B_BLOCK_D, r] slice of W_up, then waits for A.  For each real token row it sums the partials and
-     rounds like the reference (bf16 linear output, /n, SiLU in fp32, bf16); past IN_KERNEL_SILU_MAX_T tokens that
-     step runs once per token in ``_hc_finish_kernel``, a small launch between A and B (chained by PDL too).
+     loads its [n * B_BLOCK_D, r] slice of W_up, then waits for A.  Up to IN_KERNEL_SILU_MAX_T (1) token it sums the
+     partials itself and rounds like the reference (bf16 linear output, /n, SiLU in fp32, bf16); past it that step
+     runs once per token in ``_hc_finish_kernel``, a small launch between A and B (chained by PDL too).
      Then bf16(W_up a), sigmoid (bf16), the gated re-normalised Hn columns (bf16 product) and the mean over the n
      streams (fp32 sum, * 1/n, bf16).  Program 0 also finishes c = 2*sigmoid(bf16(bf16(W_inj Hn) / n)).
 
@@ -358,20 +358,25 @@ USE_PDL = _ON_GPU  # programmatic dependent launch (Hopper+; the CPU interpreter
 A_BLOCK_R = 64  # W_down rows per program of kernel A
 A_WARPS = 8
 A_KC_HN = 512  # kernel A's K chunk with Hn handed in (no norm loop: registers for the wider chunk)
-B_BLOCK_D = 16  # output columns per program of kernel B ([n * B_BLOCK_D, r] W_up tile), up to IN_KERNEL_SILU_MAX_T
-B_BLOCK_D_MANY = 32  # tokens; past them wider tiles (half the programs, each reading the finished activations)
+B_BLOCK_D = 32  # output columns per program of kernel B ([n * B_BLOCK_D, r] W_up tile), up to IN_KERNEL_SILU_MAX_T
+B_BLOCK_D_MANY = 32  # tokens, and past them (each program then reads the finished activations)
 B_WARPS = 8
-IN_KERNEL_SILU_MAX_T = 4  # up to this many tokens every program of kernel B finishes the down projection itself
-# (sums the split-K partials, SiLU); past it the finish kernel does it once per token, between kernels A and B
+IN_KERNEL_SILU_MAX_T = 1  # up to this many tokens every program of kernel B finishes the down projection itself
+# (sums the split-K partials, SiLU); past it the finish kernel does it once per token, between kernels A and B.
+# Run 31 (H100, one transition at the real widths): each of B's programs re-reading every token's partials cost
+# 21.3 / 27.6 us at 2 / 4 tokens against 13.6 with the finish kernel; at one token 15.9 us with 32-column tiles
 GATE_MEAN_BLOCK = 1024  # columns per program of the many-token path's gate-mean kernel
 
 
+def ticket_finish() -> bool:
+    """QWEN4EXP_HC_DECODE=fused-ticket: kernel A finishes the down projection at every token count."""
+    return envs.QWEN4EXP_HC_DECODE == "fused-ticket"
+
+
 def silu_in_kernel_max_t() -> int:
-    """Up to how many tokens kernel B's programs finish the down projection themselves (IN_KERNEL_SILU_MAX_T; 1 under
-    QWEN4EXP_HC_DECODE=fused-finish: each of the ~160 programs re-reads every token's split-K partials, ~26 KB a
-    token, which run 30 suspects at MTP verification sizes; 0 under fused-ticket: kernel A finishes it)."""
-    mode = envs.QWEN4EXP_HC_DECODE
-    return 0 if mode == "fused-ticket" else 1 if mode == "fused-finish" else IN_KERNEL_SILU_MAX_T
+    """Up to how many tokens kernel B's programs finish the down projection themselves (IN_KERNEL_SILU_MAX_T; 0 under
+    QWEN4EXP_HC_DECODE=fused-ticket: kernel A finishes it)."""
+    return 0 if ticket_finish() else IN_KERNEL_SILU_MAX_T
 
 
 TICKET_TT = 4  # tokens per step of kernel A's ticket finish ([TT, n_split, BLOCK_R] fp32 partials a load)
@@ -437,7 +442,7 @@ def hc_mix_triton(H, norm_weight, down, up, inj, n: int, eps: float, Hn=None, _s
                   NSPLIT_P=triton.next_power_of_2(n_split))
     max_t = silu_in_kernel_max_t()
     a_ready = T > max_t  # the down projection finished before stage B: by kernel A (ticket) or the finish kernel
-    cnt = _ticket_counters(dev, grid[0]) if max_t == 0 and not _stop_after_down else None
+    cnt = _ticket_counters(dev, grid[0]) if ticket_finish() and not _stop_after_down else None
     ticket = cnt is not None
     x = torch.empty(T, D, dtype=H.dtype, device=dev)
     c_buf = x if a_ready else torch.empty(max(T * NI, 1), dtype=H.dtype, device=dev)  # never a null pointer
