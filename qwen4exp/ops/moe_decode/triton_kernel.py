@@ -9,19 +9,12 @@ back and does softmax (fp32), top-k (k rounds of arg-max; ties go to the lower e
 E / BLOCK_E programs (128 at the defaults) and only the 512-wide selection is serial.
 
 Experts (two launches), NVFP4 weights decoded in registers; each 16-input group's partial dot product is multiplied
-by its e4m3 scale and the sum by the expert's fp32 global scale at the end. The decode is what bounds these kernels,
-not the memory: the first design (``DECODE = "bytes"``: a byte a tensor element, each nibble through exponent /
-mantissa selects, ~14 integer operations and a 64-bit address a code) measured 55.5 us at M = 1 (H100) however its
-blocks were set, and the arithmetic alone accounts for it: 27.7 MB hold 49 M codes, at ~14 INT32 operations each
-that is ~690 M operations against H100's 132 SMs x 64 INT32 lanes x ~1.75 GHz = 14.8 T/s, ~45 us. So
-``DECODE = "words"`` (the default) reads the codes as int32 words (8 codes, 16-byte groups as 2 words) and decodes
-each with ~5 integer operations: shift the word by 4j, put the 3 magnitude bits at fp32 bits 24..22 and the sign at
-bit 31: that fp32 is the E2M1 value times 2^-126 (exponent 0: a subnormal, exact), and one fp32 multiply by 2^126
-(exact, before the product with x) restores it. That is ~49 M x 5 / 14.8 T/s ~ 17 us of INT32 issue at M = 1, with
-the fp32 multiply and FMA on the FMA pipes beside it. No flush-to-zero may touch those products (the compile check
-asserts the PTX has none). Memory side: at 800 + 400 programs of ~4.5 KB a K step and ~6 programs an SM, ~27 KB
-are in flight an SM; if the GPU shows the word decode memory-latency-bound next, W13_BLOCK_K = 1024 (9 KB a step)
-doubles that (bench_ops sweeps it).
+by its e4m3 scale and the sum by the expert's fp32 global scale at the end. The decode reads a byte a tensor element
+(two codes), each nibble through exponent / mantissa selects (~14 integer operations a code). An int32-word decode
+(8 codes a word, ~5 integer operations a code) was tried and measured slower on an H100: 70.1 against 55.2 us at
+M = 1, 207.5 against 161.1 us at M = 4; so the kernels are not bound by the decode arithmetic alone, and the next
+step is the memory side (more bytes in flight an SM: at 800 + 400 programs of ~4.5 KB a K step and ~6 programs an
+SM, ~27 KB are in flight an SM; W13_BLOCK_K = 1024 doubles that, bench_ops sweeps it).
 
 * ``_w13_silu_kernel``: grid (I / W13_BLOCK_N, M * k): one program = W13_BLOCK_N gate rows and the matching up rows
   of one selected expert of one token, over the whole input (K = 2560). At M = 1 that is 10 x 640 / 8 = 800 programs
@@ -58,7 +51,6 @@ from . import host
 ROUTER_BLOCK_E, ROUTER_BLOCK_D, ROUTER_WARPS = 4, 512, 4
 W13_BLOCK_N, W13_BLOCK_K, W13_WARPS = 8, 512, 4
 W2_BLOCK_N, W2_BLOCK_K, W2_EXPERTS, W2_WARPS = 32, 128, 2, 4
-DECODE = "words"  # NVFP4 code decode: "words" (int32 loads, ~5 integer ops a code) or "bytes" (the first design)
 
 
 # ------------------------------------------------------------------------------------------------------- router
@@ -159,8 +151,8 @@ def _e4m3(b):
 @triton.jit
 def _nvfp4_dot_bytes(Wp, Sp, rows, rmask, row_bytes, row_groups, k0, K, Xp, R: tl.constexpr, BLOCK_K: tl.constexpr):
     """sum over inputs k0 .. k0 + BLOCK_K of w[row, k] * x[k] / global scale, for R rows: packed codes (bytes) at
-    Wp + row * row_bytes, e4m3 scales at Sp + row * row_groups, x at Xp -> [R] fp32. The first design's decode
-    (DECODE = "bytes", kept for the A/B): ~14 integer operations a code, which bound the kernels on the GPU."""
+    Wp + row * row_bytes, e4m3 scales at Sp + row * row_groups, x at Xp -> [R] fp32 (~14 integer operations a
+    code)."""
     HALF: tl.constexpr = BLOCK_K // 2
     G: tl.constexpr = BLOCK_K // 16
     b = k0 // 2 + tl.arange(0, HALF)
@@ -176,41 +168,16 @@ def _nvfp4_dot_bytes(Wp, Sp, rows, rmask, row_bytes, row_groups, k0, K, Xp, R: t
     return tl.sum(t * _e4m3(s), axis=1)
 
 
-@triton.jit
-def _nvfp4_dot_words(Wp, Sp, rows, rmask, row_words, row_groups, k0, K, Xp, R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """As ``_nvfp4_dot_bytes``, the codes read as int32 words (Wp: the packed tensor viewed as int32, row_words a
-    row; a 16-input group is 2 words, code j of a word at bits 4j .. 4j + 3) and decoded with ~5 integer operations
-    a code: the code's magnitude bits (e1 e0 m) put at fp32 bits 24..22 and its sign at bit 31 give an fp32 equal to
-    the E2M1 value times 2^-126 (e = 0: a subnormal, m * 2^-127, still exact), scaled back by one multiply by 2^126
-    (exact; before the product with x, so no subnormal product loses bits). The e4m3 scales alike (times 2^120)."""
-    G: tl.constexpr = BLOCK_K // 16
-    g = k0 // 16 + tl.arange(0, G)
-    gm = g < K // 16
-    wi = tl.arange(0, 2)
-    j = tl.arange(0, 8)
-    words = tl.load(Wp + rows[:, None, None] * row_words + (2 * g[None, :, None] + wi[None, None, :]),
-                    mask=rmask[:, None, None] & gm[None, :, None], other=0)  # [R, G, 2] int32
-    x = tl.load(Xp + (16 * g[:, None, None] + 8 * wi[None, :, None] + j[None, None, :]), mask=gm[:, None, None],
-                other=0.0).to(tl.float32)  # [G, 2, 8]
-    c = words[:, :, :, None] >> (4 * j)[None, None, None, :]  # [R, G, 2, 8]: code j in bits 0..3 (and above)
-    v = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # * 2^126
-    t = tl.sum(tl.sum(v * x[None, :, :, :], axis=3), axis=2)  # [R, G]: per 16-input group
-    s = tl.load(Sp + rows[:, None] * row_groups + g[None, :], mask=rmask[:, None] & gm[None, :], other=0).to(tl.int32)
-    sc = (((s & 127) << 20) | ((s & 128) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36  # * 2^120
-    return tl.sum(t * sc, axis=1)
-
-
 # ---------------------------------------------------------------------------------------------- gate / up + SiLU
 @triton.jit
 def _w13_silu_kernel(X, W13, S13, GS13, IDS, ACT, D, I, stride_x, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BF16: tl.constexpr, WORDS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, BF16: tl.constexpr):
     pair = tl.program_id(1)  # token * TOP_K + slot
     m = pair // TOP_K
     e = tl.load(IDS + pair).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < I
-    PER: tl.constexpr = 4 if WORDS else 1  # packed bytes an element of W13
-    rw = D // 2 // PER  # elements a packed row
+    rw = D // 2  # bytes a packed row
     wg = W13 + e * (2 * I) * rw  # gate rows of expert e; up rows I further
     sg = S13 + e * (2 * I) * (D // 16)
     wu = wg + I * rw
@@ -219,12 +186,8 @@ def _w13_silu_kernel(X, W13, S13, GS13, IDS, ACT, D, I, stride_x, TOP_K: tl.cons
     acc_g = tl.zeros((BLOCK_N,), tl.float32)
     acc_u = tl.zeros((BLOCK_N,), tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        if WORDS:
-            acc_g += _nvfp4_dot_words(wg, sg, rows, rmask, rw, D // 16, k0, D, xp, BLOCK_N, BLOCK_K)
-            acc_u += _nvfp4_dot_words(wu, su, rows, rmask, rw, D // 16, k0, D, xp, BLOCK_N, BLOCK_K)
-        else:
-            acc_g += _nvfp4_dot_bytes(wg, sg, rows, rmask, rw, D // 16, k0, D, xp, BLOCK_N, BLOCK_K)
-            acc_u += _nvfp4_dot_bytes(wu, su, rows, rmask, rw, D // 16, k0, D, xp, BLOCK_N, BLOCK_K)
+        acc_g += _nvfp4_dot_bytes(wg, sg, rows, rmask, rw, D // 16, k0, D, xp, BLOCK_N, BLOCK_K)
+        acc_u += _nvfp4_dot_bytes(wu, su, rows, rmask, rw, D // 16, k0, D, xp, BLOCK_N, BLOCK_K)
     gs = tl.load(GS13 + e)
     a = _silu(acc_g * gs) * (acc_u * gs)
     if BF16:
@@ -236,9 +199,8 @@ def _w13_silu_kernel(X, W13, S13, GS13, IDS, ACT, D, I, stride_x, TOP_K: tl.cons
 @triton.jit
 def _w2_combine_kernel(ACT, W2, S2, GS2, IDS, TW, OUT, WS, WS_BITS, CNT, D, I, stride_o, TOP_K: tl.constexpr,
                        EXPERTS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BF16: tl.constexpr, WORDS: tl.constexpr):
-    PER: tl.constexpr = 4 if WORDS else 1  # packed bytes an element of W2
-    rw = I // 2 // PER  # elements a packed row
+                       BF16: tl.constexpr):
+    rw = I // 2  # bytes a packed row
     pid_n = tl.program_id(0)
     m = tl.program_id(1) // GROUPS
     grp = tl.program_id(1) % GROUPS
@@ -255,10 +217,7 @@ def _w2_combine_kernel(ACT, W2, S2, GS2, IDS, TW, OUT, WS, WS_BITS, CNT, D, I, s
             part = tl.zeros((BLOCK_N,), tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 ap = ACT + pair * I
-                if WORDS:
-                    part += _nvfp4_dot_words(wp, sp, rows, rmask, rw, I // 16, k0, I, ap, BLOCK_N, BLOCK_K)
-                else:
-                    part += _nvfp4_dot_bytes(wp, sp, rows, rmask, rw, I // 16, k0, I, ap, BLOCK_N, BLOCK_K)
+                part += _nvfp4_dot_bytes(wp, sp, rows, rmask, rw, I // 16, k0, I, ap, BLOCK_N, BLOCK_K)
             acc += (part * tl.load(GS2 + e)) * tl.load(TW + pair).to(tl.float32)
     if GROUPS == 1:
         if BF16:
@@ -294,13 +253,10 @@ def experts_nvfp4_triton(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, topk_we
     bf16 = x.dtype == torch.bfloat16
     # the e4m3 scales read as bytes (decoded in the kernels)
     s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
-    words = DECODE == "words"
-    if words:  # the packed codes read as int32 words (rows of D / 2 and I / 2 bytes: multiples of 8)
-        w13, w2 = w13.view(torch.int32), w2.view(torch.int32)
     act = torch.empty(M * k, I, dtype=x.dtype, device=x.device)
     _w13_silu_kernel[(triton.cdiv(I, W13_BLOCK_N), M * k)](
         x, w13, s13, w13_gs, topk_ids, act, D, I, x.stride(0), TOP_K=k, BLOCK_N=W13_BLOCK_N,
-        BLOCK_K=host.block_k(D, W13_BLOCK_K), BF16=bf16, WORDS=words, num_warps=W13_WARPS)
+        BLOCK_K=host.block_k(D, W13_BLOCK_K), BF16=bf16, num_warps=W13_WARPS)
     out = torch.empty(M, D, dtype=x.dtype, device=x.device)
     experts, groups = host.w2_groups(k, W2_EXPERTS)
     row_blocks = triton.cdiv(D, W2_BLOCK_N)
@@ -308,5 +264,5 @@ def experts_nvfp4_triton(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, topk_we
     _w2_combine_kernel[(row_blocks, M * groups)](
         act, w2, s2, w2_gs, topk_ids, topk_weights, out, ws, ws.view(torch.int32), cnt, D, I, out.stride(0), TOP_K=k,
         EXPERTS=experts, GROUPS=groups, BLOCK_N=W2_BLOCK_N, BLOCK_K=host.block_k(I, W2_BLOCK_K), BF16=bf16,
-        WORDS=words, num_warps=W2_WARPS)
+        num_warps=W2_WARPS)
     return out
