@@ -467,3 +467,27 @@ def test_compiles_for_hopper(triton_checks, kernel):
     """Every recorded launch of the kernel compiles to an sm_90 cubin within Hopper's shared memory, without
     register spills (decode-path kernels)."""
     triton_checks.compiled(kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
+def test_ngram_context_prefill_never_waits_for_the_gpu():
+    """The prefill context and the next carried ids take every size from the shapes: under CUDA's sync debug mode
+    (error on any synchronising call) they run, and equal the loop formulation (run 31: the syncs this had let a
+    50k prefill's last chunk wait on the host for ~96 ms)."""
+    from qwen4exp.layers.ple import _next_context
+    gen = torch.Generator().manual_seed(1)
+    lens = [1, 700, 3, 144]
+    ids = torch.randint(0, 4, (sum(lens),), generator=gen)
+    prev = torch.randint(0, 4, (len(lens), 2), generator=gen)
+    want = loop_ngram_context(ids, lens, prev, EOS)
+    d_ids, d_cu, d_prev = ids.cuda(), cu_of(lens).cuda(), prev.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ctx = ple_ref.ngram_context(d_ids, d_cu, d_prev, EOS)
+        nxt = _next_context(d_ids, d_cu, d_prev)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(ctx.cpu(), want)
+    assert torch.equal(nxt.cpu(), _next_context(ids, cu_of(lens), prev))
