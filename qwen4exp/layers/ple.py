@@ -129,7 +129,12 @@ class PLE(nn.Module):
         (normed keys [T, nD], values [T, D], the new n-gram context). A runtime may run it ahead of the layer (the
         table gather reads host memory: the vLLM model can overlap it with the layers before this one)."""
         emb, ctx_state = self.ple_embedding(ids, cu_seqlens, ctx_state, dtype)
-        return self.norm_key(self.key_proj(emb)), self.value_proj(emb), ctx_state
+        return (*self.project(emb), ctx_state)
+
+    def project(self, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered n-gram embeddings [T, Ep] -> (normed keys [T, nD], values [T, D]): per token, so a runtime that
+        steps the n-gram context one position at a time (speculative verification) projects all positions at once."""
+        return self.norm_key(self.key_proj(emb)), self.value_proj(emb)
 
     def mix(
         self,

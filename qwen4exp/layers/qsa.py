@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.layout import stacked_weight
+from ..ops.qsa.reference import output_gate
 from .linear import LinearFactory, default_linear, linear_weight
 from .norms import RMSNorm
 from .rope import apply_rope, norm_rope
@@ -27,7 +28,7 @@ from .rope import apply_rope, norm_rope
 @dataclass
 class QSAProjections:
     q: torch.Tensor  # [T, Hq, d] normed + rotated
-    gate: torch.Tensor  # [T, Hq * d]
+    gate: torch.Tensor  # [T, Hq, d] (a view of the [Q | gate] projection's output)
     k: torch.Tensor  # [T, Hkv, d] normed + rotated
     v: torch.Tensor  # [T, Hkv, d]
     index_q: torch.Tensor  # [T, h_i, d_i] normed + rotated
@@ -81,7 +82,7 @@ class QSAAttention(nn.Module):
         T, d = x.shape[0], self.head_dim
         qg, k, v, iqk = self._linears(x)
         qg = qg.view(T, self.n_heads, 2 * d)
-        q, gate = qg[..., :d], qg[..., d:].reshape(T, self.n_heads * d)
+        q, gate = qg[..., :d], qg[..., d:]
         q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
         k = norm_rope(k.view(T, self.n_kv, d), self.k_norm.weight, self.k_norm.eps, cos, sin)
         v = v.view(T, self.n_kv, d)
@@ -94,6 +95,9 @@ class QSAAttention(nn.Module):
         """Mean-pooled raw keys [Nb, d_i] -> normed, rotated block keys (cos/sin at each block's first token)."""
         return apply_rope(self.indexer.k_layernorm(pooled).unsqueeze(1), cos, sin).squeeze(1)
 
-    def output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """o [T, Hq, d] (attention output in the activation dtype) -> W_o (o * sigmoid(gate))."""
-        return self.o_proj(o.reshape(o.shape[0], -1) * torch.sigmoid(gate))
+    def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o [T, Hq, d] (attention output in the activation dtype) -> W_o (o * sigmoid(gate)); gate None: o is
+        gated already (a runtime's attention kernel applied ``output_gate``)."""
+        if gate is not None:
+            o = output_gate(o, gate)
+        return self.o_proj(o.reshape(o.shape[0], -1))

@@ -27,8 +27,9 @@ from vllm.model_executor.layers.attention import Attention
 
 from .. import envs
 from ..layers.qsa import QSAAttention
-from ..ops.qsa import (block_mean, index_update_decode, qsa_attend_paged, qsa_decode_paged, qsa_prefill_paged,
-                       qsa_select_paged, reused_block_ids, warm_up_decode, warm_up_prefill, write_paged)
+from ..ops.qsa import (block_mean, index_update_decode, output_gate, qsa_attend_paged, qsa_decode_paged,
+                       qsa_prefill_paged, qsa_select_paged, reused_block_ids, warm_up_decode, warm_up_prefill,
+                       write_paged)
 from ..ops.qsa import layout as qlayout
 from .layers import eager_segment, vllm_linear
 
@@ -215,12 +216,14 @@ class QSAMixer(QSAAttention):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         p = self.project(x, cos, sin)
-        out = eager_segment(self, torch.empty_like(p.q), p.q, p.k, p.v, p.index_q, p.index_k_raw, positions)
-        return self.output(out, p.gate)
+        out = eager_segment(self, torch.empty_like(p.q), p.q, p.k, p.v, p.index_q, p.index_k_raw, positions, p.gate)
+        return self.output(out, None)  # (gated in the segment)
 
-    def eager_forward(self, out, q, k, v, index_q, index_k_raw, positions) -> None:
-        """Cache writes, block keys, selection + attention for this step's tokens (an eager graph segment: reads the
-        step's attention metadata on the host). Rows past the step's real tokens (graph padding) are zero."""
+    def eager_forward(self, out, q, k, v, index_q, index_k_raw, positions, gate) -> None:
+        """Cache writes, block keys, selection + attention for this step's tokens, the output gate applied (an eager
+        graph segment: reads the step's attention metadata on the host). Rows past the step's real tokens (graph
+        padding) are zero. A uniform decode batch gets the gate inside the attention's merge kernel (run 31: the
+        gate's copy, sigmoid and product were three kernels of ~5.5 us a QSA layer); other steps after it."""
         if not self._warmed:  # the first forward pass with the KV caches in place (vLLM's warm-up or capture runs)
             self._warmed = self._warm_up(q)
         md = get_forward_context().attn_metadata
@@ -235,7 +238,7 @@ class QSAMixer(QSAAttention):
             nq = 0  # M-RoPE prompt chunks may hold image tokens (their block keys rotate at stored positions): the
             # general path; FULL graphs capture decode batches only, whose tokens are text
         if nq:  # pure decode, or 1 + k queries for every request (MTP): the graph-capturable path
-            self._decode_step(out, q, k, v, index_q, index_k_raw, m, positions, nq)
+            self._decode_step(out, q, k, v, index_q, index_k_raw, m, positions, nq, gate)
             return
         out.zero_()
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -279,6 +282,7 @@ class QSAMixer(QSAAttention):
                 self._keep(qsa_select_paged(pos1[e - 1:e], index_q[e - 1:e], ikv, m.block_table[b:b + 1],
                                             max(1, seq_lens[b] // r), r, self.budget, self.index_scale),
                            slice(e - 1, e))
+        out[:n] = output_gate(out[:n], gate[:n])
 
     _warmed = False
 
@@ -382,7 +386,7 @@ class QSAMixer(QSAAttention):
         if pos3 is not None:
             stash_positions(views.stash, ring_slots, p, pos3[:, rows_t])
 
-    def _decode_step(self, out, q, k, v, index_q, index_k_raw, m, positions=None, nq: int = 1) -> None:
+    def _decode_step(self, out, q, k, v, index_q, index_k_raw, m, positions=None, nq: int = 1, gate=None) -> None:
         """A batch of ``nq`` queries per request (decode: 1; MTP verification and draft prefill: 1 + k): cache
         writes, the key of any block a token completes, selection + attention, all with fixed shapes and no host
         sync, so a FULL CUDA graph can capture it. Row b * nq + j is query j of request b. Requests that pad a
@@ -412,7 +416,8 @@ class QSAMixer(QSAAttention):
                 _log_capture_once(nq)
         else:
             n_blocks = max(1, int(m.max_seq_len) // r)
-        out[:n] = self._attend_decodes(q[:n], index_q[:n], pos, bt, kv, ikv, n_blocks)
+        out[:n] = self._attend_decodes(q[:n], index_q[:n], pos, bt, kv, ikv, n_blocks,
+                                       gate=None if gate is None else gate[:n])
 
     def _decode_inputs(self, m, dtype, positions=None, nq: int = 1, bs: int = 1):
         """(rows, valid, pos, slots, ring slots, block table, cos, sin) of a batch of ``nq`` queries per request: its
@@ -452,20 +457,20 @@ class QSAMixer(QSAAttention):
         out[rows] = self._attend_decodes(q[rows], index_q[rows], pos1[rows], m.block_table[owner], kv, ikv, n_blocks,
                                          rows)
 
-    def _attend_decodes(self, q, index_q, pos, bt, kv, ikv, n_blocks: int, rows=None) -> torch.Tensor:
+    def _attend_decodes(self, q, index_q, pos, bt, kv, ikv, n_blocks: int, rows=None, gate=None) -> torch.Tensor:
         """Selection + attention of single queries, main K/V and index rows read through the layer's one block
         table (``qsa_decode_paged``: one Triton pass on GPUs). ``rows``: the queries' token rows in the step (None:
-        rows 0..B-1), where a sharing draft layer keeps their selection."""
+        rows 0..B-1), where a sharing draft layer keeps their selection; ``gate``: the output gate, applied."""
         if not self.share_selection:
             return qsa_decode_paged(q, pos, index_q, kv, bt, ikv, bt, n_blocks, self.r, self.budget, self.scale,
-                                    self.index_scale)
+                                    self.index_scale, gate)
         if self.reuse_selection and self._kept_fresh:
             ids = reused_block_ids(self._kept[: pos.shape[0]], pos, self.r)
             _log_reuse_once(self.eager_name)
         else:
             ids = qsa_select_paged(pos, index_q, ikv, bt, n_blocks, self.r, self.budget, self.index_scale)
             self._keep(ids, slice(0, ids.shape[0]) if rows is None else rows)
-        return qsa_attend_paged(q, pos, kv, bt, ids, self.r, self.budget, self.scale)
+        return qsa_attend_paged(q, pos, kv, bt, ids, self.r, self.budget, self.scale, gate)
 
     def _keep(self, ids: torch.Tensor, rows) -> None:
         """Remember the block ids [n, m] selected for this step's token rows ``rows`` (a slice or an index tensor)."""

@@ -122,6 +122,34 @@ def check_qsa_decode():
         close(got, want, 0.05, f"decode paged SB={sb} programs={programs} prefetch={prefetch} many>={many}")
 
 
+@check("qsa_decode_gated")
+def check_qsa_decode_gated():
+    """The output gate applied by the merge (a strided view of a [Q | gate] projection, as the model hands it in)
+    equals ``output_gate`` of the ungated result, bf16 product by product, both through the decode and through the
+    attend half; few- and many-query settings."""
+    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    r, budget = 4, 32
+    lens, seqs, q, pos, iq, kv, bt, ikv, ibt = _decode_case()
+    g = torch.Generator().manual_seed(7)
+    qg = (torch.randn(q.shape[0], q.shape[1], 2 * q.shape[2], generator=g) * 3).to(q.dtype)
+    gate = qg[..., q.shape[2]:]  # [B, Hq, d], row stride 2 * Hq * d, head stride 2 * d
+    assert not gate.is_contiguous()
+    want_ref = ref.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4, gate)
+    plain = ref.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
+    assert torch.equal(want_ref, ref.output_gate(plain, gate))
+    for many in (99, 1):
+        with settings(tk, ATTN_MANY_QUERIES=many):
+            ungated = tk.qsa_decode_paged_triton(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
+            got = tk.qsa_decode_paged_triton(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4, gate)
+            sel = tk.qsa_select_paged_triton(pos, iq, ikv, ibt, 60, r, budget, 0.4)
+            attended = tk.qsa_attend_paged_triton(q, pos, kv, bt, sel, r, 0.3, gate)
+        # the merge rounds the output, the sigmoid and the product as output_gate's torch ops do (bit for bit on the
+        # GPU: tests/ops/test_qsa.py); here the interpreter truncates the ungated store and has numpy's exp: 4 units
+        close(got, ref.output_gate(ungated, gate), 0.0, f"gated decode many>={many}", rtol=2 ** -5)
+        close(attended, got, 0.0, f"gated attend many>={many}")
+        close(got, want_ref, 0.05, f"gated decode vs reference many>={many}")
+
+
 @check("qsa_score_logits")
 def check_qsa_score_logits():
     """The scores as fp32 logits (what vLLM's select reads) are the sort keys' scores; the same launch writes each
@@ -368,7 +396,11 @@ def check_qsa_real_widths():
     for many in (tk.ATTN_MANY_QUERIES, 1):
         with settings(tk, ATTN_MANY_QUERIES=many):
             got = tk.qsa_decode_paged_triton(q[-1:], pos, iq[-1:], kv, bt, ikv, bt, L // r, r, budget, 0.0625, 0.1)
+            gate = torch.randn(1, 24, 512).to(BF)[..., 256:]  # the [Q | gate] projection's gate half
+            gated = tk.qsa_decode_paged_triton(q[-1:], pos, iq[-1:], kv, bt, ikv, bt, L // r, r, budget, 0.0625,
+                                               0.1, gate)
         close(got, want, 0.05, f"decode real widths ATTN_MANY_QUERIES={many}")
+        close(gated, ref.output_gate(got, gate), 0.0, f"gated decode real widths many={many}", rtol=2 ** -5)
     for loop_min in (1, 10 ** 9):  # looping / split attention
         with settings(tk, LOOP_MIN_QUERIES=loop_min):
             p = torch.arange(L - 2, L)
@@ -388,11 +420,14 @@ def check_qsa_registration():
         assert ops["qsa_attention"](t(3, 6, 64), t(40, 2, 64), t(40, 2, 64), t(3, **i64), t(3, 4, 32), t(10, 32), 4,
                                     32, 0.3, 0.4).shape == (3, 6, 64)
         assert ops["qsa_decode_paged"](t(3, 6, 64), t(3, **i64), t(3, 4, 32), t(9, 2, 16, 128), t(3, 5, **i32),
-                                       t(9, 1, 16, 64), t(3, 5, **i32), 40, 4, 32, 0.3, 0.4).shape == (3, 6, 64)
+                                       t(9, 1, 16, 64), t(3, 5, **i32), 40, 4, 32, 0.3, 0.4, None).shape == (3, 6, 64)
+        assert ops["qsa_decode_paged"](t(3, 6, 64), t(3, **i64), t(3, 4, 32), t(9, 2, 16, 128), t(3, 5, **i32),
+                                       t(9, 1, 16, 64), t(3, 5, **i32), 40, 4, 32, 0.3, 0.4,
+                                       t(3, 6, 64)).shape == (3, 6, 64)
         ids = ops["qsa_select_paged"](t(3, **i64), t(3, 4, 32), t(9, 1, 16, 64), t(3, 5, **i32), 40, 4, 32, 0.4)
         assert ids.shape == (3, 8) and ids.dtype == torch.int64
         assert ops["qsa_attend_paged"](t(3, 6, 64), t(3, **i64), t(9, 2, 16, 128), t(3, 5, **i32), ids, 4,
-                                       0.3).shape == (3, 6, 64)
+                                       0.3, None).shape == (3, 6, 64)
         assert ops["qsa_prefill_paged"](t(7, 6, 64), t(7, **i64), t(7, 4, 32), t(9, 2, 16, 128), t(5, **i32),
                                         t(9, 1, 16, 64), 70, 4, 32, 0.3, 0.4).shape == (7, 6, 64)
         assert ops["qsa_write_paged"](t(4, 2, 16, 64), t(3, **i64), t(3, 2, 32), t(3, 2, 32)) is None

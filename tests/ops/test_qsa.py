@@ -787,6 +787,31 @@ def test_qsa_decode_paged_with_vllm_topk(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_qsa_decode_paged_gated_by_its_merge():
+    """The output gate inside the merge (what the model's uniform decode batches use): equal, bit for bit, to
+    ``output_gate`` applied to the ungated result, the gate a strided view of a [Q | gate] projection; and the same
+    through the attend half (MTP drafts reusing a selection); in a CUDA graph too."""
+    lens = [7, 2300, 50_003]
+    q, pos, iq, kv, bt, ikv, ibt = paged_decode_case(lens, 16, 64, seed=5)
+    args = (max(lens) // R_QSA + 9, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5)
+    qg = torch.randn(q.shape[0], q.shape[1], 2 * q.shape[2], device="cuda").mul(3).to(q.dtype)
+    gate = qg[..., q.shape[2]:]
+    poison()
+    with expect_kernel("qsa_decode_paged"):
+        plain = qsa_ops.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, *args)
+        gated = qsa_ops.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, *args, gate)
+    assert torch.equal(gated, qsa_ref.output_gate(plain, gate))
+    ids = qsa_ops.qsa_select_paged(pos, iq, ikv, ibt, args[0], R_QSA, BUDGET, args[4])
+    with expect_kernel("qsa_attend_paged"):
+        attended = qsa_ops.qsa_attend_paged(q, pos, kv, bt, ids, R_QSA, BUDGET, args[3], gate)
+    assert torch.equal(attended, qsa_ref.output_gate(qsa_ops.qsa_attend_paged(q, pos, kv, bt, ids, R_QSA, BUDGET,
+                                                                              args[3]), gate))
+    g, graphed = capture(lambda: qsa_ops.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, *args, gate))
+    g.replay()
+    torch.testing.assert_close(graphed, gated, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 def test_qsa_decode_paged_in_cuda_graph():
     """Captured once, replayed with other positions and block tables (the FULL decode graph case): equal to eager."""
     q, pos, iq, kv, bt, ikv, ibt = paged_decode_case([9001, 2500, 40], 16, 64, seed=3)
@@ -1075,9 +1100,9 @@ def test_index_update_decode_builds_every_block_key_through_the_ring():
 # =====================================================================================================================
 # the Triton checks without a GPU (``interpreter_qsa_ple.py``): under the CPU interpreter, then compiled for sm_90
 # =====================================================================================================================
-QSA_CHECKS = ("qsa_topk", "qsa_decode", "qsa_score_logits", "qsa_select_attend_halves", "qsa_unpaged",
-              "qsa_prefill", "qsa_prefill_warmup", "qsa_decode_warmup", "qsa_fp8_caches", "qsa_write_paged",
-              "qsa_index_update", "qsa_real_widths", "qsa_registration")
+QSA_CHECKS = ("qsa_topk", "qsa_decode", "qsa_decode_gated", "qsa_score_logits", "qsa_select_attend_halves",
+              "qsa_unpaged", "qsa_prefill", "qsa_prefill_warmup", "qsa_decode_warmup", "qsa_fp8_caches",
+              "qsa_write_paged", "qsa_index_update", "qsa_real_widths", "qsa_registration")
 QSA_KERNELS = ("_qsa_score_kernel", "_qsa_score_paged_kernel", "_qsa_score_prefill_kernel", "_qsa_topk_kernel",
                "_qsa_topk_small_kernel", "_qsa_attn_kernel", "_qsa_attn_loop_kernel", "_qsa_merge_kernel",
                "_write_paged_kernel", "_index_update_kernel")

@@ -4,7 +4,7 @@ and which top-k select runs; Triton-free). Tests: ``tests/ops/test_qsa.py``."""
 
 from .. import _registry
 from . import layout, reference
-from .reference import (block_mean, indexer_scores, num_complete_blocks, paged_rows, qsa_attention_gathered,
+from .reference import (block_mean, indexer_scores, num_complete_blocks, output_gate, paged_rows, qsa_attention_gathered,
                         qsa_decode_batched, reused_block_ids, select_blocks, selected_token_indices, selection_mask,
                         sparse_attention)
 
@@ -29,10 +29,12 @@ def write_paged(kv, slots, k, v):
 
 
 def qsa_decode_paged(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks, r, budget, scale,
-                     index_scale):
+                     index_scale, gate=None):
+    """``gate`` [B, Hq, d] (any row and head strides): the output gate applied too (``reference.output_gate``; on
+    GPUs inside the attention's last kernel)."""
     fn = pick("qsa_decode_paged", q.device, reference.qsa_decode_paged)
     return fn(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks, r, budget, scale,
-              index_scale)
+              index_scale, gate)
 
 
 def qsa_select_paged(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_scale):
@@ -41,10 +43,10 @@ def qsa_select_paged(q_pos, index_q, index_kv, index_block_table, n_blocks, r, b
     return fn(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_scale)
 
 
-def qsa_attend_paged(q, q_pos, kv, block_table, block_ids, r, budget, scale):
+def qsa_attend_paged(q, q_pos, kv, block_table, block_ids, r, budget, scale, gate=None):
     """The attention half of ``qsa_decode_paged``, over a given selection (e.g. one reused across MTP draft steps)."""
     fn = pick("qsa_attend_paged", q.device, reference.qsa_attend_paged)
-    return fn(q, q_pos, kv, block_table, block_ids, r, budget, scale)
+    return fn(q, q_pos, kv, block_table, block_ids, r, budget, scale, gate)
 
 
 def qsa_prefill_paged(q, q_pos, index_q, kv, block_row, index_kv, seq_len, r, budget, scale, index_scale):
@@ -71,5 +73,5 @@ def warm_up_decode(kv, index_kv, n_heads, index_heads, max_len, max_rows, r, bud
 __all__ = ["layout", "qsa_attention", "qsa_decode_paged", "qsa_select_paged", "qsa_attend_paged", "qsa_prefill_paged",
            "warm_up_prefill", "warm_up_decode", "paged_rows", "write_paged", "index_update_decode",
            "qsa_attention_gathered", "qsa_decode_batched", "reused_block_ids", "block_mean", "indexer_scores",
-           "num_complete_blocks",
+           "num_complete_blocks", "output_gate",
            "select_blocks", "selected_token_indices", "selection_mask", "sparse_attention", "reference"]

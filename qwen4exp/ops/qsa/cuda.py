@@ -71,24 +71,26 @@ def qsa_attention(q, k, v, q_pos, index_q, block_keys, r, budget, scale, index_s
 @_registry.custom_op("qwen4exp::qsa_decode_paged", mutates_args=())
 def qsa_decode_paged_op(q: Tensor, q_pos: Tensor, index_q: Tensor, kv: Tensor, block_table: Tensor, index_kv: Tensor,
                         index_block_table: Tensor, n_blocks: int, r: int, budget: int, scale: float,
-                        index_scale: float) -> Tensor:
+                        index_scale: float, gate: Optional[Tensor]) -> Tensor:
     return tk.qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks,
-                                      r, budget, scale, index_scale)
+                                      r, budget, scale, index_scale, gate)
 
 
 @qsa_decode_paged_op.register_fake
-def _(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks, r, budget, scale, index_scale):
+def _(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks, r, budget, scale, index_scale,
+      gate):
     return torch.empty_like(q)
 
 
 def qsa_decode_paged(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks, r, budget, scale,
-                     index_scale):
-    if not paged_supported(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, r, budget):
+                     index_scale, gate=None):
+    if not (paged_supported(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, r, budget)
+            and host.gate_covers(q, gate)):
         return ref.qsa_decode_paged(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks,
-                                    r, budget, scale, index_scale)
+                                    r, budget, scale, index_scale, gate)
     _registry.ran("qsa_decode_paged", "kernel")
     return qsa_decode_paged_op(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, int(n_blocks), r,
-                               budget, float(scale), float(index_scale))
+                               budget, float(scale), float(index_scale), gate)
 
 
 @_registry.custom_op("qwen4exp::qsa_select_paged", mutates_args=())
@@ -113,20 +115,20 @@ def qsa_select_paged(q_pos, index_q, index_kv, index_block_table, n_blocks, r, b
 
 @_registry.custom_op("qwen4exp::qsa_attend_paged", mutates_args=())
 def qsa_attend_paged_op(q: Tensor, q_pos: Tensor, kv: Tensor, block_table: Tensor, block_ids: Tensor, r: int,
-                        scale: float) -> Tensor:
-    return tk.qsa_attend_paged_triton(q, q_pos, kv, block_table, block_ids, r, scale)
+                        scale: float, gate: Optional[Tensor]) -> Tensor:
+    return tk.qsa_attend_paged_triton(q, q_pos, kv, block_table, block_ids, r, scale, gate)
 
 
 @qsa_attend_paged_op.register_fake
-def _(q, q_pos, kv, block_table, block_ids, r, scale):
+def _(q, q_pos, kv, block_table, block_ids, r, scale, gate):
     return torch.empty_like(q)
 
 
-def qsa_attend_paged(q, q_pos, kv, block_table, block_ids, r, budget, scale):
-    if not attend_paged_supported(q, kv, block_table, r):
-        return ref.qsa_attend_paged(q, q_pos, kv, block_table, block_ids, r, budget, scale)
+def qsa_attend_paged(q, q_pos, kv, block_table, block_ids, r, budget, scale, gate=None):
+    if not (attend_paged_supported(q, kv, block_table, r) and host.gate_covers(q, gate)):
+        return ref.qsa_attend_paged(q, q_pos, kv, block_table, block_ids, r, budget, scale, gate)
     _registry.ran("qsa_attend_paged", "kernel")
-    return qsa_attend_paged_op(q, q_pos, kv, block_table, block_ids, r, float(scale))
+    return qsa_attend_paged_op(q, q_pos, kv, block_table, block_ids, r, float(scale), gate)
 
 
 # ------------------------------------------------------------------------------------------------- paged prefill

@@ -62,6 +62,13 @@ def attend_paged_covers(q, kv, block_table, r) -> bool:
     return kv.stride(-1) == 1 and q.stride(-1) == 1 and block_table.dim() == 2
 
 
+def gate_covers(q, gate) -> bool:
+    """The output gate the decode attention's merge applies: none, or [B, Hq, d] in q's dtype, elements of a head
+    contiguous (row and head strides free: a view of the [Q | gate] projection)."""
+    return gate is None or (gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(-1) == 1
+                            and gate.device == q.device)
+
+
 def paged_covers(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, r, budget) -> bool:
     """``qsa_decode_paged_triton``: its two halves' conditions, one indexer query per query."""
     return (select_paged_covers(index_q, index_kv, index_block_table, r)

@@ -324,6 +324,12 @@ def qsa_select_paged(
                          budget, index_scale)
 
 
+def output_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention output's gate, o * sigmoid(gate) (o [T, Hq, d] in the activation dtype, gate [T, Hq, d]):
+    sigmoid rounded to the dtype, then the product, as two torch ops round them."""
+    return o * torch.sigmoid(gate)
+
+
 def qsa_attend_paged(
     q: torch.Tensor,  # [B, Hq, d]: one query per sequence, normed + rotated
     q_pos: torch.Tensor,  # [B]
@@ -333,10 +339,12 @@ def qsa_attend_paged(
     r: int,
     budget: int,
     scale: float,
+    gate: torch.Tensor | None = None,  # [B, Hq, d]: the output gate applied (``output_gate``)
 ) -> torch.Tensor:
     """The attention of ``qsa_decode_paged`` over a given selection (plus each query's tail). -> [B, Hq, d] in
     q's dtype."""
-    return decode_attend(q, q_pos, block_ids, _paged_kv(kv, block_table), r, budget, scale).to(q.dtype)
+    o = decode_attend(q, q_pos, block_ids, _paged_kv(kv, block_table), r, budget, scale).to(q.dtype)
+    return o if gate is None else output_gate(o, gate)
 
 
 def reused_block_ids(kept: torch.Tensor, q_pos: torch.Tensor, r: int) -> torch.Tensor:
@@ -364,12 +372,13 @@ def qsa_decode_paged(
     budget: int,
     scale: float,
     index_scale: float,
+    gate: torch.Tensor | None = None,  # [B, Hq, d]: the output gate applied (``output_gate``)
 ) -> torch.Tensor:
     """``qsa_decode_batched`` over paged caches: block keys and the selected tokens' K/V read through each
     sequence's block table (``qsa_select_paged`` then ``qsa_attend_paged``). Fixed shapes given ``n_blocks``, no
     host sync. -> [B, Hq, d] in q's dtype."""
     ids = qsa_select_paged(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_scale)
-    return qsa_attend_paged(q, q_pos, kv, block_table, ids, r, budget, scale)
+    return qsa_attend_paged(q, q_pos, kv, block_table, ids, r, budget, scale, gate)
 
 
 # Up to this many queries of one sequence past the budget (decode, MTP verification) read only the selected

@@ -36,6 +36,7 @@ from .._registry import Launches
 from ..triton_utils import dot as _dot
 from ..triton_utils import round_bf16 as _rbf
 from ..triton_utils import rsqrt as _rsqrt
+from ..triton_utils import sigmoid as _sigmoid
 from . import host
 
 INT64_MIN = -(1 << 63)
@@ -419,8 +420,11 @@ def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
 # n_split (slot ranges a (query, KV head), set by the row count) only bounds its loop and masks; no address depends
 # on its divisibility: not specialised, so one variant per NSP (what the warm-ups cover), none per row count.
 @triton.jit(do_not_specialize=['n_split'])
-def _qsa_merge_kernel(OP, MP, LP, O, n_split, stride_ot, stride_oh,
-                      G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, NSP: tl.constexpr, CH: tl.constexpr):
+def _qsa_merge_kernel(OP, MP, LP, O, GATE, n_split, stride_ot, stride_oh, stride_gt, stride_gh,
+                      G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, NSP: tl.constexpr, CH: tl.constexpr,
+                      GATED: tl.constexpr):
+    """Merges a (query, head)'s split partials; GATED: then the output gate, o * sigmoid(gate), rounded where
+    ``reference.output_gate`` rounds (o to bf16, the sigmoid to bf16, the product) -- no separate gate kernels."""
     i = tl.program_id(0)  # query head within its group
     g = tl.program_id(1)
     t = tl.program_id(2)
@@ -445,6 +449,9 @@ def _qsa_merge_kernel(OP, MP, LP, O, n_split, stride_ot, stride_oh,
         oc = tl.load(OP + ((base + sidx) * G_P + i)[:, None] * HD + offs_d[None, :], mask=cm[:, None], other=0.0)
         acc += tl.sum(oc * wc[:, None], axis=0)
     out = acc / den
+    if GATED:
+        gv = tl.load(GATE + t * stride_gt + (g * G + i) * stride_gh + offs_d).to(tl.float32)
+        out = _rbf(_rbf(out) * _rbf(_sigmoid(gv)))
     tl.store(O + t * stride_ot + (g * G + i) * stride_oh + offs_d, out.to(tl.bfloat16))
 
 
@@ -611,13 +618,13 @@ def attn_split(Tq: int, Hkv: int, n_slots: int) -> tuple:
 
 
 def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool, block_table=None,
-                           loop: bool = False):
+                           loop: bool = False, gate=None):
     """Attention of q [Tq, Hq, d] over the tokens of the selected blocks plus each query's tail.  ``sel`` [Tq, m]:
     block ids (-1 = none), or with ``keys`` the top-k sort keys they decode from. ``block_table`` [Tq, nbt]: k and
     v are paged caches [num_blocks, Hkv, block_size, d] (views with any row stride), query t's tokens in its row
     (rows may repeat: a stride-0 expansion of one sequence's row).  ``loop`` (prefill: many queries, eager): one
     program per (query, KV head) loops over the slots; else (decode, CUDA graphs) the slots are split over programs
-    and the partials merged."""
+    and the partials merged, ``gate`` [Tq, Hq, d] (split path only) applied by the merge."""
     Tq, Hq, HD = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -637,6 +644,7 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
         pbs = k.shape[2]
     out = torch.empty(Tq, Hq, HD, dtype=q.dtype, device=dev)
     scale_log2 = float(scale) * 1.4426950408889634
+    assert gate is None or not loop, "the output gate is applied by the split path's merge"
     if loop:
         SB = LOOP_SLOT_BLOCK
         LAUNCHED.keep("qsa_attn_loop", _qsa_attn_loop_kernel[(Hkv, Tq)](
@@ -655,9 +663,11 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
         G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
         PREFETCH=ATTN_PREFETCH_MANY if many else ATTN_PREFETCH, num_warps=warps,
         num_stages=ATTN_STAGES_MANY if many else ATTN_STAGES))
+    gated = gate is not None
     LAUNCHED.keep("qsa_merge", _qsa_merge_kernel[(G, Hkv, Tq)](
-        op, mp, lp, out, n_split, out.stride(0), out.stride(1),
-        G=G, G_P=G_P, HD=HD, NSP=triton.next_power_of_2(n_split), CH=16, num_warps=4))
+        op, mp, lp, out, gate if gated else out, n_split, out.stride(0), out.stride(1),
+        gate.stride(0) if gated else 0, gate.stride(1) if gated else 0,
+        G=G, G_P=G_P, HD=HD, NSP=triton.next_power_of_2(n_split), CH=16, GATED=gated, num_warps=4))
     return out
 
 
@@ -778,16 +788,18 @@ def warm_up_decode(kv, index_kv, n_heads: int, index_heads: int, max_len: int, m
         if i == 0 and not host.paged_covers(q, pos, iq, kv, bt, index_kv, bt, r, budget):
             return []  # decodes of these caches run the torch reference: nothing to compile
         qsa_decode_paged_triton(q, pos, iq, kv, bt, index_kv, bt, n_blocks, r, budget, scale, index_scale)
+        # the merge with the output gate (a uniform decode batch run eagerly: past the captured sizes, or eager mode)
+        qsa_decode_paged_triton(q, pos, iq, kv, bt, index_kv, bt, n_blocks, r, budget, scale, index_scale, gate=q)
     return cases
 
 
 def qsa_decode_paged_triton(q, q_pos, index_q, kv, block_table, index_kv, index_block_table, n_blocks: int, r: int,
-                            budget: int, scale: float, index_scale: float):
+                            budget: int, scale: float, index_scale: float, gate=None):
     """One query per sequence, caches read through the block tables (``qwen4exp.ops.qsa.reference.
     qsa_decode_paged`` is the contract): scores of every block key in the paged index cache, top-m select, split
     attention over the selected tokens' paged K/V. Fixed grid given ``n_blocks``: no host sync."""
     sel = qsa_select_paged_triton(q_pos, index_q, index_kv, index_block_table, n_blocks, r, budget, index_scale)
-    return qsa_attend_paged_triton(q, q_pos, kv, block_table, sel, r, scale)
+    return qsa_attend_paged_triton(q, q_pos, kv, block_table, sel, r, scale, gate)
 
 
 def qsa_select_paged_triton(q_pos, index_q, index_kv, index_block_table, n_blocks: int, r: int, budget: int,
@@ -805,12 +817,12 @@ def qsa_select_paged_triton(q_pos, index_q, index_kv, index_block_table, n_block
     return top_ids(paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks, r, index_scale), m)
 
 
-def qsa_attend_paged_triton(q, q_pos, kv, block_table, sel, r: int, scale: float):
+def qsa_attend_paged_triton(q, q_pos, kv, block_table, sel, r: int, scale: float, gate=None):
     """The split attention of ``qsa_decode_paged_triton`` over the selected blocks ``sel`` [B, m] (-1 = none) and
-    each query's tail, K/V read through the block table."""
+    each query's tail, K/V read through the block table; ``gate``: the output gate applied by the merge."""
     HD = q.shape[-1]
     return sparse_attention_slots(q, kv[..., :HD], kv[..., HD:], q_pos, sel, r, scale, keys=False,
-                                  block_table=block_table)
+                                  block_table=block_table, gate=gate)
 
 
 def prefill_score_keys(q_pos, index_q, index_kv, block_row, n_blocks: int, r: int, index_scale: float):
