@@ -28,6 +28,8 @@
 #                                                   # list naming --variant / --ours-at entries of ARGS (e.g. an A/B
 #                                                   # of two commits: `bench prev,ours --ours-at prev=PATH`); each
 #                                                   # implementation needs ~4-5 min at full sizes
+#   bash tools/gpu_device.sh mtp                  # issue 49's MTP 3 bench (FN-24L-NVFP4; batches 1, 8, 32; profiles),
+#                                                   # upstream vs ours, after `bg`'s bench_ops (+ its fastest HC variant)
 #   bash tools/gpu_device.sh agentic [GPUS]       # benchmarks/agentic_gpu.py: qwen4exp-bench (shortened agentic
 #                                                   # workload, concurrency 1 and 8) against vLLM servers of upstream
 #                                                   # and ours (FN-12L, dummy weights); GPUS default 0,1 = one server
@@ -199,6 +201,24 @@ case "${1:-}" in
     timeout 585 python benchmarks/bench_vllm_gpu.py --out "$OUT/$name" --impls "$impl" --profile \
       --timeout 575 "${extra[@]}" > "$OUT/$name.log" 2>&1
     echo "rc=$?"; tail -12 "$OUT/$name.log" ;;
+  mtp)
+    # issue 49's same-call MTP 3 figures (FN-24L-NVFP4, batch 1 at 50k, batches 8 and 32 at 30k, profiles, the warm
+    # prefill), upstream against ours; first waits (up to 10 min) for a `bg` job's bench_ops to end, copies its
+    # results to OUT/bg and lets tools/pick_hc_variant.py name the fastest QWEN4EXP_HC_DECODE at 4 tokens: where
+    # that is not the default it runs as a third implementation, `hc`. MTP_ARGS: more bench_vllm_gpu.py arguments
+    register
+    for _ in $(seq 200); do [ -d /tmp/bg ] || break; grep -q "^rc=" /tmp/bg/bench_ops.log 2>/dev/null && break; sleep 3; done
+    impls=upstream,ours; extra=()
+    if [ -f /tmp/bg/bench_ops.csv ]; then
+      mkdir -p "$OUT/bg" && cp /tmp/bg/*.log /tmp/bg/*.csv "$OUT/bg/" 2>/dev/null
+      var=$(python tools/pick_hc_variant.py /tmp/bg/bench_ops.csv 2>"$OUT/pick.log") || var=fused
+      echo "picked $var" >> "$OUT/pick.log"
+      if [ "$var" != fused ]; then impls=upstream,ours,hc; extra=(--variant "hc=QWEN4EXP_HC_DECODE=$var"); fi
+    fi
+    python benchmarks/bench_vllm_gpu.py --preset fn-nvfp4 --layers 24 --impls "$impls" "${extra[@]}" --mtp 3 \
+      --bs8-ctx 30000 --bs32-ctx 30000 --bs32-tokens 1200 --mp --profile --warm-prefill --out "$OUT" ${MTP_ARGS:-} \
+      > "$OUT/mtp.log" 2>&1
+    echo "rc=$?"; tail -14 "$OUT/mtp.log" ;;
   agentic)
     register
     timeout 585 python benchmarks/agentic_gpu.py --out "$OUT/agentic" --gpus "${2:-0,1}" --timeout 570 "${@:3}" \
