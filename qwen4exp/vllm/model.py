@@ -228,8 +228,7 @@ class _PleEmbedStep:
 def _ple_embed(ple, st: StateSlots, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Phase 1 over the batch: [T, nD + D] keys | values; the n-gram context lives in vLLM's per-request state
     slots (slot 1; the conv state, slot 0, is phase 2's). Only the n-gram rows follow the state (an MTP verification
-    steps them one position at a time); the key and value projections then run once over all T rows (run 31: four
-    one-row passes of them cost ~90 us more a verification on an H100)."""
+    steps them one position at a time); the key and value projections then run once over all T rows."""
     T = ids.shape[0]
 
     def fn(rows, cu, states):

@@ -222,8 +222,8 @@ class QSAMixer(QSAAttention):
     def eager_forward(self, out, q, k, v, index_q, index_k_raw, positions, gate) -> None:
         """Cache writes, block keys, selection + attention for this step's tokens, the output gate applied (an eager
         graph segment: reads the step's attention metadata on the host). Rows past the step's real tokens (graph
-        padding) are zero. A uniform decode batch gets the gate inside the attention's merge kernel (run 31: the
-        gate's copy, sigmoid and product were three kernels of ~5.5 us a QSA layer); other steps after it."""
+        padding) are zero. A uniform decode batch gets the gate inside the attention's merge kernel (no kernels of
+        its own); other steps after it."""
         if not self._warmed:  # the first forward pass with the KV caches in place (vLLM's warm-up or capture runs)
             self._warmed = self._warm_up(q)
         md = get_forward_context().attn_metadata

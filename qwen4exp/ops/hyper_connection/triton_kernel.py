@@ -362,9 +362,8 @@ B_BLOCK_D = 32  # output columns per program of kernel B ([n * B_BLOCK_D, r] W_u
 B_BLOCK_D_MANY = 32  # tokens, and past them (each program then reads the finished activations)
 B_WARPS = 8
 IN_KERNEL_SILU_MAX_T = 1  # up to this many tokens every program of kernel B finishes the down projection itself
-# (sums the split-K partials, SiLU); past it the finish kernel does it once per token, between kernels A and B.
-# Run 31 (H100, one transition at the real widths): each of B's programs re-reading every token's partials cost
-# 21.3 / 27.6 us at 2 / 4 tokens against 13.6 with the finish kernel; at one token 15.9 us with 32-column tiles
+# (sums the split-K partials, SiLU); past it the finish kernel does it once per token, between kernels A and B
+# (chosen by bench_ops' hc_step cases; the figures: docs/performance.md, run 31)
 GATE_MEAN_BLOCK = 1024  # columns per program of the many-token path's gate-mean kernel
 
 

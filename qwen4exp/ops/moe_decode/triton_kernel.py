@@ -11,10 +11,10 @@ E / BLOCK_E programs (128 at the defaults) and only the 512-wide selection is se
 Experts (two launches), NVFP4 weights decoded in registers; each 16-input group's partial dot product is multiplied
 by its e4m3 scale and the sum by the expert's fp32 global scale at the end. The decode reads a byte a tensor element
 (two codes), each nibble through exponent / mantissa selects (~14 integer operations a code). An int32-word decode
-(8 codes a word, ~5 integer operations a code) was tried and measured slower on an H100: 70.1 against 55.2 us at
-M = 1, 207.5 against 161.1 us at M = 4; so the kernels are not bound by the decode arithmetic alone, and the next
-step is the memory side (more bytes in flight an SM: at 800 + 400 programs of ~4.5 KB a K step and ~6 programs an
-SM, ~27 KB are in flight an SM; W13_BLOCK_K = 1024 doubles that, bench_ops sweeps it).
+(8 codes a word, ~5 integer operations a code) was tried and measured slower on an H100 (docs/performance.md,
+run 31); so the kernels are not bound by the decode arithmetic alone, and the next step is the memory side
+(more bytes in flight an SM: at 800 + 400 programs of ~4.5 KB a K step and ~6 programs an SM, ~27 KB are in flight
+an SM; W13_BLOCK_K = 1024 doubles that, bench_ops sweeps it).
 
 * ``_w13_silu_kernel``: grid (I / W13_BLOCK_N, M * k): one program = W13_BLOCK_N gate rows and the matching up rows
   of one selected expert of one token, over the whole input (K = 2560). At M = 1 that is 10 x 640 / 8 = 800 programs

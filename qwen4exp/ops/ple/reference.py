@@ -72,8 +72,7 @@ def ngram_context(
 ) -> torch.Tensor:
     """[T, n]: column k is T_k (the id k tokens back, EOS past a segment boundary). Every size comes from the
     shapes (T tokens, N sequences, n-1 carried ids each), so nothing waits for the device: a prefill chunk's host
-    keeps running ahead of the GPU (run 31: this function's syncs left the GPU idle ~96 ms of a 50k prefill's last,
-    848-token chunk)."""
+    keeps running ahead of the GPU (docs/performance.md, run 31: what its syncs cost a 50k prefill)."""
     ctx_len = prev.shape[1]
     T, N = ids.numel(), cu_seqlens.numel() - 1
     total = T + N * ctx_len  # history per sequence: prev ids then new ids, packed as [N*(n-1) + T]

@@ -787,9 +787,11 @@ def warm_up_decode(kv, index_kv, n_heads: int, index_heads: int, max_len: int, m
         bt = torch.zeros(B, triton.cdiv(seq_len, bs), dtype=torch.int32, device=dev)
         if i == 0 and not host.paged_covers(q, pos, iq, kv, bt, index_kv, bt, r, budget):
             return []  # decodes of these caches run the torch reference: nothing to compile
-        qsa_decode_paged_triton(q, pos, iq, kv, bt, index_kv, bt, n_blocks, r, budget, scale, index_scale)
-        # the merge with the output gate (a uniform decode batch run eagerly: past the captured sizes, or eager mode)
-        qsa_decode_paged_triton(q, pos, iq, kv, bt, index_kv, bt, n_blocks, r, budget, scale, index_scale, gate=q)
+        sel = qsa_select_paged_triton(pos, iq, index_kv, bt, n_blocks, r, budget, index_scale)
+        # the attention with and without the output gate in its merge (gated: a uniform decode batch run eagerly,
+        # past the captured sizes or in eager mode; ungated: a mixed step's decode rows)
+        for gate in (None, q):
+            qsa_attend_paged_triton(q, pos, kv, bt, sel, r, scale, gate)
     return cases
 
 
