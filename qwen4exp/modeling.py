@@ -19,6 +19,7 @@ from .layers.linear import LinearFactory, default_linear
 from .layers.moe import MoE
 from .layers.ple import PLE
 from .layers.qsa import QSAAttention
+from .ops.layout import colocate_rows
 
 
 def ple_index_of(config, layer_idx: int) -> int | None:
@@ -97,3 +98,21 @@ def next_mixer(layers, i: int, final: HyperConnection | None) -> HyperConnection
 def embed_streams(embeds: torch.Tensor, n: int) -> torch.Tensor:
     """[T, D] token embeddings -> [T, n*D]: every stream starts as a copy."""
     return embeds.repeat(*([1] * (embeds.dim() - 1)), n)
+
+
+def colocate_projections(model: nn.Module) -> int:
+    """One buffer each for the projections that read the same input, so that each group runs as one GEMM: every
+    hyper-connection's W_down and W_inj (the many-token HC path, ``ops.hyper_connection.adjacent_rows``) and every
+    QSA layer's q, k, v and indexer projections (``QSAAttention._linears``; one GEMM instead of four a layer at
+    every step). Returns how many groups were joined."""
+    joined = 0
+    for m in model.modules():
+        if isinstance(m, HyperConnection) and m.block_inject_weight is not None:
+            mods = (m.input_mix_weight_down, m.block_inject_weight)
+        elif isinstance(m, QSAAttention):
+            mods = (m.q_proj, m.k_proj, m.v_proj, m.indexer.index_qk_proj)
+        else:
+            continue
+        ws = [getattr(x, "weight", None) for x in mods]
+        joined += colocate_rows(ws) if all(w is not None for w in ws) else 0
+    return joined

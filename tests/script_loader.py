@@ -4,6 +4,7 @@ for tests of its functions."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,6 +18,7 @@ def load_script(name: str):
         if path.exists():
             spec = importlib.util.spec_from_file_location(name, path)
             mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod  # (dataclasses look their module up while the script runs)
             spec.loader.exec_module(mod)
             return mod
     raise FileNotFoundError(f"no script {name}.py in {', '.join(FOLDERS)}")

@@ -198,7 +198,7 @@ def test_hc_down_and_inject_weights_colocated_for_one_gemm():
     from qwen4exp import presets
     from qwen4exp.layers.hyper_connection import HyperConnection
     from qwen4exp.ops.hyper_connection import adjacent_rows
-    from qwen4exp.vllm.layers import colocate_projections
+    from qwen4exp.modeling import colocate_projections
 
     cfg = presets.tiny_text()
     torch.manual_seed(0)
@@ -230,7 +230,7 @@ def test_qsa_projections_colocated_for_one_gemm():
     from qwen4exp.ops.layout import stacked_weight
     from qwen4exp.layers.qsa import QSAAttention
     from qwen4exp.layers.rope import RotaryEmbedding
-    from qwen4exp.vllm.layers import colocate_projections
+    from qwen4exp.modeling import colocate_projections
 
     cfg = presets.tiny_text()
     torch.manual_seed(1)

@@ -30,6 +30,9 @@
 #                                                   # implementation needs ~4-5 min at full sizes
 #   bash tools/gpu_device.sh mtp                  # issue 49's MTP 3 bench (FN-24L-NVFP4; batches 1, 8, 32; profiles),
 #                                                   # upstream vs ours, after `bg`'s bench_ops (+ its fastest HC variant)
+#   bash tools/gpu_device.sh layer                # benchmarks/bench_layer.py (issue 50's layer harness) in the image's
+#                                                   # torch, no vLLM: GDN / QSA layers, batch 1 and 8, 1 and 4 queries;
+#                                                   # tables, CSVs and traces in OUT/layer (FLA: fla-core's folder)
 #   bash tools/gpu_device.sh agentic [GPUS]       # benchmarks/agentic_gpu.py: qwen4exp-bench (shortened agentic
 #                                                   # workload, concurrency 1 and 8) against vLLM servers of upstream
 #                                                   # and ours (FN-12L, dummy weights); GPUS default 0,1 = one server
@@ -219,6 +222,17 @@ case "${1:-}" in
       --bs8-ctx 30000 --bs32-ctx 30000 --bs32-tokens 1200 --mp --profile --warm-prefill --out "$OUT" ${MTP_ARGS:-} \
       > "$OUT/mtp.log" 2>&1
     echo "rc=$?"; tail -14 "$OUT/mtp.log" ;;
+  layer)
+    # benchmarks/bench_layer.py in the image's own torch and Triton (no vLLM, no register): GDN and QSA layers at the
+    # real widths, batch 1 and 8, then 1 + 3 queries a request (MTP verification); fla from FLA. LAYER_ARGS: more
+    # arguments for both runs (e.g. --set QWEN4EXP_HC_DECODE=fused-ticket, --e2e gdn=197.8,qsa=237.9)
+    mkdir -p "$OUT/layer"
+    for q in 1 4; do
+      PYTHONPATH=$ROOT:$FLA${PYTHONPATH:+:$PYTHONPATH} timeout ${LAYER_TIMEOUT:-280} python benchmarks/bench_layer.py \
+        --batch 1,8 --queries $q --csv "$OUT/layer/layer-q$q.csv" --profile "$OUT/layer" ${LAYER_ARGS:-} \
+        > "$OUT/layer/layer-q$q.log" 2>&1
+      echo "q=$q rc=$?"; grep -v '^   ' "$OUT/layer/layer-q$q.log" | tail -8
+    done ;;
   agentic)
     register
     timeout 585 python benchmarks/agentic_gpu.py --out "$OUT/agentic" --gpus "${2:-0,1}" --timeout 570 "${@:3}" \

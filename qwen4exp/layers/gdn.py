@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.causal_conv1d import causal_conv1d
+from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 from ..ops.gated_delta_rule import gated_delta_rule
 from .linear import LinearFactory, default_linear
 from .norms import GatedRMSNorm
@@ -54,13 +54,19 @@ class GatedDeltaNet(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, D] packed
-        cu_seqlens: torch.Tensor,  # [N+1]
+        cu_seqlens: torch.Tensor | None,  # [N+1]; None: one token per sequence (decode), N = T
         conv_state: torch.Tensor | None,  # [N, conv_dim, K-1]
         ssm_state: torch.Tensor | None,  # [N, n_v, d_k, d_v] fp32
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         T = x.shape[0]
-        mixed, conv_state = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), cu_seqlens,
-                                          conv_state, activation="silu")
+        w = self.conv1d.weight.squeeze(1)
+        if cu_seqlens is None:  # decode: sizes from the shapes (no host sync: a CUDA graph can capture it)
+            if conv_state is None:
+                conv_state = x.new_zeros(T, self.conv_dim, self.kernel - 1)
+            mixed, conv_state = causal_conv1d_update(self.in_proj_qkv(x), w, conv_state, activation="silu")
+            cu_seqlens = torch.arange(T + 1, device=x.device)
+        else:
+            mixed, conv_state = causal_conv1d(self.in_proj_qkv(x), w, cu_seqlens, conv_state, activation="silu")
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], -1)
         z = self.in_proj_z(x).view(T, self.n_v, self.d_v)
         beta = torch.sigmoid(self.in_proj_b(x))

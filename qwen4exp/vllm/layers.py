@@ -74,47 +74,6 @@ def vllm_linear(in_features: int, out_features: int, *, prefix: str = "") -> nn.
     return Linear(in_features, out_features, bias=False, prefix=prefix)
 
 
-def colocate_rows(weights, pad: int = 8) -> bool:
-    """Lay out 2-D weight parameters of one input width as consecutive row ranges of ONE buffer (zero rows padding
-    it to a multiple of ``pad`` rows: 16-byte aligned GEMM output rows), so that ``ops.layout.stacked_weight``
-    finds them and their projections run as one GEMM. The parameters stay separate (checkpoint names; weight
-    loaders and the dummy initialisation write into their views). False (nothing changed) unless all are plain
-    parameters of one dtype, device and width."""
-    w0 = weights[0]
-    if not all(isinstance(w, nn.Parameter) and w.dim() == 2 and w.dtype == w0.dtype and w.device == w0.device
-               and w.shape[1] == w0.shape[1] for w in weights):
-        return False
-    rows = sum(w.shape[0] for w in weights)
-    buf = torch.zeros(-(-rows // pad) * pad, w0.shape[1], dtype=w0.dtype, device=w0.device)
-    r = 0
-    for w in weights:
-        buf[r: r + w.shape[0]].copy_(w.data)
-        w.data = buf[r: r + w.shape[0]]
-        r += w.shape[0]
-    return True
-
-
-def colocate_projections(model: nn.Module) -> int:
-    """One buffer each for the projections that read the same input, so that each group runs as one GEMM: every
-    hyper-connection's W_down and W_inj (the many-token HC path, ``ops.hyper_connection.adjacent_rows``) and every
-    QSA layer's q, k, v and indexer projections (``QSAAttention._linears``; one GEMM instead of four a layer at
-    every step). Returns how many groups were joined."""
-    from ..layers.hyper_connection import HyperConnection
-    from ..layers.qsa import QSAAttention
-
-    joined = 0
-    for m in model.modules():
-        if isinstance(m, HyperConnection) and m.block_inject_weight is not None:
-            mods = (m.input_mix_weight_down, m.block_inject_weight)
-        elif isinstance(m, QSAAttention):
-            mods = (m.q_proj, m.k_proj, m.v_proj, m.indexer.index_qk_proj)
-        else:
-            continue
-        ws = [getattr(x, "weight", None) for x in mods]
-        joined += colocate_rows(ws) if all(w is not None for w in ws) else 0
-    return joined
-
-
 def rotary_embedding(config, vllm_config: VllmConfig):
     """The model's (or the MTP head's) RoPE module with its cos / sin rows precomputed (``RotaryEmbedding.use_table``:
     one gather a call instead of ~7 small kernels; the QSA layers' decode block-key rotation shares it). Positions

@@ -38,9 +38,9 @@ from .. import envs
 from ..configuration import _INDEXED_ALIASES, INDEXED, LINEAR
 from ..layers.hyper_connection import HyperConnection
 from ..layers.ple import PLE
-from ..modeling import DecoderLayer, embed_streams, next_mixer
-from .layers import (FusedMoEBlock, StateSlots, check_cudagraph_mode, colocate_projections, eager_segment,
-                     gdn_mixer, ngram_table_factory, our_gdn, rotary_embedding, vllm_linear)
+from ..modeling import DecoderLayer, colocate_projections, embed_streams, next_mixer
+from .layers import (FusedMoEBlock, StateSlots, check_cudagraph_mode, eager_segment, gdn_mixer, ngram_table_factory,
+                     our_gdn, rotary_embedding, vllm_linear)
 from . import memory, patches
 from . import multimodal as mm
 from .qsa import QSAMixer

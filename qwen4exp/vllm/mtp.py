@@ -28,7 +28,8 @@ from vllm.sequence import IntermediateTensors
 from ..configuration import INDEXED
 from ..layers.hyper_connection import HyperConnection
 from ..layers.mtp import MTPInput
-from .layers import colocate_projections, rotary_embedding, vllm_linear
+from ..modeling import colocate_projections
+from .layers import rotary_embedding, vllm_linear
 from .model import decoder_layer
 from .qsa import QSAMixer
 from .weights import MTP_DRAFT, load_qwen4exp_weights

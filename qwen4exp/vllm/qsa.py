@@ -27,10 +27,10 @@ from vllm.model_executor.layers.attention import Attention
 
 from .. import envs
 from ..layers.qsa import QSAAttention
-from ..ops.qsa import (block_mean, index_update_decode, output_gate, qsa_attend_paged, qsa_decode_paged,
-                       qsa_prefill_paged, qsa_select_paged, reused_block_ids, warm_up_decode, warm_up_prefill,
-                       write_paged)
+from ..ops.qsa import (block_mean, output_gate, qsa_attend_paged, qsa_decode_paged, qsa_prefill_paged,
+                       qsa_select_paged, reused_block_ids, warm_up_decode, warm_up_prefill, write_paged)
 from ..ops.qsa import layout as qlayout
+from ..ops.qsa.step import DecodeInputs, decode_inputs, decode_writes
 from .layers import eager_segment, vllm_linear
 
 logger = init_logger("vllm.plugins.qwen4exp")  # (as the package's: shown and formatted like vLLM's own)
@@ -389,64 +389,36 @@ class QSAMixer(QSAAttention):
     def _decode_step(self, out, q, k, v, index_q, index_k_raw, m, positions=None, nq: int = 1, gate=None) -> None:
         """A batch of ``nq`` queries per request (decode: 1; MTP verification and draft prefill: 1 + k): cache
         writes, the key of any block a token completes, selection + attention, all with fixed shapes and no host
-        sync, so a FULL CUDA graph can capture it. Row b * nq + j is query j of request b. Requests that pad a
-        captured batch have seq_len 0, slot -1 and a null block table: they write nothing and read the null block
-        (finite, discarded)."""
+        sync, so a FULL CUDA graph can capture it (``ops.qsa.step``). Row b * nq + j is query j of request b.
+        Requests that pad a captured batch have seq_len 0, slot -1 and a null block table: they write nothing and
+        read the null block (finite, discarded)."""
         kv = _kv_cache(self.attn)
         views = self.index_views(kv)
         ikv = views.index_kv
-        n, valid, pos, slots, ring_slots, bt, cb, sb = self._decode_inputs(m, index_k_raw.dtype, positions, nq,
-                                                                           ikv.shape[2])
-        r = self.r
+        inp = self._decode_inputs(m, index_k_raw.dtype, positions, nq, ikv.shape[2])
+        n = inp.n
         if out.shape[0] > n:
             out[n:].zero_()
-        write_paged(kv, slots, k[:n], v[:n])
-        raw = index_k_raw[:n]
-        if nq > 1:  # every raw key into the rings first: a token completing a block reads its block's earlier keys
-            # from there, some of them this step's (one program per row cannot see another row's write)
-            h = raw.shape[1] // 2
-            write_paged(views.ring, ring_slots, raw[:, None, :h], raw[:, None, h:])
-        # the raw key into the ring, and the key of the block this token completes (if any) into its key row
         kn = self.indexer.k_layernorm
-        index_update_decode(ikv, views.ring, slots, pos, valid, raw, kn.weight, kn.eps, cb, sb, r)
+        decode_writes(kv, views, k, v, index_k_raw, inp, kn.weight, kn.eps, self.r, nq)
         # n_blocks: every block the table can hold while capturing (replays serve any length), else the step's max
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            n_blocks = bt.shape[1] * kv.shape[2] // r
+            n_blocks = inp.block_table.shape[1] * kv.shape[2] // self.r
             if nq > 1:
                 _log_capture_once(nq)
         else:
-            n_blocks = max(1, int(m.max_seq_len) // r)
-        out[:n] = self._attend_decodes(q[:n], index_q[:n], pos, bt, kv, ikv, n_blocks,
+            n_blocks = max(1, int(m.max_seq_len) // self.r)
+        out[:n] = self._attend_decodes(q[:n], index_q[:n], inp.pos, inp.block_table, kv, ikv, n_blocks,
                                        gate=None if gate is None else gate[:n])
 
-    def _decode_inputs(self, m, dtype, positions=None, nq: int = 1, bs: int = 1):
-        """(rows, valid, pos, slots, ring slots, block table, cos, sin) of a batch of ``nq`` queries per request: its
-        rows, which rows are real tokens, their positions, cache slots and ring slots (int64; -1: padding), each
-        row's block-table row, and the rotation of the block key that each token may complete (at the block's first
-        position). The same for every QSA layer of the step (one KV-cache group: one metadata object), so computed
-        once a forward pass (``_once_per_forward``; inside a captured graph the first layer's kernels serve the
-        later layers)."""
-        def compute():
-            B, r = m.seq_lens.shape[0], self.r
-            n = B * nq
-            seq = m.seq_lens[:B].long()
-            if nq == 1:
-                pos, valid, bt = (seq - 1).clamp(min=0), seq > 0, m.block_table[:B]
-            else:  # query j of request b is its token seq_len - nq + j
-                p = seq.unsqueeze(1) - nq + torch.arange(nq, device=seq.device)
-                valid = ((seq > 0).unsqueeze(1) & (p >= 0)).reshape(n)
-                pos, bt = p.clamp(min=0).reshape(n), m.block_table[:B].repeat_interleave(nq, 0)
-            if positions is not None and positions.dim() == 2:
-                # M-RoPE: a decode token is text after the prompt (position = index + delta on all axes); the
-                # block it completes starts r - 1 tokens earlier, at position - (r - 1) (text after the last image)
-                cb, sb = self.rotary[0]((positions[:, :n].long() - (r - 1)).clamp(min=0), dtype)
-            else:
-                cb, sb = self.rotary[0]((pos - (r - 1)).clamp(min=0), dtype)
-            slots = m.slot_mapping[:n].long()
-            ring_slots = qlayout.ring_slots(slots, pos, bs, self.ring_rows)
-            return n, valid, pos, slots, ring_slots, bt, cb, sb
-
-        return _once_per_forward("_qwen4exp_decode_inputs", m, (dtype, self.r, nq, bs, self.ring_rows), compute)
+    def _decode_inputs(self, m, dtype, positions=None, nq: int = 1, bs: int = 1) -> DecodeInputs:
+        """``ops.qsa.step.decode_inputs`` of the step's metadata: the same for every QSA layer of the step (one
+        KV-cache group: one metadata object), so computed once a forward pass (``_once_per_forward``; inside a
+        captured graph the first layer's kernels serve the later layers)."""
+        return _once_per_forward(
+            "_qwen4exp_decode_inputs", m, (dtype, self.r, nq, bs, self.ring_rows),
+            lambda: decode_inputs(m.seq_lens, m.block_table, m.slot_mapping, nq, self.r, bs, self.ring_rows,
+                                  self.rotary[0], dtype, positions))
 
     def _decode_batch(self, out, q, index_q, pos1, reqs, qsl, seq_lens, m, kv, ikv) -> None:
         """Every query of the requests ``reqs`` of a mixed step in one batched call, one row per query with its own

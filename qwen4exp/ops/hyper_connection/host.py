@@ -86,7 +86,7 @@ def mix_path(H, norm_weight, down, up, inj, n, Hn=None) -> str:
 
 def adjacent_rows(down, inj, pad: int = 1):
     """[W_down; W_inj] as ONE [R + n, nD] view when W_inj's rows follow W_down's in memory (the vLLM model lays
-    them out so: ``qwen4exp.vllm.layers.colocate_projections``), else None: the many-token path then runs both
+    them out so: ``qwen4exp.modeling.colocate_projections``), else None: the many-token path then runs both
     projections as one GEMM. ``pad``: the view's rows rounded up to a multiple of it where the storage holds them
     (the vLLM layout zero-pads to 8 rows, so the GEMM's output rows are 16-byte aligned); rows past R + n are not
     W_inj's."""
