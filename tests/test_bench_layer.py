@@ -93,3 +93,40 @@ def test_cli_smoke_on_cpu(capsys):
     assert all(r["finite"] and r["bytes_per_layer"] > 0 for r in rows)
     with pytest.raises(SystemExit, match="--kinds 'mla'"):
         bench_layer.main(["--device", "cpu", "--kinds", "mla"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,nq", [("gdn", 1), ("qsa", 1), ("qsa", 4), ("gdn", 4)])
+def test_graph_replay_is_the_eager_step_on_cuda(kind, nq, monkeypatch):
+    """On a GPU, at the real widths (short history): a CUDA graph of the harness's step replays what the eager step
+    computes (the states and caches it writes are rewritten the same each time), through the kernels (QSA decode,
+    HC, the MoE decode kernels; fla's recurrence where fla is installed), and the census counts kernels."""
+    from qwen4exp import envs
+    from qwen4exp.ops import _registry
+    from qwen4exp.ops.cuda_graph import capture
+
+    monkeypatch.setenv("QWEN4EXP_MOE_DECODE", "1")
+    envs.reset()
+    case = bench_layer.Case(bench_layer.text_config(tiny=False), kind, 1, nq, 3000, 2, 784, torch.bfloat16, "cuda")
+    with _registry.record() as ran:
+        case.step()
+    expect = {"router_topk", "experts_nvfp4"} | ({"qsa_decode_paged", "qsa_write_paged"} if kind == "qsa" else set())
+    assert all(ran.get(op) == "kernel" for op in expect), ran
+    if kind == "gdn":  # the states advance each eager step: compare replays with each other from one start
+        snap = [(s.conv.clone(), s.ssm.clone()) for s in case.states]
+    graph, out = capture(case.step)
+    if kind == "gdn":
+        for s, (c, h) in zip(case.states, snap):
+            s.conv.copy_(c)
+            s.ssm.copy_(h)
+    eager = case.step().clone()
+    if kind == "gdn":
+        for s, (c, h) in zip(case.states, snap):
+            s.conv.copy_(c)
+            s.ssm.copy_(h)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    kernels, ranked = bench_layer.census(case, graph, 2)
+    assert kernels > 5 and ranked
