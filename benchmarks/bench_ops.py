@@ -346,6 +346,7 @@ def tune_and_breakdown():
     checked against the reference first), leaving the fastest correct settings in place for the main table; then
     the stage times; then registers / spills of the compiled kernels."""
     from qwen4exp.ops.hyper_connection import triton_kernel as hc_tk
+    from qwen4exp.ops.qsa import launch as qsa_launch
     from qwen4exp.ops.qsa import triton_kernel as qsa_tk
 
     out = []
@@ -396,7 +397,7 @@ def tune_and_breakdown():
 
     # (the unpaged op selects with torch.topk of the sort keys: the Triton select's settings are swept by
     # --decode-breakdown, on the paged decode op that runs it)
-    sweep("qsa", qsa_tk, sets, [("ATTN_SLOT_BLOCK", (64, 32)), ("ATTN_WARPS", (8, 4))],
+    sweep("qsa", qsa_launch, sets, [("ATTN_SLOT_BLOCK", (64, 32)), ("ATTN_WARPS", (8, 4))],
           qsa_tk.qsa_attention_triton, qsa_ok)
     m = 2048 // 4
     for Tq in (1, 32):
@@ -424,7 +425,7 @@ def prefill_breakdown(Tq=4096):
     """qsa_prefill_paged at Tq queries, L=50,000, by stage (tiled scores, top-k, attention), the attention's launch
     shapes swept, and the attention once more with every query selecting the same blocks (the L2-friendly bound:
     real selections of neighbouring queries overlap, random test data's do not). -> rows (op, case, stage, us)."""
-    from qwen4exp.ops.qsa import triton_kernel as tk
+    from qwen4exp.ops.qsa import launch, triton_kernel as tk
     sets, _, _ = prefill_qsa_case(Tq)
     q, pos, iq, kv, row, ikv, L, r, budget, sc, isc = sets[0]
     HD, nb, m = q.shape[-1], L // r, budget // r
@@ -437,18 +438,18 @@ def prefill_breakdown(Tq=4096):
         print(f"   {stage}: {t:.1f} us ({mode})", flush=True)
 
     for bm, bn, w in ((64, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8)):
-        tk.SCORE_BLOCK_M, tk.SCORE_BLOCK_N, tk.SCORE_WARPS = bm, bn, w
+        launch.SCORE_BLOCK_M, launch.SCORE_BLOCK_N, launch.SCORE_WARPS = bm, bn, w
         timed(f"scores BLOCK_M={bm} BLOCK_N={bn} warps={w}",
               lambda: tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc))
-    tk.SCORE_BLOCK_M, tk.SCORE_BLOCK_N, tk.SCORE_WARPS = 64, 64, 4
+    launch.SCORE_BLOCK_M, launch.SCORE_BLOCK_N, launch.SCORE_WARPS = 64, 64, 4
     keys = tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc)
-    saved = tk.TOPK_SMALL_BITS, tk.TOPK_SMALL_MAX
+    saved = launch.TOPK_SMALL_BITS, launch.TOPK_SMALL_MAX
     for way, bits, small_max in (("in-register select, 1 bit a step", 0, saved[1]),
                                  ("in-register select, 2 bits a step", 2, saved[1]),
                                  ("chunked radix select (past TOPK_SMALL_MAX blocks)", saved[0], 0)):
-        tk.TOPK_SMALL_BITS, tk.TOPK_SMALL_MAX = bits, small_max
+        launch.TOPK_SMALL_BITS, launch.TOPK_SMALL_MAX = bits, small_max
         timed(f"top-k ({way})", lambda: tk.top_ids(keys, m))
-    tk.TOPK_SMALL_BITS, tk.TOPK_SMALL_MAX = saved
+    launch.TOPK_SMALL_BITS, launch.TOPK_SMALL_MAX = saved
     sel = tk.top_ids(keys, m)
     same = sel[:1].expand(Tq, -1).contiguous()
     kc, vc = kv[..., :HD], kv[..., HD:]
@@ -457,7 +458,7 @@ def prefill_breakdown(Tq=4096):
     for sb in (32, 64, 128):
         for w in (4, 8):
             for st in (1, 2, 3):
-                tk.LOOP_SLOT_BLOCK, tk.LOOP_WARPS, tk.LOOP_STAGES = sb, w, st
+                launch.LOOP_SLOT_BLOCK, launch.LOOP_WARPS, launch.LOOP_STAGES = sb, w, st
                 try:
                     timed(f"attention loop SB={sb} warps={w} stages={st}",
                           lambda: tk.sparse_attention_slots(q, kc, vc, pos, sel, r, sc, False, bt, loop=True))
@@ -466,7 +467,7 @@ def prefill_breakdown(Tq=4096):
                     continue
                 if best is None or out[-1][3] < best[0]:
                     best = (out[-1][3], sb, w, st)
-    _, tk.LOOP_SLOT_BLOCK, tk.LOOP_WARPS, tk.LOOP_STAGES = best
+    _, launch.LOOP_SLOT_BLOCK, launch.LOOP_WARPS, launch.LOOP_STAGES = best
     timed(f"attention loop (best: SB={best[1]} warps={best[2]} stages={best[3]}), same blocks for every query",
           lambda: tk.sparse_attention_slots(q, kc, vc, pos, same, r, sc, False, bt, loop=True))
     timed("whole op (best attention)", lambda: tk.qsa_prefill_paged_triton(q, pos, iq, kv, row, ikv, L, r, budget,
@@ -479,7 +480,7 @@ def decode_breakdown(bw):
     select and the split attention + merge, each over its launch settings (every variant's ids / output checked
     against the default's first); bytes and the fraction of the measured bandwidth beside each. -> rows."""
     from qwen4exp.ops.qsa import host
-    from qwen4exp.ops.qsa import triton_kernel as tk
+    from qwen4exp.ops.qsa import launch, triton_kernel as tk
     host.load_vllm_kernels()  # vLLM's CUDA extension (its top-k kernel), where this runs inside the vLLM venv
     out = []
 
@@ -494,7 +495,7 @@ def decode_breakdown(bw):
         print(f"   B={B} {stage}: {t:.1f} us{frac}", flush=True)
         return t
 
-    def knobs(mod=tk, **kw):
+    def knobs(mod=launch, **kw):
         saved = {k: getattr(mod, k) for k in kw}
         for k, v in kw.items():
             setattr(mod, k, v)
@@ -533,7 +534,8 @@ def decode_breakdown(bw):
             knobs(**saved)
         timed(B, "top-k torch.topk", lambda kk, m=m: tk.top_keys(kk, m), keys)
         if host.vllm_topk_covers(B, m):  # vLLM's CUDA select (inside the vLLM venv): fp32 scores in, ids out
-            timed(B, f"scores as fp32 logits BLOCK_N={tk.SCORE_PAGED_BLOCK_N}", score_logits, [(s,) for s in sets],
+            timed(B, f"scores as fp32 logits BLOCK_N={launch.SCORE_PAGED_BLOCK_N}", score_logits,
+                  [(s,) for s in sets],
                   score_by)
             lsets = [(*score_logits(s), s[1]) for s in sets]  # (logits, visible counts, positions)
             got = tk.vllm_top_ids(lsets[0][0], lsets[0][2], r, m, lsets[0][1]).sort(dim=1).values
@@ -552,7 +554,7 @@ def decode_breakdown(bw):
         asets = [(s[0], s[3][..., :HD], s[3][..., HD:], s[1], tk.top_ids(kk[0], m), r, s[10], False, s[4])
                  for s, kk in zip(sets, keys)]
         ref = tk.sparse_attention_slots(*asets[0]).float()
-        many = B >= tk.ATTN_MANY_QUERIES
+        many = B >= launch.ATTN_MANY_QUERIES
         names = ("ATTN_SLOT_BLOCK_MANY", "ATTN_WARPS_MANY", "ATTN_PREFETCH_MANY") if many else (
             "ATTN_SLOT_BLOCK", "ATTN_WARPS", "ATTN_PREFETCH")
         # slots x warps x stages (x programs at batch 32, one-warp programs included) around the defaults
@@ -721,7 +723,7 @@ def main():
     # a 10k-token context (the agentic benchmark's max_model_len: 2,560 blocks, the 4,096-key top-k variant)
     cases.append(("qsa_decode_paged", "B=1,L=10240,paged", lambda: paged_qsa_case(1, L=10_240),
                   qsa_cuda.qsa_decode_paged, qsa_ref.qsa_decode_paged))
-    from qwen4exp.ops.qsa import triton_kernel as qsa_tk
+    from qwen4exp.ops.qsa import launch as qsa_launch
     # the decode attention's launch settings side by side (the rest of the op is the same in every variant)
     sweep = [(1, dict(ATTN_PREFETCH=True)), (32, dict(ATTN_PREFETCH_MANY=False)),
              (1, dict(ATTN_SLOT_BLOCK=64)), (1, dict(ATTN_SLOT_BLOCK=16, ATTN_WARPS=4))]
@@ -731,7 +733,7 @@ def main():
     for B, knobs in sweep if args.attn_sweep else ():
         name = ",".join(f"{k.removeprefix('ATTN_').lower()}={v}" for k, v in knobs.items())
         cases.append(("qsa_decode_paged", f"B={B},L=50000,{name}", lambda B=B: paged_qsa_case(B),
-                      with_knobs(qsa_cuda.qsa_decode_paged, qsa_tk, **knobs), None))  # (no reference timing again)
+                      with_knobs(qsa_cuda.qsa_decode_paged, qsa_launch, **knobs), None))  # (no reference timing again)
     for Tq in (4, 4096):
         cases.append(("qsa_prefill_paged", f"Tq={Tq},L=50000,paged", lambda Tq=Tq: prefill_qsa_case(Tq),
                       qsa_cuda.qsa_prefill_paged, qsa_ref.qsa_prefill_paged))

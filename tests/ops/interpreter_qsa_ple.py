@@ -50,7 +50,7 @@ def check_qsa_topk():
     """``top_ids`` by each select a default call can take (the in-register select in one launch with 0 and 2
     threshold bits a step, the split select over chunks of keys, the chunked radix select) = the reference's block
     sets, ties to the lower ids; torch.topk of the sort keys (the unpaged op's select) = the reference's order."""
-    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    from qwen4exp.ops.qsa import launch, reference as ref, triton_kernel as tk
     torch.manual_seed(0)
     m = 16
     cases = ((10, 3, False), (17, 2, True), (300, 4, False), (300, 4, True), (2049, 2, True),
@@ -79,7 +79,7 @@ def check_qsa_topk():
         keys = ref._order_keys(sc, torch.arange(Nb)[None] < nc[:, None])
         want = ref.select_blocks(sc, nc, m)
         for way, values in ways.items():
-            with settings(tk, **values):
+            with settings(launch, **values):
                 got = tk.top_ids(keys, m)
             for t in range(Tq):
                 a = [x for x in got[t].tolist() if x >= 0]
@@ -108,7 +108,7 @@ def _decode_case():
 def check_qsa_decode():
     """The paged decode against the reference: slot ranges of one chunk, of all 3 chunks, of 2 + 1 (an uneven last
     range); rows looked up ahead or not; the few-query and the many-query settings."""
-    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    from qwen4exp.ops.qsa import launch, reference as ref, triton_kernel as tk
     r, budget = 4, 32
     lens, seqs, q, pos, iq, kv, bt, ikv, ibt = _decode_case()
     want = ref.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
@@ -116,7 +116,7 @@ def check_qsa_decode():
     for sb, programs, prefetch, many in ((64, 512, True, 99), (16, 10 ** 6, True, 99), (16, 1, True, 99),
                                          (16, n4, True, 99), (16, n4, False, 99), (16, 10 ** 6, False, 99),
                                          (64, n4, True, 1), (16, n4, True, 1), (16, n4, False, 1)):
-        with settings(tk, ATTN_SLOT_BLOCK=sb, ATTN_SLOT_BLOCK_MANY=sb, ATTN_PROGRAMS=programs,
+        with settings(launch, ATTN_SLOT_BLOCK=sb, ATTN_SLOT_BLOCK_MANY=sb, ATTN_PROGRAMS=programs,
                       ATTN_MANY_QUERIES=many, ATTN_PREFETCH=prefetch, ATTN_PREFETCH_MANY=prefetch):
             got = tk.qsa_decode_paged_triton(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
         close(got, want, 0.05, f"decode paged SB={sb} programs={programs} prefetch={prefetch} many>={many}")
@@ -127,7 +127,7 @@ def check_qsa_decode_gated():
     """The output gate applied by the merge (a strided view of a [Q | gate] projection, as the model hands it in)
     equals ``output_gate`` of the ungated result, bf16 product by product, both through the decode and through the
     attend half; few- and many-query settings."""
-    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    from qwen4exp.ops.qsa import launch, reference as ref, triton_kernel as tk
     r, budget = 4, 32
     lens, seqs, q, pos, iq, kv, bt, ikv, ibt = _decode_case()
     g = torch.Generator().manual_seed(7)
@@ -138,7 +138,7 @@ def check_qsa_decode_gated():
     plain = ref.qsa_decode_paged(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
     assert torch.equal(want_ref, ref.output_gate(plain, gate))
     for many in (99, 1):
-        with settings(tk, ATTN_MANY_QUERIES=many):
+        with settings(launch, ATTN_MANY_QUERIES=many):
             ungated = tk.qsa_decode_paged_triton(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4)
             got = tk.qsa_decode_paged_triton(q, pos, iq, kv, bt, ikv, ibt, 60, r, budget, 0.3, 0.4, gate)
             sel = tk.qsa_select_paged_triton(pos, iq, ikv, ibt, 60, r, budget, 0.4)
@@ -203,13 +203,13 @@ def check_qsa_unpaged():
 def check_qsa_prefill():
     """The paged prefill: split attention / looping attention (128- and 32-slot steps); one query chunk / chunks by
     the keys' bytes / by the query cap."""
-    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    from qwen4exp.ops.qsa import launch, reference as ref, triton_kernel as tk
     r, budget = 4, 32
     lens = [9, 150, 203]
     seqs, (kv, bt, ikv, _) = _paged(lens, 500, True)
     for loop_min, keys_bytes, max_q, sb in ((1, 1 << 30, 1 << 14, 128), (10 ** 9, 8 * 7 * 50, 1 << 14, 128),
                                             (5, 1 << 30, 7, 128), (1, 1 << 30, 1 << 14, 32)):
-        with settings(tk, LOOP_MIN_QUERIES=loop_min, PREFILL_KEYS_BYTES=keys_bytes, PREFILL_MAX_QUERIES=max_q,
+        with settings(launch, LOOP_MIN_QUERIES=loop_min, PREFILL_KEYS_BYTES=keys_bytes, PREFILL_MAX_QUERIES=max_q,
                       LOOP_SLOT_BLOCK=sb):
             for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
                 for n in (1, min(L, 40)):
@@ -228,16 +228,16 @@ def check_qsa_prefill_warmup():
     the kernels do not cover the queries' dtype)."""
     import random
 
-    from qwen4exp.ops.qsa import triton_kernel as tk
+    from qwen4exp.ops.qsa import host, launch, triton_kernel as tk
     rng = random.Random(0)
 
     def covered(max_blocks, m, Hkv, n=3000):
-        cases = tk.prefill_warmup_cases(max_blocks, m, 4, Hkv)
-        have = set().union(*(tk.prefill_variants(t, nb, m, 4, Hkv) for t, nb in cases))
+        cases = host.prefill_warmup_cases(max_blocks, m, 4, Hkv)
+        have = set().union(*(host.prefill_variants(t, nb, m, 4, Hkv) for t, nb in cases))
         for _ in range(n):
             t = rng.choice((rng.randint(1, 300), rng.randint(1, 40_000)))
             nb = rng.randint(1, max_blocks)
-            missing = tk.prefill_variants(t, nb, m, 4, Hkv) - have
+            missing = host.prefill_variants(t, nb, m, 4, Hkv) - have
             assert not missing, (max_blocks, m, t, nb, missing)
         return cases, have
 
@@ -248,7 +248,7 @@ def check_qsa_prefill_warmup():
     small = dict(LOOP_MIN_QUERIES=6, TOPK_SMALL_MIN=16, TOPK_SMALL_MAX=64, TOPK_SPLIT=32, TOPK_SPLIT_MAX_ROWS=3,
                  ATTN_MANY_QUERIES=3)
     seqs, (kv, bt, ikv, _) = _paged([150], 900, True)
-    with settings(tk, **small):
+    with settings(launch, **small):
         cases, have = covered(120, 8, 2, 1500)
         assert {("topk", "radix"), ("topk", "split-chunks"), ("attn_loop",), ("attn", True), ("attn", False)} <= have
         tk.LAUNCHED.clear()
@@ -275,16 +275,16 @@ def check_qsa_decode_warmup():
     settings; ``warm_up_decode`` runs them (and none for fp32 queries)."""
     import random
 
-    from qwen4exp.ops.qsa import host, triton_kernel as tk
+    from qwen4exp.ops.qsa import host, launch, triton_kernel as tk
     rng = random.Random(1)
     loaded = host.vllm_topk_loaded
 
     def covered(max_rows, max_blocks, m, Hkv, n=3000):
-        cases = tk.decode_warmup_cases(max_rows, max_blocks, m, 4, Hkv)
-        have = set().union(*(tk.decode_variants(b, nb, m, 4, Hkv) for b, nb in cases))
+        cases = host.decode_warmup_cases(max_rows, max_blocks, m, 4, Hkv)
+        have = set().union(*(host.decode_variants(b, nb, m, 4, Hkv) for b, nb in cases))
         for _ in range(n):
             b, nb = rng.randint(1, max_rows), rng.randint(1, max_blocks)
-            missing = tk.decode_variants(b, nb, m, 4, Hkv) - have
+            missing = host.decode_variants(b, nb, m, 4, Hkv) - have
             assert not missing, (max_rows, max_blocks, m, b, nb, missing)
         return cases, have
 
@@ -299,7 +299,7 @@ def check_qsa_decode_warmup():
         host.vllm_topk_loaded = loaded
     small = dict(TOPK_SMALL_MIN=16, TOPK_SMALL_MAX=64, TOPK_SPLIT=32, TOPK_SPLIT_MAX_ROWS=3, ATTN_MANY_QUERIES=3)
     seqs, (kv, bt, ikv, _) = _paged([150], 901, True)
-    with settings(tk, **small), settings(host, VLLM_TOPK=False):
+    with settings(launch, **small), settings(host, VLLM_TOPK=False):
         cases, have = covered(12, 120, 8, 2, 1500)
         assert {("topk", "radix"), ("topk", "split-chunks"), ("attn", True), ("attn", False)} <= have
         tk.LAUNCHED.clear()
@@ -386,15 +386,15 @@ def check_qsa_real_widths():
     """Qwen3.8-Flash-Next's QSA widths (24 / 2 heads x 256, indexer 4 x 128, budget 2048 in blocks of 4, a
     1,568-token page as vLLM picked on the H200) on a context past the budget: decode with the few- and the
     many-query (batch-32) settings, prefill looping and split."""
-    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    from qwen4exp.ops.qsa import launch, reference as ref, triton_kernel as tk
     r, budget, L, bs = 4, 2048, 2100, 1568
     seq = [t.to(BF) for t in qsa_inputs(L, Hq=24, Hkv=2, d=256, hi=4, di=128, seed=3)]
     kv, bt, ikv, _ = paged_qsa_case([seq], [L], r, bs, bs, shared_table=True)
     q, k, v, iq, bk = seq
     pos = torch.tensor([L - 1])
     want = ref.qsa_decode_paged(q[-1:], pos, iq[-1:], kv, bt, ikv, bt, L // r, r, budget, 0.0625, 0.1)
-    for many in (tk.ATTN_MANY_QUERIES, 1):
-        with settings(tk, ATTN_MANY_QUERIES=many):
+    for many in (launch.ATTN_MANY_QUERIES, 1):
+        with settings(launch, ATTN_MANY_QUERIES=many):
             got = tk.qsa_decode_paged_triton(q[-1:], pos, iq[-1:], kv, bt, ikv, bt, L // r, r, budget, 0.0625, 0.1)
             gate = torch.randn(1, 24, 512).to(BF)[..., 256:]  # the [Q | gate] projection's gate half
             gated = tk.qsa_decode_paged_triton(q[-1:], pos, iq[-1:], kv, bt, ikv, bt, L // r, r, budget, 0.0625,
@@ -402,7 +402,7 @@ def check_qsa_real_widths():
         close(got, want, 0.05, f"decode real widths ATTN_MANY_QUERIES={many}")
         close(gated, ref.output_gate(got, gate), 0.0, f"gated decode real widths many={many}", rtol=2 ** -5)
     for loop_min in (1, 10 ** 9):  # looping / split attention
-        with settings(tk, LOOP_MIN_QUERIES=loop_min):
+        with settings(launch, LOOP_MIN_QUERIES=loop_min):
             p = torch.arange(L - 2, L)
             got = tk.qsa_prefill_paged_triton(q[-2:], p, iq[-2:], kv, bt[0], ikv, L, r, budget, 0.0625, 0.1)
         want = ref.qsa_prefill_paged(q[-2:], p, iq[-2:], kv, bt[0], ikv, L, r, budget, 0.0625, 0.1)
@@ -449,16 +449,17 @@ def check_qsa_row_views(target):
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    from qwen4exp.ops.qsa import triton_kernel as tk
+    from qwen4exp.ops.qsa import attend, cache, launch, score, select
     marked = 0
-    for name, fn in vars(tk).items():
-        if isinstance(fn, JITFunction) and name.endswith("_kernel"):  # (launched; helpers take what they get)
-            for p in fn.params:
-                if p.name in tk._ROW_VIEWS:
-                    assert p.do_not_specialize_on_alignment, f"{name}: {p.name} specialised on alignment"
-                    marked += 1
+    for mod in (score, select, attend, cache):
+        for name, fn in vars(mod).items():
+            if isinstance(fn, JITFunction) and name.endswith("_kernel"):  # (launched; helpers take what they get)
+                for p in fn.params:
+                    if p.name in launch.ROW_VIEWS:
+                        assert p.do_not_specialize_on_alignment, f"{name}: {p.name} specialised on alignment"
+                        marked += 1
     assert marked >= 8, marked
-    k = tk._qsa_score_prefill_kernel
+    k = score._qsa_score_prefill_kernel
     binder = create_function_from_signature(k.signature, k.params, CUDABackend(target))
     pos, bt = torch.arange(10), torch.zeros(4, 7, dtype=torch.int32)
 

@@ -169,14 +169,14 @@ class Step:
 def serve(cfg: Config, kv, ikv, quick: bool):
     """The QSA launches of serving steps (``QSAMixer.eager_forward``'s call sites), over lengths, row counts and
     offsets that reach every launch setting: see the module docstring."""
-    from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
+    from qwen4exp.ops.qsa import launch, reference as ref, triton_kernel as tk
     rng = random.Random(0)
     dev = kv.device
     r, budget, m = cfg.r, cfg.budget, cfg.budget // cfg.r
     sc, isc = cfg.HD ** -0.5, cfg.DI ** -0.5
     max_blocks = cfg.max_len // r
     # block counts on both sides of every point where a launch changes, and a spread between
-    edges = {1, m - 1, m, m + 1, 2 * m, tk.TOPK_SMALL_MIN, tk.TOPK_SPLIT, tk.TOPK_SMALL_MAX, max_blocks}
+    edges = {1, m - 1, m, m + 1, 2 * m, launch.TOPK_SMALL_MIN, launch.TOPK_SPLIT, launch.TOPK_SMALL_MAX, max_blocks}
     edges |= {e + d for e in list(edges) for d in (-1, 1)} | {1 << k for k in range(1, 18)}
     lens = sorted({max(1, min(cfg.max_len, nb * r + t)) for nb in edges for t in (0, r - 1)}
                   | {rng.randint(1, cfg.max_len) for _ in range(10 if quick else 40)})

@@ -510,6 +510,11 @@ def _tk():
     return triton_kernel
 
 
+def _launch():
+    from qwen4exp.ops.qsa import launch
+    return launch
+
+
 @pytest.mark.gpu
 def test_dispatcher_picks_the_qsa_kernels_on_cuda():
     cuda = _cuda()
@@ -593,7 +598,7 @@ def select_each_way(monkeypatch, keys, m):
     for way, settings in ways.items():
         with monkeypatch.context() as mp:
             for name, value in settings.items():
-                mp.setattr(tk, name, value)
+                mp.setattr(_launch(), name, value)
             out.append((way, tk.top_ids(keys, m).long()))
     top = tk.top_keys(keys, m)
     out.append(("torch", torch.where(top == tk.INT64_MIN, -1, 4294967295 - (top & 4294967295))))
@@ -866,7 +871,7 @@ def test_qsa_prefill_paged_matches_reference(monkeypatch, L, n_q, bs, keys_mib):
     prefill chunk far past the budget, an MTP verification (4 queries: split kernel), a whole prompt crossing the
     dense regime's end, and query chunks forced small (``PREFILL_KEYS_BYTES``)."""
     tk = _tk()
-    monkeypatch.setattr(tk, "PREFILL_KEYS_BYTES", keys_mib << 20)
+    monkeypatch.setattr(_launch(), "PREFILL_KEYS_BYTES", keys_mib << 20)
     q, pos, iq, kv, row, ikv = paged_prefill_case(L, n_q, bs, seed=L + n_q)
     assert _cuda().prefill_paged_supported(q, pos, iq, kv, row, ikv, R_QSA, BUDGET)
     scale, iscale = 256 ** -0.5, 128 ** -0.5
@@ -876,7 +881,7 @@ def test_qsa_prefill_paged_matches_reference(monkeypatch, L, n_q, bs, keys_mib):
         out = qsa_ops.qsa_prefill_paged(q, pos, iq, kv, row, ikv, L, R_QSA, BUDGET, scale, iscale)
     indexed = L // R_QSA > BUDGET // R_QSA
     chunk = min(n_q, (keys_mib << 20) // (8 * (L // R_QSA))) if indexed else n_q  # queries of the first chunk
-    assert ("qsa_attn_loop" in tk.LAUNCHED) == (chunk >= tk.LOOP_MIN_QUERIES)
+    assert ("qsa_attn_loop" in tk.LAUNCHED) == (chunk >= _launch().LOOP_MIN_QUERIES)
     assert ("qsa_score_prefill" in tk.LAUNCHED) == indexed
     want = qsa_ref.qsa_prefill_paged(q, pos, iq, kv, row, ikv, L, R_QSA, BUDGET, scale, iscale)
     assert out.shape == want.shape and out.dtype == want.dtype
@@ -905,7 +910,7 @@ def test_warm_up_prefill_leaves_nothing_to_compile(monkeypatch):
     cases = qsa_ops.warm_up_prefill(kv, ikv, 24, 4, max_len, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5, BF)
     assert cases and compiled, "the warm-up ran no new kernel variant"
     assert {("attn_loop",), ("score_prefill",), ("topk", "radix")} <= set().union(
-        *(tk.prefill_variants(t, n, BUDGET // R_QSA, R_QSA, 2) for t, n in cases))
+        *(host.prefill_variants(t, n, BUDGET // R_QSA, R_QSA, 2) for t, n in cases))
     compiled.clear()
     g = torch.Generator().manual_seed(3)
     for L, n_q in ((50_000, 16_384), (50_000, 3_617), (9_001, 2_689), (2_600, 2_600), (70_001, 300), (12_000, 4),

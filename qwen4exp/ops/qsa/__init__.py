@@ -1,6 +1,9 @@
-"""QSA (Qwen Sparse Attention): ``reference`` (readable torch, the contract), ``triton_kernel`` (the CUDA
-kernels), ``cuda`` (their registration as custom operators and the host wrappers), ``host`` (what the kernels cover
-and which top-k select runs; Triton-free). Tests: ``tests/ops/test_qsa.py``."""
+"""QSA (Qwen Sparse Attention): ``reference`` (readable torch, the contract); the CUDA kernels by stage, ``score``
+(the indexer's block scores), ``select`` (top-m blocks), ``attend`` (attention over the selected tokens + merge),
+``cache`` (paged writes, the decode's index update), composed into the ops by ``triton_kernel``; ``launch`` (their
+launch settings) and ``host`` (what the kernels cover, which select runs, launch plans, the warm-up's cases), both
+Triton-free; ``cuda`` (the registration as custom operators and the host wrappers); ``layout`` (the paged cache
+page) and ``step`` (a decode step's inputs and cache writes). Tests: ``tests/ops/test_qsa.py``."""
 
 from .. import _registry
 from . import layout, reference

@@ -1,10 +1,14 @@
-"""The QSA CUDA path's host-side decisions: what each kernel covers and which top-k select a paged decode runs,
-from shapes, dtypes and strides alone (no Triton, no device checks), so that CPU tests check them. ``cuda.py``
-adds the device checks (``*_supported``) and sends whatever a kernel does not cover to the torch reference."""
+"""The QSA CUDA path's host-side decisions: what each kernel covers, which top-k select a paged decode runs, the
+launch plans (select, split attention, prefill chunks) and the start-up warm-up's cases (the kernel variants a
+server can reach), from shapes, dtypes, strides and the launch settings (``launch``) alone (no Triton, no device
+checks), so that CPU tests check them. ``cuda.py`` adds the device checks (``*_supported``) and sends whatever a
+kernel does not cover to the torch reference."""
 
 from __future__ import annotations
 
 import torch
+
+from . import launch
 
 MAX_TQ = 64  # qsa_attention (unpaged K/V): decode / verify / short chunks; longer ones go to the reference
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)  # FP8 (unit scales) widens exactly to bf16
@@ -142,3 +146,134 @@ def decode_select(rows: int, n_blocks: int, m: int) -> str:
     if VLLM_TOPK and vllm_topk_covers(rows, m):
         return "vllm"
     return "triton"
+
+
+# ------------------------------------------------------------------------------------------- launch plans, warm-up
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The next power of two >= n (1 for n <= 1), as ``triton.next_power_of_2``."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def topk_plan(Tq: int, Nb: int, m: int) -> tuple:
+    """The select ``top_ids`` runs for Tq rows of Nb keys: ("split", n_chunks, N_P of the merge launch), ("small",
+    N_P) or ("radix",). Shared with ``prefill_variants`` (what a warm-up must compile)."""
+    n_chunks = cdiv(Nb, launch.TOPK_SPLIT) if launch.TOPK_SPLIT else 0
+    if (n_chunks > 1 and Tq <= launch.TOPK_SPLIT_MAX_ROWS and 2 * m <= launch.TOPK_SPLIT
+            and n_chunks * m <= launch.TOPK_SMALL_MAX):
+        return ("split", n_chunks, max(launch.TOPK_SMALL_MIN, next_pow2(n_chunks * m)))
+    if Nb <= launch.TOPK_SMALL_MAX:  # keys in registers, the threshold by TOPK_SMALL_BITS a step
+        return ("small", min(max(launch.TOPK_SMALL_MIN, next_pow2(max(Nb, 1))), launch.TOPK_SMALL_MAX))
+    return ("radix",)  # radix select over chunks of keys
+
+
+def attn_split(Tq: int, Hkv: int, n_slots: int) -> tuple:
+    """The split attention's launch for Tq queries over n_slots slots: (many-query settings, slots a loop step,
+    warps, slot chunks, chunks a program, programs a (query, KV head))."""
+    many = Tq >= launch.ATTN_MANY_QUERIES
+    SB, warps = ((launch.ATTN_SLOT_BLOCK_MANY, launch.ATTN_WARPS_MANY) if many
+                 else (launch.ATTN_SLOT_BLOCK, launch.ATTN_WARPS))
+    n_chunks = cdiv(max(n_slots, 1), SB)
+    cpp = cdiv(n_chunks, min(n_chunks, max(1, cdiv(launch.ATTN_PROGRAMS, Tq * Hkv))))  # chunks a program
+    return many, SB, warps, n_chunks, cpp, cdiv(n_chunks, cpp)
+
+
+def prefill_step(Tq: int, n_blocks: int, m: int) -> tuple[bool, int]:
+    """(whether the indexer selects, queries a chunk) of ``qsa_prefill_paged_triton``: chunks whose int64 sort keys
+    stay below PREFILL_KEYS_BYTES, at most PREFILL_MAX_QUERIES (the attention grids put queries on an axis limited
+    to 65,535)."""
+    indexed = n_blocks > m and m > 0
+    step = max(1, min(Tq, launch.PREFILL_KEYS_BYTES // (8 * n_blocks))) if indexed else max(Tq, 1)
+    return indexed, min(step, launch.PREFILL_MAX_QUERIES)
+
+
+def _topk_variants(plan: tuple) -> set:
+    """``topk_plan``'s launches as variant keys (the split's chunk count is a runtime size, not a variant)."""
+    if plan[0] == "split":
+        return {("topk", "split-chunks"), ("topk", "split", plan[2])}
+    return {("topk",) + plan}
+
+
+def _split_attn_variants(Tq: int, Hkv: int, n_slots: int) -> set:
+    """The split attention's two launches (``attn_split``) as variant keys."""
+    many, *_, n_split = attn_split(Tq, Hkv, n_slots)
+    return {("attn", many), ("merge", next_pow2(n_split))}
+
+
+def _warmup_block_counts(max_blocks: int, m: int) -> list:
+    """Block counts up to ``max_blocks`` on both sides of every point where a select's launch changes: the dense
+    regime's end (m), the powers of two that set the in-register select's width, the split and radix thresholds."""
+    split, small = launch.TOPK_SPLIT, launch.TOPK_SMALL_MAX
+    nbs = {min(m, max_blocks), max_blocks, m + 1, split, split + 1, small, small + 1}
+    p = launch.TOPK_SMALL_MIN // 2
+    while p <= 4 * max(launch.TOPK_SMALL_MAX, launch.TOPK_SPLIT * launch.TOPK_SMALL_MAX // max(m, 1)):
+        nbs.update((p, p + 1))
+        p *= 2
+    return sorted(n for n in nbs if 1 <= n <= max_blocks)
+
+
+def _cover(cands: list, variants) -> list:
+    """The candidates, in order, that each launch a variant (``variants(*cand)``) none before them did."""
+    seen, cases = set(), []
+    for c in cands:
+        v = variants(*c)
+        if not v <= seen:
+            seen |= v
+            cases.append(c)
+    return cases
+
+
+def decode_variants(B: int, n_blocks: int, m: int, r: int, Hkv: int) -> set:
+    """The kernel variants ``qsa_decode_paged_triton`` launches for B single queries over up to n_blocks blocks
+    (``prefill_variants``' keys; the select as ``host.decode_select`` picks it: vLLM's, compiled ahead, or ours)."""
+    out = _split_attn_variants(B, Hkv, m * r + (r - 1))
+    select = decode_select(B, n_blocks, m)
+    if select != "dense":
+        out.add(("score_paged", select == "vllm"))
+    if select == "triton":
+        out |= _topk_variants(topk_plan(B, n_blocks, m))
+    return out
+
+
+def decode_warmup_cases(max_rows: int, max_blocks: int, m: int, r: int, Hkv: int) -> list:
+    """(rows, blocks) cases whose ``qsa_decode_paged_triton`` calls together launch every kernel variant that a call
+    of up to ``max_rows`` queries over up to ``max_blocks`` blocks can (``decode_variants``): the decode rows of
+    mixed steps and MTP verifications run eagerly, outside the CUDA graphs that compile the pure-decode ones."""
+    nbs = _warmup_block_counts(max_blocks, m)
+    # the attention's variants change with the rows alone, the select's with rows and blocks: every row count over
+    # the cheapest block count, then the block counts over the few row counts where the select changes
+    # (past ATTN_PROGRAMS rows the split no longer changes: each (query, KV head) is one program)
+    rows_b = sorted({*range(1, min(max_rows, launch.ATTN_PROGRAMS) + 1), max_rows})
+    select_rows = sorted(b for b in {1, 64, 65, launch.TOPK_SPLIT_MAX_ROWS, launch.TOPK_SPLIT_MAX_ROWS + 1, max_rows}
+                         if b <= max_rows)
+    cands = [(b, nbs[0]) for b in rows_b] + sorted(((b, n) for b in select_rows for n in nbs),
+                                                   key=lambda c: c[0] * c[1])
+    return _cover(cands, lambda b, n: decode_variants(b, n, m, r, Hkv))
+
+
+def prefill_variants(Tq: int, n_blocks: int, m: int, r: int, Hkv: int) -> set:
+    """The kernel variants (kernel, what its compiled code depends on) that ``qsa_prefill_paged_triton`` launches
+    for Tq queries over n_blocks blocks: its integer sizes are not specialised, so these are what a first use
+    compiles."""
+    indexed, step = prefill_step(Tq, n_blocks, m)
+    n_slots = m * r + (r - 1)
+    out = set()
+    for c0 in range(0, Tq, step):
+        t = min(step, Tq - c0)
+        if indexed:
+            out |= {("score_prefill",)} | _topk_variants(topk_plan(t, n_blocks, m))
+        out |= {("attn_loop",)} if t >= launch.LOOP_MIN_QUERIES else _split_attn_variants(t, Hkv, n_slots)
+    return out
+
+
+def prefill_warmup_cases(max_blocks: int, m: int, r: int, Hkv: int) -> list:
+    """(queries, blocks) cases whose ``qsa_prefill_paged_triton`` calls together launch every kernel variant that a
+    call over at most ``max_blocks`` blocks can launch (``prefill_variants``; any number of queries: a call's last
+    chunk may hold a single one); cheapest first, each adding a variant the ones before did not."""
+    nbs = _warmup_block_counts(max_blocks, m)
+    tqs = sorted({*range(1, launch.LOOP_MIN_QUERIES + 1), launch.TOPK_SPLIT_MAX_ROWS + 1})
+    cands = sorted(((t, n) for t in tqs for n in nbs), key=lambda c: (c[0] * c[1], c))
+    return _cover(cands, lambda t, n: prefill_variants(t, n, m, r, Hkv))
