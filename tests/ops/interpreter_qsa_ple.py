@@ -220,6 +220,29 @@ def check_qsa_prefill():
                                            f"slots={sb}")
 
 
+@check("qsa_score_prefill_logits")
+def check_qsa_score_prefill_logits():
+    """The prefill scores as fp32 logits (vLLM's select, where it is loaded) are the sort keys' scores over each
+    query's visible blocks, and the visible counts are min(n_complete, n_blocks)."""
+    from qwen4exp.ops.qsa import triton_kernel as tk
+    r = 4
+    lens = [203]
+    seqs, (kv, bt, ikv, _) = _paged(lens, 502, True)
+    q, iq = seqs[0][0], seqs[0][3]
+    L, n = 203, 70  # two query tiles, a partial one
+    pos = torch.arange(L - n, L)
+    for nb in (L // r, 40):
+        keys = tk.prefill_score_keys(pos, iq[-n:], ikv, bt[0], nb, r, 0.4)
+        lg, vis = tk.prefill_score_keys(pos, iq[-n:], ikv, bt[0], nb, r, 0.4, logits=True)
+        assert lg.stride(0) % 4 == 0 and lg.dtype == torch.float32
+        want_vis = torch.clamp((pos + 1) // r, max=nb).to(torch.int32)
+        assert torch.equal(vis, want_vis), (nb, vis, want_vis)
+        seen = torch.arange(nb)[None] < want_vis[:, None].long()
+        bits = lg.contiguous().view(torch.int32).long()
+        order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        assert torch.equal(torch.where(seen, order, 0), torch.where(seen, keys >> 32, 0)), f"logits vs keys, nb={nb}"
+
+
 @check("qsa_prefill_warmup")
 def check_qsa_prefill_warmup():
     """``prefill_warmup_cases``: every kernel variant a prefill call of any length (and any chunking) can launch is

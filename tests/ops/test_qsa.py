@@ -460,6 +460,20 @@ def test_decode_select_picks_dense_vllm_or_triton(monkeypatch):
     assert host.decode_select(4, 513, 512) == "triton"
 
 
+def test_prefill_select_is_vllms_where_both_its_selects_are_loaded(monkeypatch):
+    """A prefill chunk's select: vLLM's (cooperative up to 64 rows, persistent past them) where both are loaded
+    and m is one of its k values, else ours."""
+    monkeypatch.setattr(host, "vllm_topk_loaded", lambda: True)
+    monkeypatch.setattr(host, "vllm_persistent_topk_loaded", lambda: True)
+    assert host.prefill_select(512) == "vllm" and host.prefill_select(2048) == "vllm"
+    assert host.prefill_select(16) == "triton"  # the tiny models' budgets
+    monkeypatch.setattr(host, "VLLM_TOPK", False)
+    assert host.prefill_select(512) == "triton"
+    monkeypatch.setattr(host, "VLLM_TOPK", True)
+    monkeypatch.setattr(host, "vllm_persistent_topk_loaded", lambda: False)
+    assert host.prefill_select(512) == "triton"
+
+
 def test_load_vllm_kernels_registers_vllms_operators():
     """``load_vllm_kernels`` loads vLLM's extension as its platform does at engine start; afterwards
     ``vllm_topk_loaded`` says whether that build has the top-k select (the CUDA build has, the CPU build not),
@@ -817,6 +831,39 @@ def test_qsa_decode_paged_gated_by_its_merge():
 
 
 @pytest.mark.gpu
+def test_qsa_prefill_paged_with_vllm_select():
+    """Where vLLM is loaded a prefill chunk past the budget selects with vLLM's select on fp32 scores (its
+    persistent select past 64 rows, as upstream's prefill): the same sets as our radix select on untied random
+    scores (200 rows), and a 2,300-token prompt's last 300 queries attend as the reference does."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (the base GPU image): run inside the vLLM venv")
+    tk = _tk()
+    host.load_vllm_kernels()
+    m = BUDGET // R_QSA
+    assert host.prefill_select(m) == "vllm", "vLLM is installed but its selects are not registered"
+    rows, n_blocks = 200, 3000
+    lg = torch.randn(rows, n_blocks, device="cuda")
+    pos = torch.randint(4 * m, 4 * n_blocks, (rows,), device="cuda")
+    visible = (pos + 1) // R_QSA
+    keys = torch.where(torch.arange(n_blocks, device="cuda")[None] < visible[:, None], lg, float("nan"))
+    bits = keys.contiguous().view(torch.int32).long()
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    sort_keys = torch.where(keys.isnan(), tk.INT64_MIN, (order << 32) + (4294967295 - torch.arange(n_blocks,
+                                                                                                   device="cuda")))
+    want = tk.top_ids(sort_keys, m).sort(dim=1).values
+    got = tk.vllm_top_ids(lg, pos, R_QSA, m).sort(dim=1).values
+    assert torch.equal(got, want)
+    L, n = 2300, 300
+    q, p, iq, kv, row, ikv = paged_prefill_case(L, n, 16, seed=8)
+    tk.LAUNCHED.clear()
+    with expect_kernel("qsa_prefill_paged"):
+        out = qsa_ops.qsa_prefill_paged(q, p, iq, kv, row, ikv, L, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5)
+    assert "qsa_score_prefill" in tk.LAUNCHED and "qsa_topk" not in tk.LAUNCHED, sorted(tk.LAUNCHED)
+    want = qsa_ref.qsa_prefill_paged(q, p, iq, kv, row, ikv, L, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5)
+    err = (out.float() - want.float()).norm(dim=(1, 2)) / want.float().norm(dim=(1, 2))
+    assert err.max() < 1e-2, (err.argmax().item(), err.max().item())
+
+
+@pytest.mark.gpu
 def test_qsa_decode_paged_in_cuda_graph():
     """Captured once, replayed with other positions and block tables (the FULL decode graph case): equal to eager."""
     q, pos, iq, kv, bt, ikv, ibt = paged_decode_case([9001, 2500, 40], 16, 64, seed=3)
@@ -1105,9 +1152,9 @@ def test_index_update_decode_builds_every_block_key_through_the_ring():
 # =====================================================================================================================
 # the Triton checks without a GPU (``interpreter_qsa_ple.py``): under the CPU interpreter, then compiled for sm_90
 # =====================================================================================================================
-QSA_CHECKS = ("qsa_topk", "qsa_decode", "qsa_decode_gated", "qsa_score_logits", "qsa_select_attend_halves",
-              "qsa_unpaged", "qsa_prefill", "qsa_prefill_warmup", "qsa_decode_warmup", "qsa_fp8_caches",
-              "qsa_write_paged", "qsa_index_update", "qsa_real_widths", "qsa_registration")
+QSA_CHECKS = ("qsa_topk", "qsa_decode", "qsa_decode_gated", "qsa_score_logits", "qsa_score_prefill_logits",
+              "qsa_select_attend_halves", "qsa_unpaged", "qsa_prefill", "qsa_prefill_warmup", "qsa_decode_warmup",
+              "qsa_fp8_caches", "qsa_write_paged", "qsa_index_update", "qsa_real_widths", "qsa_registration")
 QSA_KERNELS = ("_qsa_score_kernel", "_qsa_score_paged_kernel", "_qsa_score_prefill_kernel", "_qsa_topk_kernel",
                "_qsa_topk_small_kernel", "_qsa_attn_kernel", "_qsa_attn_loop_kernel", "_qsa_merge_kernel",
                "_write_paged_kernel", "_index_update_kernel")

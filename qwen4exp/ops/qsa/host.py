@@ -120,11 +120,32 @@ def vllm_topk_loaded() -> bool:
         return False
 
 
+VLLM_COOPERATIVE_MAX_ROWS = 64  # cooperative_topk's row limit (one cluster wave); past it persistent_topk
+
+
 def vllm_topk_covers(rows: int, m: int) -> bool:
     """Whether vLLM's top-k operator is loaded and serves ``rows`` rows of top ``m``."""
-    if rows > 64 or m not in (512, 1024, 2048):  # its row limit (one cluster wave) and its k values
+    if rows > VLLM_COOPERATIVE_MAX_ROWS or m not in (512, 1024, 2048):  # its row limit and its k values
         return False
     return vllm_topk_loaded()
+
+
+def vllm_persistent_topk_loaded() -> bool:
+    """Whether vLLM's many-row select (``torch.ops._C.persistent_topk``, the one upstream's prefill runs) is
+    registered."""
+    try:
+        return hasattr(torch.ops._C, "persistent_topk")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def prefill_select(m: int) -> str:
+    """Which select a paged prefill chunk past the budget runs: "vllm" (its cooperative select up to 64 rows, its
+    persistent one past them; fp32 scores; the profiles behind it: docs/performance.md, run 30) or
+    "triton" (ours, on int64 sort keys: where vLLM is not loaded, or for other top-k sizes)."""
+    if VLLM_TOPK and m in (512, 1024, 2048) and vllm_topk_loaded() and vllm_persistent_topk_loaded():
+        return "vllm"
+    return "triton"
 
 
 def load_vllm_kernels() -> bool:
@@ -260,11 +281,12 @@ def prefill_variants(Tq: int, n_blocks: int, m: int, r: int, Hkv: int) -> set:
     compiles."""
     indexed, step = prefill_step(Tq, n_blocks, m)
     n_slots = m * r + (r - 1)
+    vllm = prefill_select(m) == "vllm"
     out = set()
     for c0 in range(0, Tq, step):
         t = min(step, Tq - c0)
         if indexed:
-            out |= {("score_prefill",)} | _topk_variants(topk_plan(t, n_blocks, m))
+            out |= {("score_prefill", vllm)} | (set() if vllm else _topk_variants(topk_plan(t, n_blocks, m)))
         out |= {("attn_loop",)} if t >= launch.LOOP_MIN_QUERIES else _split_attn_variants(t, Hkv, n_slots)
     return out
 

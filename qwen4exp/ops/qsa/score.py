@@ -93,10 +93,11 @@ def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, VIS, Nb, r, scale, n_bt,
 def _qsa_score_prefill_kernel(IQ, IKV, IBT, QPOS, KEYS, Tq, Nb, r, scale, n_bt,
                               stride_qt, stride_qh, stride_kvb, stride_kvl, stride_keys_t,
                               HI: tl.constexpr, DI: tl.constexpr, IBS: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr):
+                              BLOCK_N: tl.constexpr, LOGITS: tl.constexpr = False):
     """Sort keys of BLOCK_M queries of ONE sequence x BLOCK_N of its block keys (read through its block-table row
     IBT from the paged index cache, as ``_qsa_score_paged_kernel``): one load of the block keys serves BLOCK_M
-    queries (prefill), and each head's scores are a [BLOCK_M, DI] x [DI, BLOCK_N] product."""
+    queries (prefill), and each head's scores are a [BLOCK_M, DI] x [DI, BLOCK_N] product. LOGITS: the fp32 scores
+    themselves (what vLLM's select reads; a query's blocks past its end hold values it does not read)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -114,8 +115,11 @@ def _qsa_score_prefill_kernel(IQ, IKV, IBT, QPOS, KEYS, Tq, Nb, r, scale, n_bt,
         qh = tl.load(IQ + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mmask[:, None],
                      other=0.0)
         s += tl.maximum(_dot(qh, tl.trans(k)), 0.0)
-    key = _sort_key(s * scale, offs_n[None, :], offs_n[None, :] < n_complete[:, None])
-    tl.store(KEYS + offs_m[:, None].to(tl.int64) * stride_keys_t + offs_n[None, :], key,
+    if LOGITS:
+        out = s * scale + 0.0  # (-0.0 -> +0.0, as the sort keys)
+    else:
+        out = _sort_key(s * scale, offs_n[None, :], offs_n[None, :] < n_complete[:, None])
+    tl.store(KEYS + offs_m[:, None].to(tl.int64) * stride_keys_t + offs_n[None, :], out,
              mask=mmask[:, None] & (offs_n < Nb)[None, :])
 
 
@@ -155,14 +159,22 @@ def paged_score_keys(q_pos, index_q, index_kv, index_block_table, n_blocks: int,
     return (keys, vis) if logits else keys
 
 
-def prefill_score_keys(q_pos, index_q, index_kv, block_row, n_blocks: int, r: int, index_scale: float):
-    """[Tq, n_blocks] int64 sort keys of queries of one sequence against its paged block keys (tiled kernel)."""
+def prefill_score_keys(q_pos, index_q, index_kv, block_row, n_blocks: int, r: int, index_scale: float,
+                       logits: bool = False):
+    """[Tq, n_blocks] int64 sort keys of queries of one sequence against its paged block keys (tiled kernel);
+    ``logits``: (the fp32 scores, rows 16-byte aligned, the visible block counts [Tq] int32) for vLLM's select."""
     Tq, HI, DI = index_q.shape
-    keys = torch.empty(Tq, n_blocks, dtype=torch.int64, device=index_q.device)
+    if logits:
+        keys = torch.empty(Tq, -(-n_blocks // 4) * 4, dtype=torch.float32, device=index_q.device)[:, :n_blocks]
+    else:
+        keys = torch.empty(Tq, n_blocks, dtype=torch.int64, device=index_q.device)
     launch.LAUNCHED.keep("qsa_score_prefill", _qsa_score_prefill_kernel[
         (triton.cdiv(n_blocks, launch.SCORE_BLOCK_N), triton.cdiv(Tq, launch.SCORE_BLOCK_M))](
         index_q, index_kv, block_row, q_pos, keys, Tq, n_blocks, r, float(index_scale), block_row.shape[0],
         index_q.stride(0), index_q.stride(1), index_kv.stride(0), index_kv.stride(2), keys.stride(0),
         HI=HI, DI=DI, IBS=index_kv.shape[2], BLOCK_M=launch.SCORE_BLOCK_M, BLOCK_N=launch.SCORE_BLOCK_N,
-        num_warps=launch.SCORE_WARPS))
+        LOGITS=logits, num_warps=launch.SCORE_WARPS))
+    if logits:
+        vis = torch.clamp(torch.div(q_pos + 1, r, rounding_mode="floor"), max=n_blocks).to(torch.int32)
+        return keys, vis
     return keys

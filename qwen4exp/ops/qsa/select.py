@@ -207,7 +207,9 @@ def vllm_top_ids(logits, q_pos, r: int, m: int, visible=None):
     if visible is None:
         visible = torch.clamp(torch.div(q_pos + 1, r, rounding_mode="floor"), max=n_blocks).to(torch.int32)
     out = torch.empty(rows, m, dtype=torch.int32, device=dev)
-    torch.ops._C.cooperative_topk(logits, visible, out, ws, m, n_blocks)
+    # (past its row limit vLLM's persistent select, as upstream's prefill: same arguments)
+    op = torch.ops._C.cooperative_topk if rows <= host.VLLM_COOPERATIVE_MAX_ROWS else torch.ops._C.persistent_topk
+    op(logits, visible, out, ws, m, n_blocks)
     return out
 
 

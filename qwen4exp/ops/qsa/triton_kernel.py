@@ -137,7 +137,10 @@ def qsa_prefill_paged_triton(q, q_pos, index_q, kv, block_row, index_kv, seq_len
     indexed, step = host.prefill_step(Tq, n_blocks, m)
     for c0 in range(0, Tq, step):
         qc, pc, iqc = q[c0: c0 + step], q_pos[c0: c0 + step], index_q[c0: c0 + step]
-        if indexed:
+        if indexed and host.prefill_select(m) == "vllm":
+            lg, vis = prefill_score_keys(pc, iqc, index_kv, block_row, n_blocks, r, index_scale, logits=True)
+            sel = vllm_top_ids(lg, pc, r, m, vis)
+        elif indexed:
             sel = top_ids(prefill_score_keys(pc, iqc, index_kv, block_row, n_blocks, r, index_scale), m)
         else:
             sel = dense_ids(pc, r, m)
