@@ -84,6 +84,11 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "the MoE decode kernels (qwen4exp.ops.moe_decode: router GEMV + top-k in one launch, NVFP4 W4A16 expert "
            "GEMVs) on CUDA for <= 4 tokens; 0: that op's torch reference. Not wired into the vLLM model yet, so it "
            "only affects direct calls of the op (tests, benchmarks/bench_ops.py)"),
+    Switch("QWEN4EXP_QSA_PREFILL_SELECT", "choice", "triton",
+           "QSA prefill chunks past the budget on CUDA: triton (our select on int64 sort keys) or vllm (vLLM's "
+           "cooperative / persistent top-k on fp32 scores, as upstream's prefill, where vLLM has loaded them; "
+           "an open A/B: run 30's profile put our select at 5.8 ms a 16k chunk against vLLM's 1.5)",
+           ("triton", "vllm")),
     Switch("QWEN4EXP_QSA_WARMUP", "bool", True,
            "vLLM plugin on GPUs: compile every QSA kernel variant of prefills and eager decode rows at start-up "
            "(after the KV caches are allocated), so no request waits on a Triton compile; 0: compile on first use"),
@@ -152,6 +157,7 @@ if TYPE_CHECKING:  # each switch's type for type checkers and editors (vLLM's en
     QWEN4EXP_PLE_PREFETCH: bool
     QWEN4EXP_HC_DECODE: str
     QWEN4EXP_MOE_DECODE: bool
+    QWEN4EXP_QSA_PREFILL_SELECT: str
     QWEN4EXP_QSA_WARMUP: bool
     QWEN4EXP_SESSION_TTL: float
     QWEN4EXP_CONTINUATION_CHUNK: int

@@ -5,6 +5,8 @@ timing runs on a GPU only (the device queue)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,16 @@ from qwen4exp.ops.qsa import block_mean, qsa_attention
 from script_loader import load_script
 
 bench_layer = load_script("bench_layer")
+
+
+@pytest.fixture(autouse=True)
+def _switches_restored(monkeypatch):
+    """The CLI sets QWEN4EXP_MOE_DECODE in the process environment (its ``--moe``): restored after each test."""
+    from qwen4exp import envs
+
+    monkeypatch.setenv("QWEN4EXP_MOE_DECODE", os.environ.get("QWEN4EXP_MOE_DECODE", "0"))
+    yield
+    envs.reset()
 
 
 def tiny_case(kind, B, nq, ctx, copies=1):
@@ -106,7 +118,7 @@ def test_graph_replay_is_the_eager_step_on_cuda(kind, nq, monkeypatch):
     from qwen4exp.ops.cuda_graph import capture
 
     monkeypatch.setenv("QWEN4EXP_MOE_DECODE", "1")
-    envs.reset()
+    envs.reset()  # (the autouse fixture forgets it again after the test)
     case = bench_layer.Case(bench_layer.text_config(tiny=False), kind, 1, nq, 3000, 2, 784, torch.bfloat16, "cuda")
     with _registry.record() as ran:
         case.step()

@@ -43,7 +43,8 @@
 #                                                   # (default 1): the kernel tests (pytest -m gpu tests/ops; BG_K:
 #                                                   # pytest -k), then benchmarks/bench_ops.py --tune (BG_BENCH=0:
 #                                                   # not; BG_ONLY=op,op: those ops without sweeps, BG_OPS_ARGS: more
-#                                                   # bench_ops arguments, e.g. --no-ref --decode-breakdown);
+#                                                   # bench_ops arguments, e.g. --no-ref --decode-breakdown;
+#                                                   # BG_LAYER=1: the layer harness before it, as `layer`);
 #                                                   # results in /tmp/bg
 #   bash tools/gpu_device.sh bgresult             # what `bg` has written so far, copied to OUT/bg and summarised
 #   bash tools/gpu_device.sh modelopt             # ModelOpt's own fake-quant figure beside ours: recipes/quantize_nvfp4.py
@@ -248,6 +249,14 @@ case "${1:-}" in
       timeout 400 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/ops ${BG_K:+-k "$BG_K"} \
         > /tmp/bg/kernels.log 2>&1
       echo "rc=$?" >> /tmp/bg/kernels.log
+      if [ "${BG_LAYER:-0}" = 1 ]; then  # the layer harness (benchmarks/bench_layer.py), as `layer` does
+        mkdir -p /tmp/bg/layer
+        for q in 1 4; do
+          timeout ${LAYER_TIMEOUT:-280} python benchmarks/bench_layer.py --batch 1,8 --queries $q \
+            --csv /tmp/bg/layer/layer-q$q.csv --profile /tmp/bg/layer ${LAYER_ARGS:-} > /tmp/bg/layer/layer-q$q.log 2>&1
+          echo "rc=$?" >> /tmp/bg/layer/layer-q$q.log
+        done
+      fi
       [ "${BG_BENCH:-1}" = 1 ] || exit 0
       if [ -n "${BG_ONLY:-}" ]; then  # a few ops, no sweeps
         timeout ${BG_TIMEOUT:-300} python benchmarks/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --only "$BG_ONLY" \
@@ -312,7 +321,7 @@ case "${1:-}" in
     pack "$q/out" "$OUT/results.tgz" --exclude='*.pt'; echo "archive: $(du -h "$OUT/results.tgz" | cut -f1)" ;;
   bgresult)
     mkdir -p "$OUT/bg"; cp -r /tmp/bg/. "$OUT/bg/" 2>/dev/null
-    for f in kernels bench_ops; do echo "== $f"; tail -25 "/tmp/bg/$f.log" 2>/dev/null; done ;;
+    for f in kernels bench_ops layer/layer-q1 layer/layer-q4; do echo "== $f"; tail -25 "/tmp/bg/$f.log" 2>/dev/null; done ;;
   tp2)
     register
     # greedy only: no FlashInfer sampler (its first-use JIT build of the sampling module can hold a fresh machine's

@@ -8,6 +8,8 @@ The loops below deliberately do not call the code under test: each one is the te
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -460,9 +462,30 @@ def test_decode_select_picks_dense_vllm_or_triton(monkeypatch):
     assert host.decode_select(4, 513, 512) == "triton"
 
 
-def test_prefill_select_is_vllms_where_both_its_selects_are_loaded(monkeypatch):
-    """A prefill chunk's select: vLLM's (cooperative up to 64 rows, persistent past them) where both are loaded
-    and m is one of its k values, else ours."""
+@pytest.fixture
+def prefill_select_vllm(monkeypatch):
+    """``QWEN4EXP_QSA_PREFILL_SELECT=vllm`` for one test (the parsed switches forgotten before and after)."""
+    from qwen4exp import envs
+
+    monkeypatch.setenv("QWEN4EXP_QSA_PREFILL_SELECT", "vllm")
+    envs.reset()
+    yield
+    envs.reset()  # (before monkeypatch restores the environment: the next read parses it afresh)
+
+
+def test_prefill_select_is_ours_by_default(monkeypatch):
+    from qwen4exp import envs
+
+    monkeypatch.setattr(host, "vllm_topk_loaded", lambda: True)
+    monkeypatch.setattr(host, "vllm_persistent_topk_loaded", lambda: True)
+    assert envs.SWITCHES["QWEN4EXP_QSA_PREFILL_SELECT"].default == "triton"
+    if "QWEN4EXP_QSA_PREFILL_SELECT" not in os.environ:
+        assert host.prefill_select(512) == "triton"
+
+
+def test_prefill_select_is_vllms_where_both_its_selects_are_loaded(monkeypatch, prefill_select_vllm):
+    """A prefill chunk's select with ``QWEN4EXP_QSA_PREFILL_SELECT=vllm``: vLLM's (cooperative up to 64 rows,
+    persistent past them) where both are loaded and m is one of its k values, else ours."""
     monkeypatch.setattr(host, "vllm_topk_loaded", lambda: True)
     monkeypatch.setattr(host, "vllm_persistent_topk_loaded", lambda: True)
     assert host.prefill_select(512) == "vllm" and host.prefill_select(2048) == "vllm"
@@ -831,7 +854,7 @@ def test_qsa_decode_paged_gated_by_its_merge():
 
 
 @pytest.mark.gpu
-def test_qsa_prefill_paged_with_vllm_select():
+def test_qsa_prefill_paged_with_vllm_select(prefill_select_vllm):
     """Where vLLM is loaded a prefill chunk past the budget selects with vLLM's select on fp32 scores (its
     persistent select past 64 rows, as upstream's prefill): the same sets as our radix select on untied random
     scores (200 rows), and a 2,300-token prompt's last 300 queries attend as the reference does."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import envs
 from . import launch
 
 MAX_TQ = 64  # qsa_attention (unpaged K/V): decode / verify / short chunks; longer ones go to the reference
@@ -140,10 +141,12 @@ def vllm_persistent_topk_loaded() -> bool:
 
 
 def prefill_select(m: int) -> str:
-    """Which select a paged prefill chunk past the budget runs: "vllm" (its cooperative select up to 64 rows, its
-    persistent one past them; fp32 scores; the profiles behind it: docs/performance.md, run 30) or
-    "triton" (ours, on int64 sort keys: where vLLM is not loaded, or for other top-k sizes)."""
-    if VLLM_TOPK and m in (512, 1024, 2048) and vllm_topk_loaded() and vllm_persistent_topk_loaded():
+    """Which select a paged prefill chunk past the budget runs: "vllm" (``QWEN4EXP_QSA_PREFILL_SELECT=vllm``: its
+    cooperative select up to 64 rows, its persistent one past them; fp32 scores; the profiles behind it:
+    docs/performance.md, run 30) or "triton" (ours, on int64 sort keys: the default, and where vLLM is not loaded
+    or for other top-k sizes)."""
+    if (envs.QWEN4EXP_QSA_PREFILL_SELECT == "vllm" and VLLM_TOPK and m in (512, 1024, 2048) and vllm_topk_loaded()
+            and vllm_persistent_topk_loaded()):
         return "vllm"
     return "triton"
 
