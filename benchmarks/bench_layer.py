@@ -16,9 +16,10 @@ own weights, states and caches, so the replays read them from HBM as a model ste
 * QSA: the plugin's decode path itself (``ops.qsa.step``: cache writes, block-key completion; ``qsa_decode_paged``
   with the output gate in its merge), over paged caches filled with a ``--ctx``-token history per request (shuffled
   pages of ``--block-size`` tokens), q / k / v / indexer projections as ONE GEMM (``colocate_projections``).
-* MoE: the router and the routed experts through ``ops.moe_decode`` (``--moe kernel``: its Triton kernels, up to 4
-  tokens; the torch reference past that, or with ``--moe reference``); random NVFP4 codes and scales (timing does
-  not depend on the values); the shared expert's gate and up projections as one GEMM.
+* MoE: the router and the routed experts through ``ops.moe_decode`` (``--moe kernel``: its Triton kernels, in
+  slices of up to 4 tokens; ``--moe reference``: the torch reference); random NVFP4 codes and scales (timing does
+  not depend on the values); the shared expert's gate and up projections as one GEMM. The served model's routed
+  experts are vLLM's NVFP4 MoE (HUMMING on Hopper), which this harness does not have.
 * ``--queries N``: N queries a request (MTP verification: 1 + drafts); GDN steps them one position at a time.
 
 Per case: the median time of a graph replay (CUDA events) over the copies; kernels a layer and the costliest ones
@@ -51,6 +52,7 @@ from qwen4exp.layers.moe import MoE, SwiGLU  # noqa: E402
 from qwen4exp.layers.rope import RotaryEmbedding  # noqa: E402
 from qwen4exp.modeling import DecoderLayer, colocate_projections  # noqa: E402
 from qwen4exp.ops import _registry, moe_decode  # noqa: E402
+from qwen4exp.ops.moe_decode import host as moe_host  # noqa: E402
 from qwen4exp.ops.layout import colocate_rows, stacked_weight  # noqa: E402
 from qwen4exp.ops.qsa import block_mean, layout, qsa_decode_paged, write_paged  # noqa: E402
 from qwen4exp.ops.qsa.step import decode_inputs, decode_writes  # noqa: E402
@@ -113,12 +115,19 @@ class MergedSwiGLU(SwiGLU):
 
 
 class DecodeMoE(MoE):
-    """The MoE block with the router and the routed experts through ``ops.moe_decode``."""
+    """The MoE block with the router and the routed experts through ``ops.moe_decode``. Its kernels take up to
+    ``MAX_TOKENS`` tokens; a larger batch goes through them in slices of that many (their programs are per token
+    and expert anyway), not through the torch reference, whose dequantized experts would dominate the time."""
 
     def forward(self, x):
         shared = self.shared_expert(x)
-        _, w, ids = moe_decode.router_topk(x, self.gate.weight, self.gate.top_k, self.gate.norm_topk)
-        return self.combine(x, shared, self.experts(x, w, ids))
+        step = moe_host.MAX_TOKENS if envs.QWEN4EXP_MOE_DECODE else x.shape[0]
+        routed = []
+        for s in range(0, x.shape[0], step):
+            xs = x[s: s + step]
+            _, w, ids = moe_decode.router_topk(xs, self.gate.weight, self.gate.top_k, self.gate.norm_topk)
+            routed.append(self.experts(xs, w, ids))
+        return self.combine(x, shared, routed[0] if len(routed) == 1 else torch.cat(routed))
 
 
 # ------------------------------------------------------------------------------------------------- states, caches

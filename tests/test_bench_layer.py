@@ -142,3 +142,21 @@ def test_graph_replay_is_the_eager_step_on_cuda(kind, nq, monkeypatch):
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     kernels, ranked = bench_layer.census(case, graph, 2)
     assert kernels > 5 and ranked
+
+
+def test_moe_slices_are_the_whole_batch(monkeypatch):
+    """Past the MoE decode kernels' token limit the harness routes the batch in slices: the same output as one
+    call over all tokens (the tokens are independent)."""
+    from qwen4exp import envs
+    from qwen4exp.ops.moe_decode import host as moe_host
+
+    case = tiny_case("gdn", 3, 3, 8)  # 9 tokens: slices of MAX_TOKENS
+    moe = case.layers[0].mlp
+    x = torch.randn(9, case.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    assert x.shape[0] > moe_host.MAX_TOKENS
+    monkeypatch.setenv("QWEN4EXP_MOE_DECODE", "0")
+    envs.reset()
+    whole = moe(x)
+    monkeypatch.setenv("QWEN4EXP_MOE_DECODE", "1")
+    envs.reset()
+    torch.testing.assert_close(moe(x), whole, rtol=1e-6, atol=1e-6)
