@@ -3,7 +3,7 @@ the kernel-iteration harness of issue 50 item 2. A kernel change costs seconds o
 vLLM kit's staging and an engine's start.
 
     python benchmarks/bench_layer.py [--kinds gdn,qsa] [--batch 1,8] [--queries 1] [--ctx 50000] [--copies 4]
-        [--moe kernel] [--set QWEN4EXP_HC_DECODE=fused-ticket ...] [--profile DIR] [--csv FILE] [--e2e gdn=197.8]
+        [--moe kernel] [--set QWEN4EXP_HC_DECODE=fused-ticket ...] [--profile DIR] [--csv FILE] [--e2e gdn=US,qsa=US]
 
 A case is ``--copies`` decoder layers of one kind (``modeling.DecoderLayer``, the definition both runtimes build),
 chained as in the model: HC mix in, the token mixer, HC write-back normalised for the MoE's mixer, the MoE (router,

@@ -226,7 +226,7 @@ case "${1:-}" in
   layer)
     # benchmarks/bench_layer.py in the image's own torch and Triton (no vLLM, no register): GDN and QSA layers at the
     # real widths, batch 1 and 8, then 1 + 3 queries a request (MTP verification); fla from FLA. LAYER_ARGS: more
-    # arguments for both runs (e.g. --set QWEN4EXP_HC_DECODE=fused-ticket, --e2e gdn=197.8,qsa=237.9)
+    # arguments for both runs (e.g. --set QWEN4EXP_HC_DECODE=fused-ticket, --e2e gdn=US,qsa=US)
     mkdir -p "$OUT/layer"
     for q in 1 4; do
       PYTHONPATH=$ROOT:$FLA${PYTHONPATH:+:$PYTHONPATH} timeout ${LAYER_TIMEOUT:-280} python benchmarks/bench_layer.py \

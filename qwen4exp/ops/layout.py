@@ -2,7 +2,8 @@
 
 A runtime may lay out the weights of projections that read the same input as consecutive row ranges of one buffer
 (``colocate_rows``; ``qwen4exp.modeling.colocate_projections`` picks the groups); the layers and ops that run those
-projections ask ``stacked_weight`` for the joined view and run one GEMM where there is one, the separate projections otherwise.
+projections ask ``stacked_weight`` for the joined view and run one GEMM where there is one, the separate projections
+otherwise.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from torch import nn
 
 def stacked_weight(weights, pad: int = 1) -> torch.Tensor | None:
     """The 2-D weights [R_i, K] as ONE [sum R_i, K] view when each one's rows follow the previous one's in memory (a
-    runtime laid them out so: ``colocate_rows``), else None; their projections can then run as
-    one GEMM. ``pad``: the rows rounded up to a multiple of it where the storage holds them (zero rows a runtime
-    added so that the GEMM's output rows are 16-byte aligned); rows past the last weight's are not weights."""
+    runtime laid them out so: ``colocate_rows``), else None; their projections can then run as one GEMM. ``pad``:
+    the rows rounded up to a multiple of it where the storage holds them (zero rows a runtime added so that the
+    GEMM's output rows are 16-byte aligned); rows past the last weight's are not weights."""
     if not weights or any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in weights):
         return None
     w0 = weights[0]
