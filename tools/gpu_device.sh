@@ -209,7 +209,8 @@ case "${1:-}" in
     # issue 49's same-call MTP 3 figures (FN-24L-NVFP4, batch 1 at 50k, batches 8 and 32 at 30k, profiles, the warm
     # prefill), upstream against ours; first waits (up to 10 min) for a `bg` job's bench_ops to end, copies its
     # results to OUT/bg and lets tools/pick_hc_variant.py name the fastest QWEN4EXP_HC_DECODE at 4 tokens: where
-    # that is not the default it runs as a third implementation, `hc`. MTP_ARGS: more bench_vllm_gpu.py arguments
+    # that is not the default it runs as a third implementation, `hc`. MTP_ARGS: more bench_vllm_gpu.py arguments;
+    # MTP_VARIANTS: more implementations (below)
     register
     for _ in $(seq 200); do [ -d /tmp/bg ] || break; grep -q "^rc=" /tmp/bg/bench_ops.log 2>/dev/null && break; sleep 3; done
     impls=upstream,ours; extra=()
@@ -219,6 +220,9 @@ case "${1:-}" in
       echo "picked $var" >> "$OUT/pick.log"
       if [ "$var" != fused ]; then impls=upstream,ours,hc; extra=(--variant "hc=QWEN4EXP_HC_DECODE=$var"); fi
     fi
+    # MTP_VARIANTS="NAME=SWITCH=VALUE ...": more implementations of ours, each one switch (e.g.
+    # vsel=QWEN4EXP_QSA_PREFILL_SELECT=vllm)
+    for v in ${MTP_VARIANTS:-}; do impls+=",${v%%=*}"; extra+=(--variant "$v"); done
     python benchmarks/bench_vllm_gpu.py --preset fn-nvfp4 --layers 24 --impls "$impls" "${extra[@]}" --mtp 3 \
       --bs8-ctx 30000 --bs32-ctx 30000 --bs32-tokens 1200 --mp --profile --warm-prefill --out "$OUT" ${MTP_ARGS:-} \
       > "$OUT/mtp.log" 2>&1

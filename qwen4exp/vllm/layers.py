@@ -372,6 +372,7 @@ def our_gdn(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
             self.A_log.data = self.A_log.data.float()  # kept fp32, as the HF reference loads it
             self.state = StateSlots(self.state_shapes(config), gdn_state_dtypes(vllm_config), f"{prefix}.state")
             self.state.step = self._step
+            self.state.decode_form = True  # GatedDeltaNet.forward takes cu_seqlens=None: the graph-safe decode
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
             return self.state(torch.empty_like(x), x)
@@ -379,7 +380,7 @@ def our_gdn(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
         def _step(self, x: torch.Tensor) -> torch.Tensor:
             T = x.shape[0]
 
-            def fn(rows, cu, states):
+            def fn(rows, cu, states):  # (cu None: one token a request, StateSlots' decode form)
                 y, conv, ssm = super(OurGDN, self).forward(x[rows], cu, states[0], states[1].float())
                 return y, (conv, ssm)
 
