@@ -22,7 +22,7 @@ from ..ops.layout import stacked_weight
 from ..ops.qsa.reference import output_gate
 from .linear import LinearFactory, default_linear, linear_weight
 from .norms import RMSNorm
-from .rope import apply_rope, norm_rope
+from .rope import apply_rope, norm_rope_many
 
 
 @dataclass
@@ -83,12 +83,13 @@ class QSAAttention(nn.Module):
         qg, k, v, iqk = self._linears(x)
         qg = qg.view(T, self.n_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:]
-        q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
-        k = norm_rope(k.view(T, self.n_kv, d), self.k_norm.weight, self.k_norm.eps, cos, sin)
         v = v.view(T, self.n_kv, d)
         ix = self.indexer
         iq = iqk[:, : ix.n_heads * ix.head_dim].view(T, ix.n_heads, ix.head_dim)
-        iq = norm_rope(iq, ix.q_layernorm.weight, ix.q_layernorm.eps, cos, sin)
+        # the three norm + RoPEs (queries, keys, indexer queries): one launch on GPUs
+        q, k, iq = norm_rope_many([(q, self.q_norm.weight, self.q_norm.eps),
+                                   (k.view(T, self.n_kv, d), self.k_norm.weight, self.k_norm.eps),
+                                   (iq, ix.q_layernorm.weight, ix.q_layernorm.eps)], cos, sin)
         return QSAProjections(q, gate, k, v, iq, iqk[:, ix.n_heads * ix.head_dim:])
 
     def block_keys(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

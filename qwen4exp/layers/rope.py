@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.rope import apply_rope, norm_rope  # noqa: F401  (the layers import them from here)
+from ..ops.rope import apply_rope, norm_rope, norm_rope_many  # noqa: F401  (the layers import them from here)
 
 
 class RotaryEmbedding(nn.Module):

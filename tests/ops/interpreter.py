@@ -359,6 +359,34 @@ def check_norm_rope():
                   f"norm_rope R={R} {dt}")
 
 
+@check("norm_rope3")
+def check_norm_rope3():
+    """The QSA layer's three norm + RoPEs in one launch (queries as a strided view of [q | gate], keys, indexer
+    queries of another head size): each output bit-equal to its own ``norm_rope_triton``, and close to the
+    reference; with a group of no heads too."""
+    from qwen4exp.ops.rope import host, reference as ref, triton_kernel as tk
+    g = torch.Generator().manual_seed(7)
+    for dt in (BF, torch.float32):
+        for R, hk in ((32, 2), (64, 1), (32, 0)):
+            T = 3
+            q = (torch.randn(T, 4 * 2 * 128, generator=g) * 3).to(dt).view(T, 4, 256)[..., :128]
+            k = (torch.randn(T, hk, 128, generator=g) * 2).to(dt)
+            iq = torch.randn(T, 2, 64, generator=g).to(dt)
+            ws = [(torch.randn(d, generator=g) * 0.1).to(dt) for d in (128, 128, 64)]
+            eps = (1e-6, 1e-5, 1e-6)
+            cos, sin = _angles(g, T, R, dt)
+            groups = list(zip((q, k, iq), ws, eps))
+            assert host.norm_rope3_covers(groups, cos, sin)
+            got = tk.norm_rope3_triton(q, ws[0], eps[0], k, ws[1], eps[1], iq, ws[2], eps[2], cos, sin)
+            for i, (x, w, e) in enumerate(groups):
+                one = tk.norm_rope_triton(x, w, e, cos, sin)
+                assert got[i].shape == x.shape and torch.equal(got[i], one), f"norm_rope3 group {i} R={R} {dt}"
+                close(got[i], ref.norm_rope(x, w, e, cos, sin), 0.02, f"norm_rope3 group {i} R={R} {dt}")
+    assert not host.norm_rope3_covers(groups[:2], cos, sin)  # three groups
+    strided_w = torch.randn(64, 2, generator=g).to(dt)[:, 0]  # (a weight each group's kernel takes: dense)
+    assert not host.norm_rope3_covers(groups[:2] + [(iq, strided_w, 1e-6)], cos, sin)
+
+
 # ------------------------------------------------------------------------------------------------ MoE output
 @check("moe_combine")
 def check_moe_combine():
@@ -460,7 +488,10 @@ def check_rope_registration():
     def fakes(ops, t):
         assert ops["apply_rope"](t(2, 24, 64), t(2, 64), t(2, 64)).shape == (2, 24, 64)
         assert ops["norm_rope"](t(2, 24, 64), t(64), 1e-6, t(2, 32), t(2, 32)).shape == (2, 24, 64)
-    _registration("qwen4exp.ops.rope.cuda", ("apply_rope", "norm_rope"), fakes)
+        y = ops["norm_rope3"](t(2, 24, 64), t(64), 1e-6, t(2, 2, 64), t(64), 1e-6, t(2, 4, 32), t(32), 1e-6,
+                              t(2, 32), t(2, 32))
+        assert [tuple(a.shape) for a in y] == [(2, 24, 64), (2, 2, 64), (2, 4, 32)]
+    _registration("qwen4exp.ops.rope.cuda", ("apply_rope", "norm_rope", "norm_rope3"), fakes)
 
 
 @check("moe_combine_registration")

@@ -169,6 +169,29 @@ def test_norm_rope_kernel_matches_reference(T, H, D, R, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 32])
+def test_norm_rope_many_is_one_launch_of_the_three(T):
+    """The QSA layer's shapes at the real widths (queries a strided view of [q | gate], 24 x 256; keys 2 x 256;
+    indexer queries 4 x 128): ``norm_rope_many`` runs the three in one kernel, each output bit-equal to its own
+    ``norm_rope`` kernel; a group the kernel does not take sends all three to ``norm_rope``."""
+    g = gen(T + 13, "cuda")
+    q = rnd((T, 24, 512), g, 3.0)[..., :256]
+    k, iq = rnd((T, 2, 256), g, 2.0), rnd((T, 4, 128), g, 1.0)
+    ws = [rnd((d,), g, 0.1) for d in (256, 256, 128)]
+    cos, sin = angles(g, T, 64, BF, 50.0)
+    groups = list(zip((q, k, iq), ws, (1e-6, 1e-6, 1e-6)))
+    poison()
+    with expect_kernel("norm_rope_many"):
+        got = rope.norm_rope_many(groups, cos, sin)
+    for y, (x, w, e) in zip(got, groups):
+        assert torch.equal(y, rope.norm_rope(x, w, e, cos, sin))
+    strided_w = rnd((128, 2), g, 0.1)[:, 0]
+    with expect_kernel("apply_rope") as ran:
+        rope.norm_rope_many(groups[:2] + [(iq, strided_w, 1e-6)], cos, sin)
+    assert "norm_rope_many" not in ran
+
+
+@pytest.mark.gpu
 def test_norm_rope_fallback_runs_the_two_kernels():
     """A weight the fused kernel does not take (strided): ``norm_rope`` runs the norm kernel, then the RoPE kernel."""
     g = gen(11, "cuda")
@@ -182,7 +205,7 @@ def test_norm_rope_fallback_runs_the_two_kernels():
 
 
 # ----------------------------------------------------------------------------------- Triton checks (no GPU)
-CHECKS = ("apply_rope", "norm_rope", "rope_registration")
+CHECKS = ("apply_rope", "norm_rope", "norm_rope3", "rope_registration")
 
 
 @pytest.mark.triton_check("apply_rope")
@@ -195,13 +218,18 @@ def test_interpreter_norm_rope(triton_checks):
     triton_checks.passed("norm_rope")
 
 
+@pytest.mark.triton_check("norm_rope3")
+def test_interpreter_norm_rope3(triton_checks):
+    triton_checks.passed("norm_rope3")
+
+
 @pytest.mark.triton_check("rope_registration")
 def test_custom_ops_schemas_and_fakes(triton_checks):
     triton_checks.passed("rope_registration")
 
 
 @pytest.mark.triton_check(*CHECKS)
-@pytest.mark.parametrize("kernel", ["_rope_kernel", "_norm_rope_kernel"])
+@pytest.mark.parametrize("kernel", ["_rope_kernel", "_norm_rope_kernel", "_norm_rope3_kernel"])
 def test_kernels_compile_for_hopper(triton_checks, kernel):
     triton_checks.compiled(kernel)
 

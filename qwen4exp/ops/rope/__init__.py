@@ -18,4 +18,10 @@ def norm_rope(x, weight, eps, cos, sin):
     return pick("norm_rope", x.device, reference.norm_rope)(x, weight, eps, cos, sin)
 
 
-__all__ = ["apply_rope", "norm_rope", "reference"]
+def norm_rope_many(groups, cos, sin):
+    """[(x, weight, eps), ...] of the same tokens sharing cos / sin -> [``norm_rope`` of each]; on GPUs three groups
+    run in one launch."""
+    return pick("norm_rope_many", cos.device, reference.norm_rope_many)(groups, cos, sin)
+
+
+__all__ = ["apply_rope", "norm_rope", "norm_rope_many", "reference"]

@@ -59,4 +59,27 @@ def norm_rope(x, weight, eps, cos, sin):
     return norm_rope_op(x, weight, float(eps), cos, sin)
 
 
-KERNELS = {"apply_rope": apply_rope, "norm_rope": norm_rope}
+@_registry.custom_op("qwen4exp::norm_rope3", mutates_args=())
+def norm_rope3_op(x0: Tensor, w0: Tensor, eps0: float, x1: Tensor, w1: Tensor, eps1: float, x2: Tensor, w2: Tensor,
+                  eps2: float, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return tk.norm_rope3_triton(x0, w0, eps0, x1, w1, eps1, x2, w2, eps2, cos, sin)
+
+
+@norm_rope3_op.register_fake
+def _(x0, w0, eps0, x1, w1, eps1, x2, w2, eps2, cos, sin):
+    return x0.new_empty(x0.shape), x1.new_empty(x1.shape), x2.new_empty(x2.shape)
+
+
+def norm_rope_many(groups, cos, sin):
+    """Three groups in one launch where the kernel covers them all (the QSA layer's q, k and indexer q); else each
+    group as ``norm_rope``."""
+    groups = list(groups)
+    if not (all(norm_rope_supported(x, w, cos, sin) for x, w, _ in groups) and host.norm_rope3_covers(groups, cos,
+                                                                                                      sin)):
+        return [norm_rope(x, w, eps, cos, sin) for x, w, eps in groups]
+    _registry.ran("norm_rope_many", "kernel")
+    (x0, w0, e0), (x1, w1, e1), (x2, w2, e2) = groups
+    return list(norm_rope3_op(x0, w0, float(e0), x1, w1, float(e1), x2, w2, float(e2), cos, sin))
+
+
+KERNELS = {"apply_rope": apply_rope, "norm_rope": norm_rope, "norm_rope_many": norm_rope_many}

@@ -22,6 +22,11 @@ def norm_rope_covers(x, weight, cos, sin) -> bool:
     return covers(x, cos, sin) and weight.dim() == 1 and weight.numel() == x.shape[-1] and weight.is_contiguous()
 
 
+def norm_rope3_covers(groups, cos, sin) -> bool:
+    """``norm_rope3_triton``: three groups, each what ``norm_rope_triton`` covers (so all of cos' dtype)."""
+    return len(groups) == 3 and all(norm_rope_covers(x, w, cos, sin) for x, w, _ in groups)
+
+
 def norm_then_rope(x, weight, eps, cos, sin, *, rms_norm, apply_rope):
     """``norm_rope`` where its one kernel does not cover the call: the per-head norm, then RoPE (on CUDA each its
     own kernel where that one covers the call, else its reference)."""

@@ -22,3 +22,9 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     from ..norm.reference import grouped_rms_norm
 
     return apply_rope(grouped_rms_norm(x, weight, x.shape[-1], eps), cos, sin)
+
+
+def norm_rope_many(groups, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
+    """``norm_rope`` of each (x, weight, eps) of ``groups`` (tensors of the same tokens) with the same cos / sin: the
+    QSA layer's queries, keys and indexer queries (one launch on GPUs)."""
+    return [norm_rope(x, w, eps, cos, sin) for x, w, eps in groups]

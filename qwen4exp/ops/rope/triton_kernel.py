@@ -53,14 +53,11 @@ def _rope_kernel(X, COS, SIN, Y, H, R, D, stride_xt, stride_xh, stride_ct, strid
 
 
 @triton.jit
-def _norm_rope_kernel(X, W, COS, SIN, Y, H, R, D, eps, inv_d, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh,
-                      HALF_P: tl.constexpr, D_P: tl.constexpr, FULL_P: tl.constexpr, ROUND: tl.constexpr):
-    """One (token, head) row: the zero-centred RMS norm as ``_rms_norm_kernel`` (fp32, one rounding), then RoPE as
-    ``_rope_kernel`` on the normed values; the row is read once from HBM (the partial loads hit L1)."""
-    pid = tl.program_id(0)
-    t = (pid // H).to(tl.int64)
-    h = (pid % H).to(tl.int64)
-    xrow = X + t * stride_xt + h * stride_xh
+def _norm_rope_row(xrow, W, COS, SIN, yp, t, R, D, eps, inv_d, stride_ct, HALF_P: tl.constexpr, D_P: tl.constexpr,
+                   FULL_P: tl.constexpr, ROUND: tl.constexpr):
+    """One (token, head) row at ``xrow`` -> ``yp``: the zero-centred RMS norm as ``_rms_norm_kernel`` (fp32, one
+    rounding), then RoPE as ``_rope_kernel`` on the normed values; the row is read once from HBM (the partial loads
+    hit L1)."""
     f = tl.arange(0, FULL_P)
     xf = tl.load(xrow + f, mask=f < D, other=0.0).to(tl.float32)
     rstd = _rsqrt(tl.sum(xf * xf, axis=0) * inv_d + eps)
@@ -71,13 +68,47 @@ def _norm_rope_kernel(X, W, COS, SIN, Y, H, R, D, eps, inv_d, stride_xt, stride_
                 * (1.0 + tl.load(W + o, mask=m, other=0.0).to(tl.float32)), ROUND)
     n2 = _round((tl.load(xrow + half + o, mask=m, other=0.0).to(tl.float32) * rstd)
                 * (1.0 + tl.load(W + half + o, mask=m, other=0.0).to(tl.float32)), ROUND)
-    yp = Y + t * stride_yt + h * stride_yh
     _rotate_store(n1, n2, COS, SIN, yp, t, stride_ct, o, m, half, ROUND)
     p = R + tl.arange(0, D_P)
     pm = p < D
     npass = (tl.load(xrow + p, mask=pm, other=0.0).to(tl.float32) * rstd) * (1.0 + tl.load(W + p, mask=pm,
                                                                                           other=0.0).to(tl.float32))
-    tl.store(yp + p, _round(npass, ROUND).to(Y.dtype.element_ty), mask=pm)
+    tl.store(yp + p, _round(npass, ROUND).to(yp.dtype.element_ty), mask=pm)
+
+
+@triton.jit
+def _norm_rope_kernel(X, W, COS, SIN, Y, H, R, D, eps, inv_d, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh,
+                      HALF_P: tl.constexpr, D_P: tl.constexpr, FULL_P: tl.constexpr, ROUND: tl.constexpr):
+    """One program per (token, head) row (``_norm_rope_row``)."""
+    pid = tl.program_id(0)
+    t = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    _norm_rope_row(X + t * stride_xt + h * stride_xh, W, COS, SIN, Y + t * stride_yt + h * stride_yh, t, R, D, eps,
+                   inv_d, stride_ct, HALF_P, D_P, FULL_P, ROUND)
+
+
+@triton.jit
+def _norm_rope3_kernel(X0, W0, Y0, X1, W1, Y1, X2, W2, Y2, COS, SIN, H0, H1, R, D0, D1, D2, eps0, eps1, eps2,
+                       inv0, inv1, inv2, sx0t, sx0h, sy0t, sy0h, sx1t, sx1h, sy1t, sy1h, sx2t, sx2h, sy2t, sy2h,
+                       stride_ct, HALF_P: tl.constexpr, DP0: tl.constexpr, FP0: tl.constexpr, DP1: tl.constexpr,
+                       FP1: tl.constexpr, DP2: tl.constexpr, FP2: tl.constexpr, ROUND: tl.constexpr):
+    """Three groups of heads of the same tokens (the QSA layer's queries, keys and indexer queries: three weights,
+    head sizes and layouts, one cos / sin) in ONE launch: grid (tokens, H0 + H1 + H2), each program one row of its
+    group, computed as ``_norm_rope_kernel`` computes it."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if h < H0:
+        g = h.to(tl.int64)
+        _norm_rope_row(X0 + t * sx0t + g * sx0h, W0, COS, SIN, Y0 + t * sy0t + g * sy0h, t, R, D0, eps0, inv0,
+                       stride_ct, HALF_P, DP0, FP0, ROUND)
+    elif h < H0 + H1:
+        g = (h - H0).to(tl.int64)
+        _norm_rope_row(X1 + t * sx1t + g * sx1h, W1, COS, SIN, Y1 + t * sy1t + g * sy1h, t, R, D1, eps1, inv1,
+                       stride_ct, HALF_P, DP1, FP1, ROUND)
+    else:
+        g = (h - H0 - H1).to(tl.int64)
+        _norm_rope_row(X2 + t * sx2t + g * sx2h, W2, COS, SIN, Y2 + t * sy2t + g * sy2h, t, R, D2, eps2, inv2,
+                       stride_ct, HALF_P, DP2, FP2, ROUND)
 
 
 def apply_rope_triton(x, cos, sin):
@@ -104,3 +135,23 @@ def norm_rope_triton(x, weight, eps: float, cos, sin):
                                     ROUND=x.dtype == torch.bfloat16,
                                     num_warps=1 if D <= 256 else 4)  # as _rope_kernel's
     return y
+
+
+def norm_rope3_triton(x0, w0, eps0: float, x1, w1, eps1: float, x2, w2, eps2: float, cos, sin):
+    """``norm_rope_triton`` of three [T, H_i, d_i] tensors of the same tokens and dtype, sharing cos / sin, in one
+    launch -> (y0, y1, y2), each equal to its own ``norm_rope_triton`` bit for bit."""
+    xs, ws, eps = (x0, x1, x2), (w0, w1, w2), (float(eps0), float(eps1), float(eps2))
+    T = x0.shape[0]
+    R = cos.shape[-1]
+    ys = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+    H = [x.shape[1] for x in xs]
+    D = [x.shape[2] for x in xs]
+    if T and sum(H):
+        strides = [s for x, y in zip(xs, ys) for s in (x.stride(0), x.stride(1), y.stride(0), y.stride(1))]
+        pads = [p for d in D for p in (triton.next_power_of_2(max(d - R, 1)), triton.next_power_of_2(d))]
+        _norm_rope3_kernel[(T, sum(H))](
+            x0, w0, ys[0], x1, w1, ys[1], x2, w2, ys[2], cos, sin, H[0], H[1], R, *D, *eps, *(1.0 / d for d in D),
+            *strides, cos.stride(0), HALF_P=triton.next_power_of_2(max(R // 2, 1)), DP0=pads[0], FP0=pads[1],
+            DP1=pads[2], FP1=pads[3], DP2=pads[4], FP2=pads[5], ROUND=x0.dtype == torch.bfloat16,
+            num_warps=1 if max(D) <= 256 else 4)
+    return ys[0], ys[1], ys[2]
