@@ -248,7 +248,6 @@ class Case:
         c = torch.rand(T, n, device=device, generator=gen).to(dtype)
         y = torch.randn(T, D, device=device, generator=gen).to(dtype)
         self.H, self.Hn = self.layers[0].attn_hyper_connection.inject_norm(self.H, c, y)
-        self.x_probe: torch.Tensor | None = None  # (tests) the first copy's mixer input of the last step
         self.states: list = []
         bt = block_table(B, -(-(ctx + nq) // bs), device, gen)
         for layer in self.layers:
@@ -308,13 +307,7 @@ class Case:
         H, Hn = self.H, self.Hn
         shared = self.qsa_step_inputs() if self.kind == "qsa" else None
         for i, (layer, st) in enumerate(zip(self.layers, self.states)):
-            base = self.gdn_mix(layer, st) if self.kind == "gdn" else self.qsa_mix(layer, st, shared)
-            if i == 0:
-                def mix(x, base=base):
-                    self.x_probe = x
-                    return base(x)
-            else:
-                mix = base
+            mix = self.gdn_mix(layer, st) if self.kind == "gdn" else self.qsa_mix(layer, st, shared)
             then = self.layers[(i + 1) % len(self.layers)].attn_hyper_connection
             H, Hn = layer(H, mix, None, Hn, then)
         return H
