@@ -111,8 +111,9 @@ def test_cli_smoke_on_cpu(capsys):
 @pytest.mark.parametrize("kind,nq", [("gdn", 1), ("qsa", 1), ("qsa", 4), ("gdn", 4)])
 def test_graph_replay_is_the_eager_step_on_cuda(kind, nq, monkeypatch):
     """On a GPU, at the real widths (short history): a CUDA graph of the harness's step replays what the eager step
-    computes (the states and caches it writes are rewritten the same each time), through the kernels (QSA decode,
-    HC, the MoE decode kernels; fla's recurrence where fla is installed), and the census counts kernels."""
+    computes (the states and caches it writes are rewritten the same each time; up to the MoE decode's atomic
+    summation order), through the kernels (QSA decode, HC, the MoE decode kernels; fla's recurrence where fla is
+    installed), and the census counts kernels."""
     from qwen4exp import envs
     from qwen4exp.ops import _registry
     from qwen4exp.ops.cuda_graph import capture
@@ -139,7 +140,9 @@ def test_graph_replay_is_the_eager_step_on_cuda(kind, nq, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    # (not bit for bit: the MoE decode's down projection sums its expert groups with fp32 atomics)
+    rel = ((out.float() - eager.float()).norm() / eager.float().norm()).item()
+    assert rel < 1e-2, rel
     kernels, ranked = bench_layer.census(case, graph, 2)
     assert kernels > 5 and ranked
 
