@@ -27,8 +27,9 @@ from vllm.model_executor.layers.attention import Attention
 
 from .. import envs
 from ..layers.qsa import QSAAttention
-from ..ops.qsa import (block_mean, output_gate, qsa_attend_paged, qsa_decode_paged, qsa_prefill_paged,
-                       qsa_select_paged, reused_block_ids, warm_up_decode, warm_up_prefill, write_paged)
+from ..ops.qsa import (block_mean, decode_cache_writes, output_gate, qsa_attend_paged, qsa_decode_paged,
+                       qsa_prefill_paged, qsa_select_paged, reused_block_ids, warm_up_decode, warm_up_prefill,
+                       write_paged)
 from ..ops.qsa import layout as qlayout
 from ..ops.qsa.step import DecodeInputs, decode_inputs, decode_writes
 from .layers import eager_segment, vllm_linear
@@ -325,6 +326,14 @@ class QSAMixer(QSAAttention):
             for view in (views.keys, views.ring, views.stash):
                 half = torch.zeros(1, 1, view.shape[-1] // 2, dtype=view.dtype, device=q.device)
                 write_paged(view, none, half, half)
+            # a decode step's K|V rows + index update in one launch (``decode_cache_writes``), as eager decode
+            # batches past the captured sizes run it; a padding row again
+            zero = torch.zeros(1, dtype=torch.long, device=q.device)
+            kv1 = torch.zeros(1, self.n_kv, self.head_dim, dtype=q.dtype, device=q.device)
+            c1, s1 = self.rotary[0](zero, q.dtype)
+            kn = self.indexer.k_layernorm
+            decode_cache_writes(kv, ikv, views.ring, none, zero, zero > 0, kv1, kv1, torch.zeros(1, d_i, dtype=q.dtype,
+                                device=q.device), kn.weight, kn.eps, c1, s1, self.r)
             torch.cuda.synchronize(q.device)
         except Exception as e:  # (e.g. out of memory): the kernels then compile on first use, as without it
             logger.warning("qwen4exp QSA: the kernel warm-up stopped (%s: %s); kernels compile on first use",

@@ -402,6 +402,19 @@ def check_qsa_index_update():
     ref.index_update_decode(b.index_kv, b.ring, slots, pos, slots >= 0, raw, w, 1e-6, cos, sin, r)
     flat = lambda t: t.as_strided((n,), (1,), 0)  # noqa: E731
     close(flat(kv), flat(kv2), 1e-3, "index_update_decode", rtol=2 ** -7)
+    # the decode step's K|V rows written by the same launch (``decode_cache_writes``): two KV heads of 16
+    kv = layout.paged_cache(nb, 2, ibs, 16, di, r, rr, pad=8)
+    n = kv.untyped_storage().nbytes() // 2
+    kv.as_strided((n,), (1,), 0).copy_((torch.randn(n, generator=g) * 2).to(BF))
+    kv2 = layout.paged_cache(nb, 2, ibs, 16, di, r, rr, pad=8)
+    kv2.untyped_storage().copy_(kv.untyped_storage())
+    a, b = layout.index_views(kv, di, r, rr), layout.index_views(kv2, di, r, rr)
+    k = (torch.randn(B, 2, 32, generator=g) * 2).to(BF)[..., :16]  # strided, as a view of a projection's output
+    v = (torch.randn(B, 2, 16, generator=g) * 2).to(BF)
+    tk.index_update_triton(a.index_kv, a.ring, slots, pos, slots >= 0, raw, w, 1e-6, cos, sin, r, kv, k, v)
+    ref.decode_cache_writes(kv2, b.index_kv, b.ring, slots, pos, slots >= 0, k, v, raw, w, 1e-6, cos, sin, r)
+    assert torch.equal(kv, kv2), "decode_cache_writes: K|V rows"
+    close(flat(kv), flat(kv2), 1e-3, "decode_cache_writes", rtol=2 ** -7)
 
 
 @check("qsa_real_widths")
@@ -457,10 +470,13 @@ def check_qsa_registration():
         assert ops["qsa_index_update_decode"](t(9, 1, 16, 64), t(9, 1, 20, 32), t(3, **i64), t(3, **i64),
                                               t(3, dtype=torch.bool), t(3, 32), t(32), 1e-6, t(3, 16), t(3, 16),
                                               4) is None
+        assert ops["qsa_decode_writes"](t(9, 2, 16, 64), t(9, 1, 16, 64), t(9, 1, 20, 32), t(3, **i64), t(3, **i64),
+                                        t(3, dtype=torch.bool), t(3, 2, 32), t(3, 2, 32), t(3, 32), t(32), 1e-6,
+                                        t(3, 16), t(3, 16), 4) is None
     _registration("qwen4exp.ops.qsa.cuda",
                   ("qsa_attention", "qsa_decode_paged", "qsa_select_paged", "qsa_attend_paged", "qsa_prefill_paged",
-                   "qsa_write_paged", "qsa_index_update_decode"), fakes,
-                  mutating=("qsa_write_paged", "qsa_index_update_decode"))
+                   "qsa_write_paged", "qsa_index_update_decode", "qsa_decode_writes"), fakes,
+                  mutating=("qsa_write_paged", "qsa_index_update_decode", "qsa_decode_writes"))
 
 
 @compile_check("qsa_row_views")

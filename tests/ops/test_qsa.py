@@ -559,7 +559,8 @@ def test_dispatcher_picks_the_qsa_kernels_on_cuda():
     assert not qsa_ops.KERNELS.errors, qsa_ops.KERNELS.errors
     assert table == cuda.KERNELS and sorted(table) == sorted(
         ["qsa_attention", "qsa_decode_paged", "qsa_select_paged", "qsa_attend_paged", "qsa_prefill_paged",
-         "qsa_write_paged", "qsa_index_update_decode", "qsa_warm_up_prefill", "qsa_warm_up_decode"])
+         "qsa_write_paged", "qsa_index_update_decode", "qsa_decode_writes", "qsa_warm_up_prefill",
+         "qsa_warm_up_decode"])
     assert qsa_ops.pick("qsa_decode_paged", torch.device("cuda"), qsa_ref.qsa_decode_paged) is cuda.qsa_decode_paged
     assert table["qsa_write_paged"] is cuda.write_paged and table["qsa_index_update_decode"] is cuda.index_update_decode
 
@@ -1108,6 +1109,35 @@ def test_index_update_decode_matches_reference():
     qsa_ref.index_update_decode(b.index_kv, b.ring, slots, pos, valid, raw, w, 1e-6, cos, sin, 4)
     n = kv.untyped_storage().nbytes() // 2
     flat = lambda t: t.as_strided((n,), (1,), 0)  # noqa: E731
+    bf16_close(flat(kv), flat(kv2), min_equal=0.999)
+
+
+@pytest.mark.gpu
+def test_decode_cache_writes_is_one_launch():
+    """A decode step's K|V rows and its index update in one launch (``decode_cache_writes``; the step of
+    ``ops.qsa.step.decode_writes`` at one query a request): the same cache as ``write_paged`` then the index update
+    (the K|V rows bit for bit; the block keys up to the fp32 sums' order), at the real widths (2 KV heads of 256,
+    d_i 128), a padding row included."""
+    from op_helpers import bf16_close
+
+    from qwen4exp.ops.qsa import layout
+    g = gen(23, "cuda")
+    kv, slots, pos, raw, w, cos, sin = _packed_index_case(g, "cuda", hd=256)
+    kv = layout.paged_cache(kv.shape[0], 2, kv.shape[2], 256, 128, 4, 20, device="cuda", pad=24)
+    n = kv.untyped_storage().nbytes() // 2
+    flat = lambda t: t.as_strided((n,), (1,), 0)  # noqa: E731
+    flat(kv).copy_(torch.randn(n, generator=g, device="cuda").to(BF) * 2)
+    kv2 = layout.paged_cache(kv.shape[0], 2, kv.shape[2], 256, 128, 4, 20, device="cuda", pad=24)
+    kv2.untyped_storage().copy_(kv.untyped_storage())
+    a, b = layout.index_views(kv, 128, 4, 20), layout.index_views(kv2, 128, 4, 20)
+    k = rnd((slots.shape[0], 2, 512), g, 1.0)[..., :256]
+    v = rnd((slots.shape[0], 2, 256), g, 1.0)
+    valid = slots >= 0
+    poison()
+    with expect_kernel("qsa_decode_writes"):
+        qsa_ops.decode_cache_writes(kv, a.index_kv, a.ring, slots, pos, valid, k, v, raw, w, 1e-6, cos, sin, 4)
+    qsa_ref.decode_cache_writes(kv2, b.index_kv, b.ring, slots, pos, valid, k, v, raw, w, 1e-6, cos, sin, 4)
+    assert torch.equal(kv, kv2)
     bf16_close(flat(kv), flat(kv2), min_equal=0.999)
 
 

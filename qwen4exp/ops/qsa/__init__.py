@@ -27,6 +27,13 @@ def index_update_decode(index_kv, ring, slots, pos, valid, raw, norm_weight, eps
     return fn(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r)
 
 
+def decode_cache_writes(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r):
+    """One token per row: its K|V rows into the paged cache (``write_paged``) and the index update
+    (``index_update_decode``): one launch on GPUs."""
+    fn = pick("qsa_decode_writes", kv.device, reference.decode_cache_writes)
+    return fn(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r)
+
+
 def write_paged(kv, slots, k, v):
     return pick("qsa_write_paged", kv.device, reference.write_paged)(kv, slots, k, v)
 
@@ -75,6 +82,7 @@ def warm_up_decode(kv, index_kv, n_heads, index_heads, max_len, max_rows, r, bud
 
 __all__ = ["layout", "qsa_attention", "qsa_decode_paged", "qsa_select_paged", "qsa_attend_paged", "qsa_prefill_paged",
            "warm_up_prefill", "warm_up_decode", "paged_rows", "write_paged", "index_update_decode",
+           "decode_cache_writes",
            "qsa_attention_gathered", "qsa_decode_batched", "reused_block_ids", "block_mean", "indexer_scores",
            "num_complete_blocks", "output_gate",
            "select_blocks", "selected_token_indices", "selection_mask", "sparse_attention", "reference"]

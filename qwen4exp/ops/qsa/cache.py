@@ -56,8 +56,10 @@ def _block_mean_seg(RING, RAW, b, pos, ok, offs, m, stride_raw, stride_rl, RR: t
 @triton.jit(do_not_specialize_on_alignment=launch.ROW_VIEWS)
 def _index_update_kernel(IKV, RING, SLOTS, POS, VALID, RAW, NW, COS, SIN, eps,
                          stride_kvb, stride_kvl, stride_rb, stride_rl, stride_raw, stride_c,
+                         KV, K, V, stride_mb, stride_mh, stride_ml, stride_kt, stride_kh, stride_vt, stride_vh,
                          DI: tl.constexpr, RD: tl.constexpr, R: tl.constexpr, IBS: tl.constexpr, RR: tl.constexpr,
-                         H_P: tl.constexpr, P_P: tl.constexpr):
+                         H_P: tl.constexpr, P_P: tl.constexpr, KV_WRITE: tl.constexpr = False, HKV: tl.constexpr = 1,
+                         HD: tl.constexpr = 1, HD_P: tl.constexpr = 1):
     """One program per token: its raw key into its page's ring (row pos % RR); when it completes a block, the
     block's key (mean, zero-centred RMSNorm, RoPE on the first RD dims, each rounded to bf16 where the reference
     rounds) into the block's key row (row ``slot % IBS`` of the ``index_kv`` view, columns [DI, 2 DI)); nothing
@@ -99,14 +101,33 @@ def _index_update_kernel(IKV, RING, SLOTS, POS, VALID, RAW, NW, COS, SIN, eps,
     tl.store(row + DI + o1, k1.to(IKV.dtype.element_ty), mask=m1 & ok)
     tl.store(row + DI + HALF + o1, k2.to(IKV.dtype.element_ty), mask=m1 & ok)
     tl.store(row + DI + o3, y3.to(IKV.dtype.element_ty), mask=m3 & ok)
+    if KV_WRITE:  # the token's K|V rows too (``write_paged``'s work for a decode step: one launch fewer)
+        od = tl.arange(0, HD_P)
+        md = (od < HD) & real
+        kvrow = KV + page * stride_mb + (tl.maximum(slot, 0) % IBS) * stride_ml
+        for h in tl.static_range(HKV):
+            kk = tl.load(K + b * stride_kt + h * stride_kh + od, mask=md, other=0.0)
+            vv = tl.load(V + b * stride_vt + h * stride_vh + od, mask=md, other=0.0)
+            tl.store(kvrow + h * stride_mh + od, kk.to(KV.dtype.element_ty), mask=md)
+            tl.store(kvrow + h * stride_mh + HD + od, vv.to(KV.dtype.element_ty), mask=md)
 
 
-def index_update_triton(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r: int) -> None:
+def index_update_triton(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r: int, kv=None, k=None,
+                        v=None) -> None:
+    """``kv``, ``k``, ``v`` (a decode step's K|V rows, ``write_paged``'s arguments): written by the same launch."""
     B, di = raw.shape
     RD = cos.shape[-1]
     if B:
+        if kv is None:
+            kvw = (raw, raw, raw, 0, 0, 0, 0, 0, 0, 0)  # (not read: KV_WRITE off)
+            extra = {}
+        else:
+            kvw = (kv, k, v, kv.stride(0), kv.stride(1), kv.stride(2), k.stride(0), k.stride(1), v.stride(0),
+                   v.stride(1))
+            extra = dict(KV_WRITE=True, HKV=k.shape[1], HD=k.shape[2], HD_P=triton.next_power_of_2(k.shape[2]))
         _index_update_kernel[(B,)](
             index_kv, ring, slots, pos, valid, raw, norm_weight, cos, sin, float(eps),
             index_kv.stride(0), index_kv.stride(2), ring.stride(0), ring.stride(2), raw.stride(0), cos.stride(0),
-            DI=di, RD=RD, R=r, IBS=index_kv.shape[2], RR=ring.shape[2], H_P=triton.next_power_of_2(RD // 2),
-            P_P=triton.next_power_of_2(max(di - RD, 1)), num_warps=1 if di <= 256 else 4)
+            *kvw, DI=di, RD=RD, R=r, IBS=index_kv.shape[2], RR=ring.shape[2], H_P=triton.next_power_of_2(RD // 2),
+            P_P=triton.next_power_of_2(max(di - RD, 1)), **extra,
+            num_warps=1 if di <= 256 and kv is None else 4)

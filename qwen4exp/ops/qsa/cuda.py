@@ -189,7 +189,29 @@ def index_update_decode(index_kv, ring, slots, pos, valid, raw, norm_weight, eps
     index_update_op(index_kv, ring, slots, pos, valid, raw, norm_weight, float(eps), cos, sin, int(r))
 
 
+@_registry.custom_op("qwen4exp::qsa_decode_writes", mutates_args=("kv", "index_kv", "ring"))
+def decode_writes_op(kv: Tensor, index_kv: Tensor, ring: Tensor, slots: Tensor, pos: Tensor, valid: Tensor, k: Tensor,
+                     v: Tensor, raw: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
+                     r: int) -> None:
+    tk.index_update_triton(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r, kv, k, v)
+
+
+@decode_writes_op.register_fake
+def _(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r):
+    return None
+
+
+def decode_cache_writes(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r):
+    if not (kv.is_cuda and host.decode_writes_covers(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight,
+                                                     cos, sin, r)):
+        write_paged(kv, slots, k, v)
+        return index_update_decode(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r)
+    _registry.ran("qsa_decode_writes", "kernel")
+    decode_writes_op(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, float(eps), cos, sin, int(r))
+
+
 KERNELS = {
+    "qsa_decode_writes": decode_cache_writes,
     "qsa_attention": qsa_attention,
     "qsa_decode_paged": qsa_decode_paged,
     "qsa_select_paged": qsa_select_paged,

@@ -282,6 +282,13 @@ def index_update_decode(
     write_paged(key_rows(index_kv, r), kslots, key[:, None, : di // 2], key[:, None, di // 2:])
 
 
+def decode_cache_writes(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r) -> None:
+    """A decode step's cache writes, one token a row: its K|V rows (``write_paged``), then the index update
+    (``index_update_decode``). On GPUs one launch."""
+    write_paged(kv, slots, k, v)
+    index_update_decode(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r)
+
+
 def key_rows(index_kv: torch.Tensor, r: int) -> torch.Tensor:
     """The block keys of an index cache as [pages, 1, bs // r, d_i] rows (block j of a page: its row j), for
     writers: a view of the same memory, for the plugin's packed pages and a dense per-token cache alike."""

@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import index_update_decode, layout, write_paged
+from . import decode_cache_writes, index_update_decode, layout, write_paged
 
 
 class DecodeInputs(NamedTuple):
@@ -56,10 +56,13 @@ def decode_writes(kv: torch.Tensor, views: layout.IndexViews, k: torch.Tensor, v
     to the ring first: a token completing a block reads its block's earlier keys from there, some of them this
     step's (one program per row cannot see another row's write)."""
     n = inp.n
-    write_paged(kv, inp.slots, k[:n], v[:n])
     raw = index_k_raw[:n]
-    if nq > 1:
-        h = raw.shape[1] // 2
-        write_paged(views.ring, inp.ring_slots, raw[:, None, :h], raw[:, None, h:])
+    if nq == 1:  # K|V rows and the index update in one launch on GPUs
+        decode_cache_writes(kv, views.index_kv, views.ring, inp.slots, inp.pos, inp.valid, k[:n], v[:n], raw,
+                            norm_weight, eps, inp.cos, inp.sin, r)
+        return
+    write_paged(kv, inp.slots, k[:n], v[:n])
+    h = raw.shape[1] // 2
+    write_paged(views.ring, inp.ring_slots, raw[:, None, :h], raw[:, None, h:])
     index_update_decode(views.index_kv, views.ring, inp.slots, inp.pos, inp.valid, raw, norm_weight, eps, inp.cos,
                         inp.sin, r)
