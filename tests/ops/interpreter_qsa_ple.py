@@ -384,12 +384,18 @@ def check_qsa_index_update():
     from qwen4exp.ops.qsa import reference as ref, triton_kernel as tk
     g = torch.Generator().manual_seed(12)
     B, di, RD, ibs, nb, r, rr = 9, 64, 32, 16, 60, 4, 20
-    kv = layout.paged_cache(nb, 1, ibs, 16, di, r, rr, pad=8)
-    n = kv.untyped_storage().nbytes() // 2
-    kv.as_strided((n,), (1,), 0).copy_((torch.randn(n, generator=g) * 2).to(BF))
-    kv2 = layout.paged_cache(nb, 1, ibs, 16, di, r, rr, pad=8)
-    kv2.untyped_storage().copy_(kv.untyped_storage())
-    a, b = layout.index_views(kv, di, r, rr), layout.index_views(kv2, di, r, rr)
+
+    def twin_caches(n_kv):
+        """Two paged caches of the same random contents, their index views, and a flat view of a cache."""
+        kv = layout.paged_cache(nb, n_kv, ibs, 16, di, r, rr, pad=8)
+        n = kv.untyped_storage().nbytes() // 2
+        kv.as_strided((n,), (1,), 0).copy_((torch.randn(n, generator=g) * 2).to(BF))
+        kv2 = layout.paged_cache(nb, n_kv, ibs, 16, di, r, rr, pad=8)
+        kv2.untyped_storage().copy_(kv.untyped_storage())
+        views = layout.index_views(kv, di, r, rr), layout.index_views(kv2, di, r, rr)
+        return kv, kv2, *views, lambda t: t.as_strided((n,), (1,), 0)
+
+    kv, kv2, a, b, flat = twin_caches(1)
     bt = (torch.randperm(nb - 1, generator=g)[: B * 6] + 1).view(B, 6).int()
     pos = torch.tensor([0, 1, 2, 3, 4, 7, 11, 63, 90])
     slots = bt.gather(1, (pos // ibs).unsqueeze(1)).squeeze(1).long() * ibs + pos % ibs
@@ -400,15 +406,9 @@ def check_qsa_index_update():
     cos, sin = torch.cat([ang, ang], -1).cos().to(BF), torch.cat([ang, ang], -1).sin().to(BF)
     tk.index_update_triton(a.index_kv, a.ring, slots, pos, slots >= 0, raw, w, 1e-6, cos, sin, r)
     ref.index_update_decode(b.index_kv, b.ring, slots, pos, slots >= 0, raw, w, 1e-6, cos, sin, r)
-    flat = lambda t: t.as_strided((n,), (1,), 0)  # noqa: E731
     close(flat(kv), flat(kv2), 1e-3, "index_update_decode", rtol=2 ** -7)
     # the decode step's K|V rows written by the same launch (``decode_cache_writes``): two KV heads of 16
-    kv = layout.paged_cache(nb, 2, ibs, 16, di, r, rr, pad=8)
-    n = kv.untyped_storage().nbytes() // 2
-    kv.as_strided((n,), (1,), 0).copy_((torch.randn(n, generator=g) * 2).to(BF))
-    kv2 = layout.paged_cache(nb, 2, ibs, 16, di, r, rr, pad=8)
-    kv2.untyped_storage().copy_(kv.untyped_storage())
-    a, b = layout.index_views(kv, di, r, rr), layout.index_views(kv2, di, r, rr)
+    kv, kv2, a, b, flat = twin_caches(2)
     k = (torch.randn(B, 2, 32, generator=g) * 2).to(BF)[..., :16]  # strided, as a view of a projection's output
     v = (torch.randn(B, 2, 16, generator=g) * 2).to(BF)
     tk.index_update_triton(a.index_kv, a.ring, slots, pos, slots >= 0, raw, w, 1e-6, cos, sin, r, kv, k, v)
