@@ -122,32 +122,34 @@ def decode_writes_covers(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_
 
 
 # ------------------------------------------------------------------------------------------ the decode's select
-def vllm_topk_loaded() -> bool:
-    """Whether vLLM's top-k operator (``torch.ops._C.cooperative_topk``, its CUDA build's) is registered: once
-    vLLM's extension is loaded (an engine, or ``load_vllm_kernels``)."""
+def _vllm_op_loaded(name: str) -> bool:
+    """Whether vLLM's operator ``torch.ops._C.<name>`` (its CUDA build's) is registered: once vLLM's extension is
+    loaded (an engine, or ``load_vllm_kernels``)."""
     try:
-        return hasattr(torch.ops._C, "cooperative_topk")
+        return hasattr(torch.ops._C, name)
     except (AttributeError, RuntimeError):
         return False
 
 
+def vllm_topk_loaded() -> bool:
+    """vLLM's top-k select (``cooperative_topk``)."""
+    return _vllm_op_loaded("cooperative_topk")
+
+
+def vllm_persistent_topk_loaded() -> bool:
+    """vLLM's many-row select (``persistent_topk``, the one upstream's prefill runs)."""
+    return _vllm_op_loaded("persistent_topk")
+
+
 VLLM_COOPERATIVE_MAX_ROWS = 64  # cooperative_topk's row limit (one cluster wave); past it persistent_topk
+VLLM_TOPK_KS = (512, 1024, 2048)  # the top-k sizes vLLM's selects take
 
 
 def vllm_topk_covers(rows: int, m: int) -> bool:
     """Whether vLLM's top-k operator is loaded and serves ``rows`` rows of top ``m``."""
-    if rows > VLLM_COOPERATIVE_MAX_ROWS or m not in (512, 1024, 2048):  # its row limit and its k values
+    if rows > VLLM_COOPERATIVE_MAX_ROWS or m not in VLLM_TOPK_KS:
         return False
     return vllm_topk_loaded()
-
-
-def vllm_persistent_topk_loaded() -> bool:
-    """Whether vLLM's many-row select (``torch.ops._C.persistent_topk``, the one upstream's prefill runs) is
-    registered."""
-    try:
-        return hasattr(torch.ops._C, "persistent_topk")
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def prefill_select(m: int) -> str:
@@ -155,7 +157,7 @@ def prefill_select(m: int) -> str:
     cooperative select up to 64 rows, its persistent one past them; fp32 scores; the profiles behind it:
     docs/performance.md, run 30) or "triton" (ours, on int64 sort keys: the default, and where vLLM is not loaded
     or for other top-k sizes)."""
-    if (envs.QWEN4EXP_QSA_PREFILL_SELECT == "vllm" and VLLM_TOPK and m in (512, 1024, 2048) and vllm_topk_loaded()
+    if (envs.QWEN4EXP_QSA_PREFILL_SELECT == "vllm" and VLLM_TOPK and m in VLLM_TOPK_KS and vllm_topk_loaded()
             and vllm_persistent_topk_loaded()):
         return "vllm"
     return "triton"
