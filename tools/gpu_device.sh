@@ -44,8 +44,8 @@
 #                                                   # pytest -k), then benchmarks/bench_ops.py --tune (BG_BENCH=0:
 #                                                   # not; BG_ONLY=op,op: those ops without sweeps, BG_OPS_ARGS: more
 #                                                   # bench_ops arguments, e.g. --no-ref --decode-breakdown;
-#                                                   # BG_LAYER=1: the layer harness before it, as `layer`);
-#                                                   # results in /tmp/bg
+#                                                   # BG_LAYER=1: the layer harness first, as `layer`);
+#                                                   # results in /tmp/bg, /tmp/bg/done when it ends
 #   bash tools/gpu_device.sh bgresult             # what `bg` has written so far, copied to OUT/bg and summarised
 #   bash tools/gpu_device.sh modelopt             # ModelOpt's own fake-quant figure beside ours: recipes/quantize_nvfp4.py
 #                                                   # --modelopt-eval on the tiny-coder (CUDA), modelopt from the wheels
@@ -207,12 +207,12 @@ case "${1:-}" in
     echo "rc=$?"; tail -12 "$OUT/$name.log" ;;
   mtp)
     # issue 49's same-call MTP 3 figures (FN-24L-NVFP4, batch 1 at 50k, batches 8 and 32 at 30k, profiles, the warm
-    # prefill), upstream against ours; first waits (up to 10 min) for a `bg` job's bench_ops to end, copies its
+    # prefill), upstream against ours; first waits (up to 10 min) for a `bg` job to end, copies its
     # results to OUT/bg and lets tools/pick_hc_variant.py name the fastest QWEN4EXP_HC_DECODE at 4 tokens: where
     # that is not the default it runs as a third implementation, `hc`. MTP_ARGS: more bench_vllm_gpu.py arguments;
     # MTP_VARIANTS: more implementations (below)
     register
-    for _ in $(seq 200); do [ -d /tmp/bg ] || break; grep -q "^rc=" /tmp/bg/bench_ops.log 2>/dev/null && break; sleep 3; done
+    for _ in $(seq 200); do [ -d /tmp/bg ] || break; [ -f /tmp/bg/done ] && break; sleep 3; done
     impls=upstream,ours; extra=()
     if [ -f /tmp/bg/bench_ops.csv ]; then
       mkdir -p "$OUT/bg" && cp /tmp/bg/*.log /tmp/bg/*.csv "$OUT/bg/" 2>/dev/null
@@ -249,11 +249,12 @@ case "${1:-}" in
     mkdir -p /tmp/bg && rm -rf /tmp/bg/tree && mkdir -p /tmp/bg/tree
     cp -r "$ROOT/qwen4exp" "$ROOT/tests" "$ROOT/benchmarks" "$ROOT/tools" "$ROOT/pyproject.toml" /tmp/bg/tree/
     cd /tmp/bg/tree
+    rm -f /tmp/bg/done
     PYTHONPATH=/tmp/bg/tree:/tmp/bg/tree/tests:$FLA CUDA_VISIBLE_DEVICES=${2:-1} setsid nohup bash -c '
-      timeout 400 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/ops ${BG_K:+-k "$BG_K"} \
-        > /tmp/bg/kernels.log 2>&1
-      echo "rc=$?" >> /tmp/bg/kernels.log
-      if [ "${BG_LAYER:-0}" = 1 ]; then  # the layer harness (benchmarks/bench_layer.py), as `layer` does
+      trap "touch /tmp/bg/done" EXIT  # (what `mtp` waits for)
+      # the layer harness first (benchmarks/bench_layer.py, as `layer` does): its timings want the GPU to itself,
+      # which it has while later calls stage vLLM
+      if [ "${BG_LAYER:-0}" = 1 ]; then
         mkdir -p /tmp/bg/layer
         for q in 1 4; do
           timeout ${LAYER_TIMEOUT:-280} python benchmarks/bench_layer.py --batch 1,8 --queries $q \
@@ -261,6 +262,9 @@ case "${1:-}" in
           echo "rc=$?" >> /tmp/bg/layer/layer-q$q.log
         done
       fi
+      timeout 400 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/ops ${BG_K:+-k "$BG_K"} \
+        > /tmp/bg/kernels.log 2>&1
+      echo "rc=$?" >> /tmp/bg/kernels.log
       [ "${BG_BENCH:-1}" = 1 ] || exit 0
       if [ -n "${BG_ONLY:-}" ]; then  # a few ops, no sweeps
         timeout ${BG_TIMEOUT:-300} python benchmarks/bench_ops.py --csv /tmp/bg/bench_ops.csv --no-compile --only "$BG_ONLY" \
