@@ -89,6 +89,11 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "cooperative / persistent top-k on fp32 scores, as upstream's prefill, where vLLM has loaded them; "
            "an open A/B: run 30's profile put our select at 5.8 ms a 16k chunk against vLLM's 1.5)",
            ("triton", "vllm")),
+    Switch("QWEN4EXP_QSA_HOST_LENGTHS", "choice", "vllm",
+           "vLLM plugin on GPUs: where an eager QSA step (prefill, mixed) takes its requests' lengths: vllm (the host "
+           "copies vLLM's metadata carries, where they are exact; no device read), device (read back from the GPU "
+           "each step: a sync, the former way) or check (both, and a mismatch fails the step: for GPU tests)",
+           ("vllm", "device", "check")),
     Switch("QWEN4EXP_QSA_WARMUP", "bool", True,
            "vLLM plugin on GPUs: compile every QSA kernel variant of prefills and eager decode rows at start-up "
            "(after the KV caches are allocated), so no request waits on a Triton compile; 0: compile on first use"),
@@ -158,6 +163,7 @@ if TYPE_CHECKING:  # each switch's type for type checkers and editors (vLLM's en
     QWEN4EXP_HC_DECODE: str
     QWEN4EXP_MOE_DECODE: bool
     QWEN4EXP_QSA_PREFILL_SELECT: str
+    QWEN4EXP_QSA_HOST_LENGTHS: str
     QWEN4EXP_QSA_WARMUP: bool
     QWEN4EXP_SESSION_TTL: float
     QWEN4EXP_CONTINUATION_CHUNK: int

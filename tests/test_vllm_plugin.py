@@ -278,6 +278,93 @@ def test_qsa_cache_backend_lean_where_flash_attention(monkeypatch):
     assert qsa.qsa_cache_backend(FlashAttentionBackend) is lean
 
 
+def _common_md(qlens, seq_lens, prefilling=None, host=True):
+    import types
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    return types.SimpleNamespace(
+        query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32) if host else None,
+        seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32) if host else None,
+        is_prefilling=None if prefilling is None else torch.tensor(prefilling))
+
+
+def test_host_lengths_of_only_where_vllms_host_copies_are_exact():
+    """An eager QSA step takes its lengths from vLLM's host copies (no device read, so its host is not held behind
+    the GPU) exactly where they are exact: always without speculative decoding; with it only when no request of the
+    step decodes or verifies (vLLM's host length of such a row assumes every draft was accepted)."""
+    from qwen4exp.vllm.qsa import host_lengths_of
+
+    chunk = _common_md([16384, 848], [16384, 50000])
+    assert host_lengths_of(chunk, 0) == ([0, 16384, 17232], [16384, 50000])
+    assert host_lengths_of(chunk, 4) == ([0, 16384, 17232], [16384, 50000])  # chunks only: exact under MTP too
+    mixed = _common_md([4, 848, 0], [901, 50000, 0])  # a verification beside a chunk, and a padding request
+    assert host_lengths_of(mixed, 0) == ([0, 4, 852, 852], [901, 50000, 0])
+    assert host_lengths_of(mixed, 4) is None  # the verification's length may run ahead: read the device's
+    assert host_lengths_of(_common_md([3, 848], [3, 50000], prefilling=[True, True]), 4) is not None  # a short
+    # prompt chunk, told apart from a verification by vLLM's is_prefilling
+    assert host_lengths_of(_common_md([3, 848], [3, 50000], prefilling=[False, True]), 4) is None
+    assert host_lengths_of(_common_md([5], [9], host=False), 0) is None  # (a vLLM without the host copies)
+
+
+def test_lean_qsa_builder_hands_its_host_lengths_to_the_layers(monkeypatch):
+    """The lean FlashAttention builder of the QSA cache layer puts ``host_lengths_of`` on the metadata it builds,
+    with the verification size of the engine's speculative config, and the layers read those instead of the device
+    tensors."""
+    import types
+
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionMetadataBuilder
+
+    from qwen4exp.vllm import qsa
+
+    def fake_init(self, kv_cache_spec, layer_names, vllm_config, device):
+        self.vllm_config = vllm_config
+
+    monkeypatch.setattr(FlashAttentionMetadataBuilder, "__init__", fake_init)
+    monkeypatch.setattr(FlashAttentionMetadataBuilder, "build", lambda self, cpl, cm, fast_build=False:
+                        types.SimpleNamespace(query_start_loc=None, seq_lens=None))
+    builder_cls = qsa.qsa_cache_backend(FlashAttentionBackend).get_builder_cls()
+    mtp = builder_cls(None, [], types.SimpleNamespace(speculative_config=types.SimpleNamespace(
+        num_speculative_tokens=3)), None)
+    plain = builder_cls(None, [], types.SimpleNamespace(speculative_config=None), None)
+    assert (mtp.max_decode_queries, plain.max_decode_queries) == (4, 0)
+    mixed = _common_md([4, 848], [901, 50000])
+    assert mtp.build(0, mixed).qwen4exp_host_lengths is None
+    md = plain.build(0, mixed)
+    assert md.qwen4exp_host_lengths == ([0, 4, 852], [901, 50000])
+    assert qsa._host_lengths(md) == ([0, 4, 852], [901, 50000])  # (its device tensors, None here, never read)
+
+
+@pytest.fixture
+def fresh_envs():
+    from qwen4exp import envs
+    envs.reset()
+    yield envs
+    envs.reset()
+
+
+def test_qsa_host_lengths_switch(monkeypatch, fresh_envs):
+    """``QWEN4EXP_QSA_HOST_LENGTHS``: device reads the device tensors even where the builder kept host lengths (the
+    former way, for A/B runs); check reads both and fails the step, naming both, where they differ."""
+    import types
+
+    from qwen4exp.vllm import qsa
+
+    monkeypatch.setattr(qsa, "_once_per_forward", lambda name, m, key, compute: compute())
+    md = types.SimpleNamespace(query_start_loc=torch.tensor([0, 4, 852]), seq_lens=torch.tensor([901, 50000]),
+                               qwen4exp_host_lengths=([0, 4, 852], [901, 50000]))
+    for how in ("vllm", "device", "check"):
+        monkeypatch.setenv("QWEN4EXP_QSA_HOST_LENGTHS", how)
+        fresh_envs.reset()
+        assert qsa._host_lengths(md) == ([0, 4, 852], [901, 50000])
+    md.qwen4exp_host_lengths = ([0, 4, 852], [904, 50000])  # (an optimistic verification length)
+    with pytest.raises(RuntimeError, match=r"host lengths .*904.* differ from the device's .*901"):
+        qsa._host_lengths(md)
+    monkeypatch.setenv("QWEN4EXP_QSA_HOST_LENGTHS", "device")
+    fresh_envs.reset()
+    assert qsa._host_lengths(md) == ([0, 4, 852], [901, 50000])
+
+
 def test_eager_steps_keep_every_raw_key_a_later_step_may_read():
     """After any eager step, whatever its requests' MTP verifications accept, the rings hold the raw keys of every
     position of each request's open block that the step wrote (the next step reads them to complete the block).

@@ -77,6 +77,8 @@ def run_offline(spec: dict, workdir: str, timeout: float = 600) -> dict:
     # GPUs: vLLM's FlashInfer top-k/top-p sampler is JIT-built on a fresh machine (~2 min per start-up); these runs
     # sample greedily or read logprobs, which the torch sampler serves
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # every eager QSA step on a GPU checks the host lengths it takes from vLLM's metadata against the device's
+    env.setdefault("QWEN4EXP_QSA_HOST_LENGTHS", "check")
     here = os.path.dirname(os.path.abspath(__file__))  # (workers import ``tp_layout`` from here by name)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     p = subprocess.run([sys.executable, os.path.join(here, "vllm_offline.py"), sp, out], env=env, timeout=timeout,

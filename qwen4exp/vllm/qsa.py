@@ -70,7 +70,9 @@ def qsa_cache_backend(chosen: type) -> type:
     No vLLM attention kernel ever reads this cache (our kernels take the block table, lengths and slots only), so
     where vLLM picked FlashAttention the layer gets a subclass whose metadata builder skips FlashAttention 3's
     ahead-of-time scheduler metadata (same cache layout, block sizes, CUDA-graph support): a GPU launch and two
-    buffer writes a step fewer, metadata nothing reads. Any other backend (CPU, FlashInfer, ...) stays."""
+    buffer writes a step fewer, metadata nothing reads. It also keeps the step's host lengths where vLLM's host
+    copies are exact (``host_lengths_of``), so an eager step reads none back from the GPU. Any other backend (CPU,
+    FlashInfer, ...) stays."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
     return _lean_flash_backend() if chosen is FlashAttentionBackend else chosen
@@ -84,6 +86,13 @@ def _lean_flash_backend():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.aot_schedule = False  # (build() then asks for no scheduler metadata)
+            spec = getattr(self.vllm_config, "speculative_config", None)
+            self.max_decode_queries = 1 + int(spec.num_speculative_tokens or 0) if spec is not None else 0
+
+        def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+            md = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+            md.qwen4exp_host_lengths = host_lengths_of(common_attn_metadata, self.max_decode_queries)
+            return md
 
     class QSACacheBackend(FlashAttentionBackend):
         @staticmethod
@@ -123,11 +132,44 @@ def uniform_queries(m) -> int:
     return 0
 
 
+def host_lengths_of(cm, max_decode_queries: int) -> tuple[list[int], list[int]] | None:
+    """The step's query starts and sequence lengths as host lists from the host copies in vLLM's common metadata
+    ``cm`` (no device read), where those are exact; else None. vLLM's host sequence lengths are exact except for
+    decode rows under asynchronous speculative decoding (an upper bound there: last step's accepted drafts are
+    known on the device only), and its host query starts except for those rows under adaptive verification. So:
+    exact always without speculative decoding (``max_decode_queries`` 0), and with it when every request of the
+    step is a prefill (vLLM's ``is_prefilling``, or more queries than a verification holds)."""
+    qsl = getattr(cm, "query_start_loc_cpu", None)
+    ub = getattr(cm, "seq_lens_cpu_upper_bound", None)
+    if qsl is None or ub is None or qsl.device.type != "cpu" or ub.device.type != "cpu":
+        return None
+    q, s = qsl.tolist(), ub.tolist()
+    if len(q) != len(s) + 1:
+        return None
+    if max_decode_queries:
+        pre = getattr(cm, "is_prefilling", None)
+        pre = pre.tolist() if pre is not None and pre.device.type == "cpu" and pre.numel() == len(s) else None
+        for b in range(len(s)):
+            n = q[b + 1] - q[b]
+            if 0 < n <= max_decode_queries and not (pre is not None and pre[b]):
+                return None  # a decode or verification row: its host length may run ahead of the device's
+    return q, s
+
+
 def _host_lengths(m) -> tuple[list[int], list[int]]:
-    """The step's query starts and sequence lengths as host lists: one device-to-host copy (a sync) per step and
-    metadata object, not per QSA layer."""
-    return _once_per_forward("_qwen4exp_host_lengths", m, None,
-                             lambda: (m.query_start_loc.tolist(), m.seq_lens.tolist()))
+    """The step's query starts and sequence lengths as host lists: the exact host copies our metadata builder kept
+    (``host_lengths_of``), else one device-to-host copy per step and metadata object (a sync: the host stops
+    there until the GPU has run everything queued before, and an eager step's host then trails its GPU)."""
+    how = envs.QWEN4EXP_QSA_HOST_LENGTHS
+    host = getattr(m, "qwen4exp_host_lengths", None) if how != "device" else None
+    if host is not None and how != "check":
+        return host
+    dev = _once_per_forward("_qwen4exp_host_lengths", m, None,
+                            lambda: (m.query_start_loc.tolist(), m.seq_lens.tolist()))
+    if host is not None and (list(host[0]), list(host[1])) != (list(dev[0]), list(dev[1])):
+        raise RuntimeError(f"qwen4exp QSA: vLLM's host lengths (query starts {host[0]}, sequence lengths {host[1]}) "
+                           f"differ from the device's ({dev[0]}, {dev[1]})")
+    return dev
 
 
 def _to_device(lists: list, device) -> list[torch.Tensor]:

@@ -23,15 +23,16 @@ CKPT = os.path.join(os.path.dirname(__file__), "..", "..", "qwen4exp", "assets",
 
 
 def our_triton_kernels() -> set[str]:
-    """Names of every Triton kernel defined in ``qwen4exp.ops.<op>.triton_kernel``."""
+    """Names of every Triton kernel defined anywhere under ``qwen4exp.ops`` (an op's kernels may sit in modules per
+    stage beside its ``triton_kernel``, as QSA's do)."""
     import triton
 
     import qwen4exp.ops as ops
 
     names = set()
-    for info in pkgutil.iter_modules(ops.__path__):
+    for info in pkgutil.walk_packages(ops.__path__, prefix="qwen4exp.ops."):
         try:
-            mod = importlib.import_module(f"qwen4exp.ops.{info.name}.triton_kernel")
+            mod = importlib.import_module(info.name)
         except ImportError:
             continue
         for name, v in vars(mod).items():

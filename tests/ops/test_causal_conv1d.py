@@ -173,3 +173,45 @@ def test_dispatcher_runs_the_reference():
     y_ref, st_ref = conv_ref.causal_conv1d(x, w, cu_of([5]), None, 2)
     assert torch.equal(y, y_ref) and torch.equal(st, st_ref)
 
+
+
+@pytest.mark.parametrize("lens", CONV_LENS + [[0, 6, 0, 1], [3, 0]])
+@pytest.mark.parametrize("dilation", [1, 3])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_packed_form_matches_loop(lens, dilation, with_state):
+    """The packed form (what GPUs run: it reads nothing back to the host) against the per-token loop, any shape of
+    batch: single sequences, decode-sized ones beside a long one, empty rows (a step's padding requests keep their
+    state)."""
+    torch.manual_seed(1)
+    C, K = 6, 4
+    S = conv_ref.state_len(K, dilation)
+    x = torch.randn(sum(lens), C)
+    w = torch.randn(C, K)
+    st = torch.randn(len(lens), C, S) if with_state else None
+    y, fin = conv_ref.causal_conv1d_packed(x, w, cu_of(lens), st, dilation, "silu")
+    y_ref, fin_ref = loop_causal_conv1d(x, w, lens, st, dilation, "silu")
+    torch.testing.assert_close(y, y_ref, **F32)
+    torch.testing.assert_close(fin, fin_ref, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dispatcher_on_cuda_never_syncs():
+    """On a GPU the dispatcher takes the packed form: a prefill-shaped call (a long chunk beside decodes) makes no
+    device-to-host read, which would stall an eager step's host behind its GPU (run 32: three syncs in every PLE
+    mix), and equals the padded form."""
+    torch.manual_seed(2)
+    lens, C, K, dil = [3000, 1, 1, 17], 64, 4, 2
+    x = torch.randn(sum(lens), C, device="cuda").bfloat16()
+    w = torch.randn(C, K, device="cuda").bfloat16()
+    st = torch.randn(len(lens), C, conv_ref.state_len(K, dil), device="cuda").bfloat16()
+    cu = cu_of(lens, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y, fin = causal_conv1d.causal_conv1d(x, w, cu, st, dil)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    y_ref, fin_ref = conv_ref.causal_conv1d(x, w, cu, st, dil)
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(fin, fin_ref)

@@ -980,7 +980,7 @@ def test_warm_up_prefill_leaves_nothing_to_compile(monkeypatch):
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", hook)
     cases = qsa_ops.warm_up_prefill(kv, ikv, 24, 4, max_len, R_QSA, BUDGET, 256 ** -0.5, 128 ** -0.5, BF)
     assert cases and compiled, "the warm-up ran no new kernel variant"
-    assert {("attn_loop",), ("score_prefill",), ("topk", "radix")} <= set().union(
+    assert {("attn_loop",), ("score_prefill", False), ("topk", "radix")} <= set().union(
         *(host.prefill_variants(t, n, BUDGET // R_QSA, R_QSA, 2) for t, n in cases))
     compiled.clear()
     g = torch.Generator().manual_seed(3)
