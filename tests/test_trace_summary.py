@@ -52,6 +52,26 @@ def test_summary_splits_busy_small_and_large_gaps(ts):
                                                                        "sample": (2, 100.0)}
 
 
+def test_host_waits_name_the_ops_that_made_the_host_wait(ts):
+    """Synchronize calls and long device-to-host copies are listed with the host ops around them (innermost first);
+    short copies (host-to-device, queued) and long kernel launches (a host far ahead, blocked on a full queue) are
+    not waits."""
+    ev = _trace() + [
+        _x("cpu_op", "aten::item", 10, 60), _x("cpu_op", "aten::_local_scalar_dense", 11, 58),
+        _x("cuda_runtime", "cudaStreamSynchronize", 12, 55),
+        _x("cpu_op", "aten::to", 300, 400), _x("cpu_op", "aten::copy_", 301, 398),
+        _x("cuda_runtime", "cudaMemcpyAsync", 302, 396),  # a device-to-host read that waited
+        _x("cuda_runtime", "cudaMemcpyAsync", 720, 12),  # a queued copy
+        _x("cuda_runtime", "cuLaunchKernelEx", 740, 900)]  # a launch blocked on a full queue
+    waits = ts.summarize(ev)["host_waits"]
+    assert sorted(waits, key=lambda w: -w[0]) == [
+        (396.0, "cudaMemcpyAsync", ["aten::copy_", "aten::to"]),
+        (55.0, "cudaStreamSynchronize", ["aten::_local_scalar_dense", "aten::item", "execute_model"])]
+    text = ts.report(ts.summarize(ev))
+    assert "host waits for the GPU" in text and "cudaMemcpyAsync  aten::copy_ < aten::to" in text
+    assert "host waits" not in ts.report(ts.summarize(_trace()))
+
+
 def test_cli_reads_gzip_and_writes_csv(tmp_path):
     p = tmp_path / "t.json.gz"
     with gzip.open(p, "wt") as f:

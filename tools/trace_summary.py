@@ -19,6 +19,10 @@ from collections import defaultdict
 
 GAP_US = 2.0  # idle time between two kernels counted as a gap from this length on
 HOST_GAP_US = 20.0  # gaps from this length on are listed with the host annotations that ran during them
+HOST_WAIT_US = 100.0  # a device-to-host copy from this length on counts as the host waiting for the GPU
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
+              "cuCtxSynchronize", "cuEventSynchronize")
+COPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoH_v2")
 
 
 def load(path: str) -> list[dict]:
@@ -145,7 +149,32 @@ def summarize(events: list[dict], steps: int = 0) -> dict:
             ann[e["name"]][1] += float(e["dur"])
     res["host_annotations"] = sorted(((k, c, t) for k, (c, t) in ann.items()), key=lambda r: -r[2])
     res["host_functions"] = python_functions(xs)
+    res["host_waits"] = host_waits(xs)
     return res
+
+
+def host_waits(xs: list[dict]) -> list[tuple[float, str, list[str]]]:
+    """Where the host waited for the GPU: synchronize calls, and copies long enough to be device-to-host reads that
+    waited for the queue to drain (``HOST_WAIT_US``): (wait us, call, the host ops around it, innermost first).
+    A wait empties the GPU's queue of work the host had prepared ahead, so an eager step then runs as fast as its
+    host can launch (run 32: three a prefill step cost ours 185 ms of idle GPU over three chunks). Long kernel
+    launches are not waits: the host blocks there because it is far ahead."""
+    calls = [e for e in xs if e.get("cat") in ("cuda_runtime", "cuda_driver")
+             and (e.get("name") in SYNC_CALLS or (e.get("name") in COPY_CALLS and float(e["dur"]) >= HOST_WAIT_US))]
+    if not calls:
+        return []
+    ops = defaultdict(list)
+    for e in xs:
+        if e.get("cat") in ("cpu_op", "user_annotation", "python_function"):
+            ops[(e.get("pid"), e.get("tid"))].append(e)
+    out = []
+    for c in calls:
+        t0, t1 = float(c["ts"]), float(c["ts"]) + float(c["dur"])
+        around = [e for e in ops[(c.get("pid"), c.get("tid"))]
+                  if float(e["ts"]) <= t0 and float(e["ts"]) + float(e["dur"]) >= t1]
+        around.sort(key=lambda e: float(e["dur"]))
+        out.append((float(c["dur"]), c["name"], [e["name"] for e in around]))
+    return out
 
 
 def python_functions(xs: list[dict]) -> list[tuple[str, int, float, float]]:
@@ -194,6 +223,13 @@ def report(res: dict, top: int = 30) -> str:
         lines.append("largest idle gaps (start after the first kernel, length, host annotations during the gap):")
         for t, g, names in res["large_gaps"]:
             lines.append(f"  +{t / 1e3:9.3f} ms  {g:8.1f} us  {', '.join(names) or '-'}")
+    waits = res.get("host_waits") or []
+    if waits:
+        lines.append(f"host waits for the GPU (synchronizes, device-to-host copies >= {HOST_WAIT_US:.0f} us): "
+                     f"{len(waits) / n:.1f} a step, {sum(w for w, _, _ in waits) / n / 1e3:.2f} ms a step; the "
+                     f"longest (wait, call, host ops around it, innermost first):")
+        for w, call, names in sorted(waits, key=lambda x: -x[0])[:8]:
+            lines.append(f"  {w:10.1f} us  {call}  {' < '.join(names[:4]) or '-'}")
     lines.append(f"{'kernel':70s} {'calls/step':>10s} {'us/step':>9s} {'us/call':>8s} {'busy us/st':>10s}")
     shares = res.get("busy_share", {})
     for name, c, t in res["kernel_table"][:top]:
