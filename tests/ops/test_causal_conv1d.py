@@ -42,18 +42,19 @@ def loop_causal_conv1d(x, weight, lens, state, dilation, activation):
 CONV_LENS = [[7], [1, 9, 4], [12, 1, 1, 5, 2]]
 
 
-@pytest.mark.parametrize("lens", CONV_LENS)
-@pytest.mark.parametrize("dilation", [1, 3])
+@pytest.mark.parametrize("lens", CONV_LENS + [[0, 6, 0, 1], [3, 0]])  # (empty rows: padding requests keep their
+@pytest.mark.parametrize("dilation", [1, 3])                          # state)
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("activation", ["silu", None])
-def test_causal_conv1d_matches_loop(lens, dilation, with_state, activation):
+@pytest.mark.parametrize("form", ["causal_conv1d", "causal_conv1d_packed"])  # (packed: what GPUs run, no host read)
+def test_causal_conv1d_matches_loop(lens, dilation, with_state, activation, form):
     torch.manual_seed(0)
     C, K = 6, 4
     S = conv_ref.state_len(K, dilation)
     x = torch.randn(sum(lens), C)
     w = torch.randn(C, K)
     st = torch.randn(len(lens), C, S) if with_state else None
-    y, fin = conv_ref.causal_conv1d(x, w, cu_of(lens), st, dilation, activation)
+    y, fin = getattr(conv_ref, form)(x, w, cu_of(lens), st, dilation, activation)
     y_ref, fin_ref = loop_causal_conv1d(x, w, lens, st, dilation, activation)
     assert y.shape == (sum(lens), C) and fin.shape == (len(lens), C, S)
     torch.testing.assert_close(y, y_ref, **F32)
@@ -173,25 +174,6 @@ def test_dispatcher_runs_the_reference():
     y_ref, st_ref = conv_ref.causal_conv1d(x, w, cu_of([5]), None, 2)
     assert torch.equal(y, y_ref) and torch.equal(st, st_ref)
 
-
-
-@pytest.mark.parametrize("lens", CONV_LENS + [[0, 6, 0, 1], [3, 0]])
-@pytest.mark.parametrize("dilation", [1, 3])
-@pytest.mark.parametrize("with_state", [False, True])
-def test_packed_form_matches_loop(lens, dilation, with_state):
-    """The packed form (what GPUs run: it reads nothing back to the host) against the per-token loop, any shape of
-    batch: single sequences, decode-sized ones beside a long one, empty rows (a step's padding requests keep their
-    state)."""
-    torch.manual_seed(1)
-    C, K = 6, 4
-    S = conv_ref.state_len(K, dilation)
-    x = torch.randn(sum(lens), C)
-    w = torch.randn(C, K)
-    st = torch.randn(len(lens), C, S) if with_state else None
-    y, fin = conv_ref.causal_conv1d_packed(x, w, cu_of(lens), st, dilation, "silu")
-    y_ref, fin_ref = loop_causal_conv1d(x, w, lens, st, dilation, "silu")
-    torch.testing.assert_close(y, y_ref, **F32)
-    torch.testing.assert_close(fin, fin_ref, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
