@@ -415,6 +415,23 @@ def check_qsa_index_update():
     ref.decode_cache_writes(kv2, b.index_kv, b.ring, slots, pos, slots >= 0, k, v, raw, w, 1e-6, cos, sin, r)
     assert torch.equal(kv, kv2), "decode_cache_writes: K|V rows"
     close(flat(kv), flat(kv2), 1e-3, "decode_cache_writes", rtol=2 ** -7)
+    # an MTP verification, 4 consecutive tokens a request in one launch: blocks completed from this step's earlier
+    # rows (read from raw), from the ring alone, from both, and a padding request
+    nq, bt4 = 4, bt[:4]
+    pos4 = torch.tensor([5, 6, 7, 8, 12, 13, 14, 15, 62, 63, 64, 65, 0, 0, 0, 0])
+    req = torch.arange(16) // nq
+    slots4 = bt4[req].gather(1, (pos4 // ibs).unsqueeze(1)).squeeze(1).long() * ibs + pos4 % ibs
+    slots4[12:] = -1
+    raw4 = (torch.randn(16, di, generator=g) * 2).to(BF)
+    ang4 = torch.randn(16, RD // 2, generator=g) * 30
+    cos4, sin4 = torch.cat([ang4, ang4], -1).cos().to(BF), torch.cat([ang4, ang4], -1).sin().to(BF)
+    k4, v4 = (torch.randn(16, 2, 16, generator=g) * 2).to(BF), (torch.randn(16, 2, 16, generator=g) * 2).to(BF)
+    tk.index_update_triton(a.index_kv, a.ring, slots4, pos4, slots4 >= 0, raw4, w, 1e-6, cos4, sin4, r, kv, k4, v4,
+                           nq)
+    ref.decode_cache_writes(kv2, b.index_kv, b.ring, slots4, pos4, slots4 >= 0, k4, v4, raw4, w, 1e-6, cos4, sin4,
+                            r, nq)
+    assert torch.equal(kv, kv2), "decode_cache_writes at 4 queries: K|V and ring rows"
+    close(flat(kv), flat(kv2), 1e-3, "decode_cache_writes at 4 queries", rtol=2 ** -7)
 
 
 @check("qsa_real_widths")
@@ -472,7 +489,7 @@ def check_qsa_registration():
                                               4) is None
         assert ops["qsa_decode_writes"](t(9, 2, 16, 64), t(9, 1, 16, 64), t(9, 1, 20, 32), t(3, **i64), t(3, **i64),
                                         t(3, dtype=torch.bool), t(3, 2, 32), t(3, 2, 32), t(3, 32), t(32), 1e-6,
-                                        t(3, 16), t(3, 16), 4) is None
+                                        t(3, 16), t(3, 16), 4, 1) is None
     _registration("qwen4exp.ops.qsa.cuda",
                   ("qsa_attention", "qsa_decode_paged", "qsa_select_paged", "qsa_attend_paged", "qsa_prefill_paged",
                    "qsa_write_paged", "qsa_index_update_decode", "qsa_decode_writes"), fakes,

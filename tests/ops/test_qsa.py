@@ -1141,6 +1141,47 @@ def test_decode_cache_writes_is_one_launch():
     bf16_close(flat(kv), flat(kv2), min_equal=0.999)
 
 
+@pytest.mark.gpu
+def test_decode_cache_writes_at_mtp_verification_is_one_launch():
+    """An MTP verification's cache writes (4 consecutive tokens a request) in one launch: a token completing a
+    block reads this step's earlier tokens' keys from the step's rows (programs run in parallel here, so none can
+    rely on another's ring write), the others from the ring. Equal to the reference's ring-first composition, at
+    the real widths, over 96 requests whose blocks complete at every query index, a padding request included."""
+    from op_helpers import bf16_close
+
+    from qwen4exp.ops.qsa import layout
+    g = gen(29, "cuda")
+    nreq, nq, bs, r, rr, di, RD = 96, 4, 64, 4, 20, 128, 64
+    pages = 8 * nreq + 1
+    kv = layout.paged_cache(pages, 2, bs, 256, di, r, rr, device="cuda", pad=24)
+    n = kv.untyped_storage().nbytes() // 2
+    flat = lambda t: t.as_strided((n,), (1,), 0)  # noqa: E731
+    flat(kv).copy_(torch.randn(n, generator=g, device="cuda").to(BF) * 2)
+    kv2 = layout.paged_cache(pages, 2, bs, 256, di, r, rr, device="cuda", pad=24)
+    kv2.untyped_storage().copy_(kv.untyped_storage())
+    a, b = layout.index_views(kv, di, r, rr), layout.index_views(kv2, di, r, rr)
+    bt = (torch.randperm(pages - 1, generator=g, device="cuda")[: nreq * 8] + 1).view(nreq, 8).long()
+    first = torch.randint(0, 7 * bs, (nreq,), generator=g, device="cuda")
+    first[:4] = torch.tensor([0, 1, 2, 3], device="cuda") + 60  # the block completes at query 3, 2, 1, 0
+    pos = (first.unsqueeze(1) + torch.arange(nq, device="cuda")).reshape(-1)
+    req = torch.arange(nreq * nq, device="cuda") // nq
+    slots = bt[req].gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
+    slots[-nq:] = -1  # a request padding the batch
+    raw = rnd((nreq * nq, di), g, 2.0)
+    w = rnd((di,), g, 0.2)
+    ang = torch.randn(nreq * nq, RD // 2, generator=g, device="cuda") * 30
+    cos, sin = torch.cat([ang, ang], -1).cos().to(BF), torch.cat([ang, ang], -1).sin().to(BF)
+    k = rnd((nreq * nq, 2, 512), g, 1.0)[..., :256]
+    v = rnd((nreq * nq, 2, 256), g, 1.0)
+    valid = slots >= 0
+    poison()
+    with expect_kernel("qsa_decode_writes"):
+        qsa_ops.decode_cache_writes(kv, a.index_kv, a.ring, slots, pos, valid, k, v, raw, w, 1e-6, cos, sin, r, nq)
+    qsa_ref.decode_cache_writes(kv2, b.index_kv, b.ring, slots, pos, valid, k, v, raw, w, 1e-6, cos, sin, r, nq)
+    assert torch.equal(kv, kv2)
+    bf16_close(flat(kv), flat(kv2), min_equal=0.999)
+
+
 def test_index_update_decode_builds_every_block_key_through_the_ring():
     """The reference index update, stepped over whole sequences as a server steps them, against block keys
     computed from each sequence's raw keys at once (``block_mean`` -> norm -> RoPE at the block start, what the

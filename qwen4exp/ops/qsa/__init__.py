@@ -27,11 +27,11 @@ def index_update_decode(index_kv, ring, slots, pos, valid, raw, norm_weight, eps
     return fn(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r)
 
 
-def decode_cache_writes(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r):
-    """One token per row: its K|V rows into the paged cache (``write_paged``) and the index update
-    (``index_update_decode``): one launch on GPUs."""
+def decode_cache_writes(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r, nq=1):
+    """One token per row (``nq`` consecutive ones a request): its K|V rows into the paged cache (``write_paged``)
+    and the index update (``index_update_decode``): one launch on GPUs."""
     fn = pick("qsa_decode_writes", kv.device, reference.decode_cache_writes)
-    return fn(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r)
+    return fn(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r, nq)
 
 
 def write_paged(kv, slots, k, v):

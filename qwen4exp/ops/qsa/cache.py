@@ -42,29 +42,37 @@ def write_paged_triton(kv, slots, k, v) -> None:
 
 
 @triton.jit
-def _block_mean_seg(RING, RAW, b, pos, ok, offs, m, stride_raw, stride_rl, RR: tl.constexpr, R: tl.constexpr):
+def _block_mean_seg(RING, RAW, b, pos, ok, offs, m, stride_raw, stride_rl, RR: tl.constexpr, R: tl.constexpr, Q):
     """fp32 mean of the raw keys of tokens pos-R+1 .. pos at columns ``offs`` (the last from RAW, the rest from
-    the page's ring ``RING``: position p at row p % RR), rounded to bf16 (``block_mean``)."""
+    the page's ring ``RING``: position p at row p % RR), rounded to bf16 (``block_mean``). Q queries a request
+    (rows b - b % Q .. of one request at consecutive positions): a key of this step's earlier rows comes from RAW,
+    rounded to the ring's dtype as the ring would hold it (no program sees another's ring write)."""
     acc = tl.zeros(offs.shape, dtype=tl.float32)
+    q_i = b % Q  # this row's query index in its request: the j <= q_i earlier keys are this step's
     for j in tl.static_range(R - 1, 0, -1):  # oldest first
         p = tl.maximum(pos - j, 0)
-        acc += tl.load(RING + (p % RR) * stride_rl + offs, mask=m & ok, other=0.0).to(tl.float32)
+        mine = j <= q_i
+        x_ring = tl.load(RING + (p % RR) * stride_rl + offs, mask=m & ok & (j > q_i), other=0.0)
+        x_raw = tl.load(RAW + tl.maximum(b - j, 0) * stride_raw + offs, mask=m & ok & mine, other=0.0)
+        x_raw = x_raw.to(RING.dtype.element_ty)
+        acc += tl.where(mine, x_raw.to(tl.float32), x_ring.to(tl.float32))
     acc += tl.load(RAW + b * stride_raw + offs, mask=m, other=0.0).to(tl.float32)
     return _rbf(acc / R)
 
 
-@triton.jit(do_not_specialize_on_alignment=launch.ROW_VIEWS)
+@triton.jit(do_not_specialize=['Q'], do_not_specialize_on_alignment=launch.ROW_VIEWS)  # (one variant for any Q)
 def _index_update_kernel(IKV, RING, SLOTS, POS, VALID, RAW, NW, COS, SIN, eps,
                          stride_kvb, stride_kvl, stride_rb, stride_rl, stride_raw, stride_c,
                          KV, K, V, stride_mb, stride_mh, stride_ml, stride_kt, stride_kh, stride_vt, stride_vh,
                          DI: tl.constexpr, RD: tl.constexpr, R: tl.constexpr, IBS: tl.constexpr, RR: tl.constexpr,
                          H_P: tl.constexpr, P_P: tl.constexpr, KV_WRITE: tl.constexpr = False, HKV: tl.constexpr = 1,
-                         HD: tl.constexpr = 1, HD_P: tl.constexpr = 1):
+                         HD: tl.constexpr = 1, HD_P: tl.constexpr = 1, Q=1):
     """One program per token: its raw key into its page's ring (row pos % RR); when it completes a block, the
     block's key (mean, zero-centred RMSNorm, RoPE on the first RD dims, each rounded to bf16 where the reference
     rounds) into the block's key row (row ``slot % IBS`` of the ``index_kv`` view, columns [DI, 2 DI)); nothing
     there otherwise (the view's other rows overlap other blocks' keys). The row is split into the two rotated
-    halves and the pass-through part, so RoPE needs no shuffle."""
+    halves and the pass-through part, so RoPE needs no shuffle. Q > 1: Q queries a request (MTP verification),
+    its earlier rows' keys read from RAW (``_block_mean_seg``), so the ring needs no write before this launch."""
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + b).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int64)
@@ -79,9 +87,9 @@ def _index_update_kernel(IKV, RING, SLOTS, POS, VALID, RAW, NW, COS, SIN, eps,
     o3 = RD + tl.arange(0, P_P)
     m3 = o3 < DI
     # block key (the ring's earlier rows: not this token's own row, written below)
-    x1 = _block_mean_seg(ring, RAW, b, pos, ok, o1, m1, stride_raw, stride_rl, RR, R)
-    x2 = _block_mean_seg(ring, RAW, b, pos, ok, HALF + o1, m1, stride_raw, stride_rl, RR, R)
-    x3 = _block_mean_seg(ring, RAW, b, pos, ok, o3, m3, stride_raw, stride_rl, RR, R)
+    x1 = _block_mean_seg(ring, RAW, b, pos, ok, o1, m1, stride_raw, stride_rl, RR, R, Q)
+    x2 = _block_mean_seg(ring, RAW, b, pos, ok, HALF + o1, m1, stride_raw, stride_rl, RR, R, Q)
+    x3 = _block_mean_seg(ring, RAW, b, pos, ok, o3, m3, stride_raw, stride_rl, RR, R, Q)
     # raw key -> the ring
     own = ring + (pos % RR) * stride_rl
     tl.store(own + o1, tl.load(RAW + b * stride_raw + o1, mask=m1, other=0.0), mask=m1 & real)
@@ -113,8 +121,10 @@ def _index_update_kernel(IKV, RING, SLOTS, POS, VALID, RAW, NW, COS, SIN, eps,
 
 
 def index_update_triton(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r: int, kv=None, k=None,
-                        v=None) -> None:
-    """``kv``, ``k``, ``v`` (a decode step's K|V rows, ``write_paged``'s arguments): written by the same launch."""
+                        v=None, nq: int = 1) -> None:
+    """``kv``, ``k``, ``v`` (a decode step's K|V rows, ``write_paged``'s arguments): written by the same launch.
+    ``nq`` > 1: rows are requests' ``nq`` consecutive tokens (an MTP verification), read from ``raw`` by the
+    rows after them (without it the caller writes the ring first)."""
     B, di = raw.shape
     RD = cos.shape[-1]
     if B:
@@ -129,5 +139,5 @@ def index_update_triton(index_kv, ring, slots, pos, valid, raw, norm_weight, eps
             index_kv, ring, slots, pos, valid, raw, norm_weight, cos, sin, float(eps),
             index_kv.stride(0), index_kv.stride(2), ring.stride(0), ring.stride(2), raw.stride(0), cos.stride(0),
             *kvw, DI=di, RD=RD, R=r, IBS=index_kv.shape[2], RR=ring.shape[2], H_P=triton.next_power_of_2(RD // 2),
-            P_P=triton.next_power_of_2(max(di - RD, 1)), **extra,
+            P_P=triton.next_power_of_2(max(di - RD, 1)), Q=nq, **extra,
             num_warps=1 if di <= 256 and kv is None else 4)

@@ -192,22 +192,25 @@ def index_update_decode(index_kv, ring, slots, pos, valid, raw, norm_weight, eps
 @_registry.custom_op("qwen4exp::qsa_decode_writes", mutates_args=("kv", "index_kv", "ring"))
 def decode_writes_op(kv: Tensor, index_kv: Tensor, ring: Tensor, slots: Tensor, pos: Tensor, valid: Tensor, k: Tensor,
                      v: Tensor, raw: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
-                     r: int) -> None:
-    tk.index_update_triton(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r, kv, k, v)
+                     r: int, nq: int) -> None:
+    tk.index_update_triton(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r, kv, k, v, nq)
 
 
 @decode_writes_op.register_fake
-def _(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r):
+def _(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r, nq):
     return None
 
 
-def decode_cache_writes(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r):
+def decode_cache_writes(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r, nq=1):
     if not (kv.is_cuda and host.decode_writes_covers(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight,
-                                                     cos, sin, r)):
+                                                     cos, sin, r, nq)):
         write_paged(kv, slots, k, v)
+        if nq > 1:  # (the reference's order: the step's raw keys into the rings before the update reads them)
+            ref.write_ring(ring, index_kv.shape[2], slots, pos, raw, write_paged)
         return index_update_decode(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r)
     _registry.ran("qsa_decode_writes", "kernel")
-    decode_writes_op(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, float(eps), cos, sin, int(r))
+    decode_writes_op(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, float(eps), cos, sin, int(r),
+                     int(nq))
 
 
 KERNELS = {

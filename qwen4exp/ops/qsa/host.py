@@ -111,11 +111,13 @@ def index_update_covers(index_kv, ring, slots, pos, valid, raw, norm_weight, cos
             and slots.shape == pos.shape == valid.shape == (B,))
 
 
-def decode_writes_covers(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, cos, sin, r) -> bool:
+def decode_writes_covers(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, cos, sin, r,
+                         nq: int = 1) -> bool:
     """``index_update_triton`` with the K|V rows: what the index update covers, K|V rows ``write_paged_triton``
     covers, of the index cache's dtype and pages (the plugin's one cache: its index views), up to 8 KV heads of
-    up to 256."""
-    return (index_update_covers(index_kv, ring, slots, pos, valid, raw, norm_weight, cos, sin, r)
+    up to 256; ``nq`` queries a request, whole requests (up to 16: an MTP verification)."""
+    return (1 <= nq <= 16 and raw.shape[0] % nq == 0
+            and index_update_covers(index_kv, ring, slots, pos, valid, raw, norm_weight, cos, sin, r)
             and write_paged_covers(kv, slots, k, v) and kv.dtype == index_kv.dtype
             and kv.shape[0] == index_kv.shape[0] and kv.shape[2] == index_kv.shape[2]
             and k.shape[1] <= 8 and k.shape[2] <= 256)

@@ -282,11 +282,25 @@ def index_update_decode(
     write_paged(key_rows(index_kv, r), kslots, key[:, None, : di // 2], key[:, None, di // 2:])
 
 
-def decode_cache_writes(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r) -> None:
+def decode_cache_writes(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_weight, eps, cos, sin, r,
+                        nq: int = 1) -> None:
     """A decode step's cache writes, one token a row: its K|V rows (``write_paged``), then the index update
-    (``index_update_decode``). On GPUs one launch."""
+    (``index_update_decode``); with ``nq`` > 1 queries a request (an MTP verification: each request's rows are
+    consecutive tokens) the raw keys into the rings first, since a row completing a block reads the step's earlier
+    rows' keys there. On GPUs one launch."""
     write_paged(kv, slots, k, v)
+    if nq > 1:
+        write_ring(ring, index_kv.shape[2], slots, pos, raw)
     index_update_decode(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r)
+
+
+def write_ring(ring, bs: int, slots, pos, raw, write=None) -> None:
+    """Raw index keys ``raw`` [B, d_i] of the tokens at cache ``slots`` and positions ``pos`` into their pages'
+    rings (``layout.ring_slots``; pages of ``bs`` tokens); ``write``: the paged writer (default ``write_paged``)."""
+    from .layout import ring_slots
+
+    h = raw.shape[1] // 2
+    (write or write_paged)(ring, ring_slots(slots, pos, bs, ring.shape[2]), raw[:, None, :h], raw[:, None, h:])
 
 
 def key_rows(index_kv: torch.Tensor, r: int) -> torch.Tensor:

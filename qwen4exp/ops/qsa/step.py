@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import decode_cache_writes, index_update_decode, layout, write_paged
+from . import decode_cache_writes, layout
 
 
 class DecodeInputs(NamedTuple):
@@ -52,17 +52,9 @@ def decode_writes(kv: torch.Tensor, views: layout.IndexViews, k: torch.Tensor, v
                   index_k_raw: torch.Tensor, inp: DecodeInputs, norm_weight: torch.Tensor, eps: float, r: int,
                   nq: int) -> None:
     """The step's K/V rows into the cache, its raw index keys into their pages' rings, and the key of every block a
-    token completes (normed, rotated) into its page's key row. With several queries per request every raw key goes
-    to the ring first: a token completing a block reads its block's earlier keys from there, some of them this
-    step's (one program per row cannot see another row's write)."""
+    token completes (normed, rotated) into its page's key row (``decode_cache_writes``)."""
     n = inp.n
-    raw = index_k_raw[:n]
-    if nq == 1:  # K|V rows and the index update in one launch on GPUs
-        decode_cache_writes(kv, views.index_kv, views.ring, inp.slots, inp.pos, inp.valid, k[:n], v[:n], raw,
-                            norm_weight, eps, inp.cos, inp.sin, r)
-        return
-    write_paged(kv, inp.slots, k[:n], v[:n])
-    h = raw.shape[1] // 2
-    write_paged(views.ring, inp.ring_slots, raw[:, None, :h], raw[:, None, h:])
-    index_update_decode(views.index_kv, views.ring, inp.slots, inp.pos, inp.valid, raw, norm_weight, eps, inp.cos,
-                        inp.sin, r)
+    # K|V rows, ring rows and block keys in one launch on GPUs (a row completing a block reads the step's earlier
+    # rows' keys from ``raw`` there, rather than from the ring another program may not have written yet)
+    decode_cache_writes(kv, views.index_kv, views.ring, inp.slots, inp.pos, inp.valid, k[:n], v[:n],
+                        index_k_raw[:n], norm_weight, eps, inp.cos, inp.sin, r, nq)
