@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (bench_ops: the experts, timing, bandwidth)
 
 from qwen4exp import envs  # noqa: E402
 from qwen4exp.configuration import INDEXED, LINEAR, Qwen4ExpTextConfig  # noqa: E402
@@ -59,7 +60,6 @@ from qwen4exp.ops.qsa.step import decode_inputs, decode_writes  # noqa: E402
 from qwen4exp.presets import _flash_next_text, tiny_text  # noqa: E402
 
 KINDS = {"gdn": LINEAR, "qsa": INDEXED}
-GROUP = 16  # NVFP4 scale group
 
 
 def text_config(tiny: bool) -> Qwen4ExpTextConfig:
@@ -76,21 +76,12 @@ class NVFP4Experts(nn.Module):
 
     def __init__(self, config, device, gen: torch.Generator | None = None):
         super().__init__()
+        from bench_ops import moe_decode_weights
+
         E, D, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        u8, f8 = torch.uint8, torch.float8_e4m3fn
-
-        def codes(*shape):
-            return torch.randint(0, 256, shape, dtype=u8, device=device, generator=gen)
-
-        def scales(*shape):
-            return (torch.rand(*shape, device=device, generator=gen) + 0.5).to(f8)
-
-        self.register_buffer("w13", codes(E, 2 * I, D // 2))
-        self.register_buffer("w13_scale", scales(E, 2 * I, D // GROUP))
-        self.register_buffer("w13_gs", torch.full((E,), 0.02, device=device))
-        self.register_buffer("w2", codes(E, D, I // 2))
-        self.register_buffer("w2_scale", scales(E, D, I // GROUP))
-        self.register_buffer("w2_gs", torch.full((E,), 0.02, device=device))
+        for name, t in zip(("w13", "w13_scale", "w13_gs", "w2", "w2_scale", "w2_gs"),
+                           moe_decode_weights(E, D, I, device, gen, 0.02)):
+            self.register_buffer(name, t)
 
     def _apply(self, fn, recurse=True):  # built on its device; ``.to(dtype)`` must not cast the FP8 scales
         return self

@@ -594,14 +594,20 @@ def profile_once():
     torch.cuda.synchronize()
 
 
-def moe_decode_weights(E=512, D=2560, I=640):
+def moe_decode_weights(E=512, D=2560, I=640, device="cuda", gen=None, global_scale=1e-3):
     """Random NVFP4 experts at the model's sizes (the kernels' plain layout; codes and scales random, not from a
-    quantizer: the timing does not depend on the values). 1.4 GB: one copy shared by every input set."""
+    quantizer: the timing does not depend on the values): (w13, w13_scale, w13_gs, w2, w2_scale, w2_gs). 1.4 GB at
+    the model's sizes: one copy shared by every input set. Also the layer harness's experts."""
     u8, f8 = torch.uint8, torch.float8_e4m3fn
-    return (torch.randint(0, 256, (E, 2 * I, D // 2), dtype=u8, device="cuda"),
-            (torch.rand(E, 2 * I, D // 16, device="cuda") + 0.5).to(f8), torch.full((E,), 1e-3, device="cuda"),
-            torch.randint(0, 256, (E, D, I // 2), dtype=u8, device="cuda"),
-            (torch.rand(E, D, I // 16, device="cuda") + 0.5).to(f8), torch.full((E,), 1e-3, device="cuda"))
+
+    def codes(*shape):
+        return torch.randint(0, 256, shape, dtype=u8, device=device, generator=gen)
+
+    def scales(*shape):
+        return (torch.rand(*shape, device=device, generator=gen) + 0.5).to(f8)
+
+    return (codes(E, 2 * I, D // 2), scales(E, 2 * I, D // 16), torch.full((E,), global_scale, device=device),
+            codes(E, D, I // 2), scales(E, D, I // 16), torch.full((E,), global_scale, device=device))
 
 
 def moe_decode_case(M, part, E=512, D=2560, I=640, k=10):
