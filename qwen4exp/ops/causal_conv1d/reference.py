@@ -86,15 +86,8 @@ def _act(y, activation):
     return y
 
 
-def causal_conv1d_packed(
-    x: torch.Tensor,  # [T, C] packed
-    weight: torch.Tensor,  # [C, K]
-    cu_seqlens: torch.Tensor,  # [N+1]
-    initial_state: torch.Tensor | None = None,  # [N, C, S]
-    dilation: int = 1,
-    activation: str | None = "silu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``causal_conv1d`` in the packed form alone: no value is read back to the host (the padded form needs the
+def causal_conv1d_packed(x, weight, cu_seqlens, initial_state=None, dilation=1, activation="silu"):
+    """``causal_conv1d`` (same arguments and results) in the packed form alone: no value is read back to the host (the padded form needs the
     longest sequence's length, and its masked copies count their rows), so on a GPU it never waits for the device
     and an eager step's host stays ahead of it."""
     return _packed_conv(x, weight, cu_seqlens, seq_lens(cu_seqlens), initial_state, dilation, activation)
