@@ -91,7 +91,10 @@ def _lean_flash_backend():
 
         def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
             md = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
-            md.qwen4exp_host_lengths = host_lengths_of(common_attn_metadata, self.max_decode_queries)
+            try:
+                md.qwen4exp_host_lengths = host_lengths_of(common_attn_metadata, self.max_decode_queries)
+            except AttributeError:  # (a metadata class with __slots__: the layers read the device's lengths)
+                pass
             return md
 
     class QSACacheBackend(FlashAttentionBackend):
