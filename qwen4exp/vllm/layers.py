@@ -430,10 +430,6 @@ def gdn_state_dtypes(vllm_config: VllmConfig):
                                                                  cc.mamba_ssm_cache_dtype)
 
 
-def model_dtype(vllm_config: VllmConfig) -> torch.dtype:
-    return vllm_config.model_config.dtype
-
-
 def gdn_mixer(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
     """vLLM's Gated DeltaNet (flat [q|k|v|z] / [b|a] layout; gate activation from ``output_gate_type``)."""
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as q
