@@ -31,6 +31,7 @@ from ..ops.qsa import (block_mean, decode_cache_writes, output_gate, qsa_attend_
                        qsa_prefill_paged, qsa_select_paged, reused_block_ids, warm_up_decode, warm_up_prefill,
                        write_paged)
 from ..ops.qsa import layout as qlayout
+from ..ops.qsa.reference import write_ring
 from ..ops.qsa.step import DecodeInputs, decode_inputs, decode_writes
 from .layers import eager_segment, vllm_linear
 
@@ -430,13 +431,8 @@ class QSAMixer(QSAAttention):
         rows_t = _once_per_forward("_qwen4exp_ring_rows", m, self.r, plan)  # (the same for every QSA layer)
         if rows_t is None:
             return
-        sl = slots[rows_t]
-        bs, rr = views.index_kv.shape[2], self.ring_rows
         p = pos1[rows_t]
-        ring_slots = qlayout.ring_slots(sl, p, bs, rr)
-        x = raw[rows_t]
-        h = x.shape[1] // 2
-        write_paged(views.ring, ring_slots, x[:, None, :h], x[:, None, h:])
+        ring_slots = write_ring(views.ring, views.index_kv.shape[2], slots[rows_t], p, raw[rows_t], write_paged)
         if pos3 is not None:
             stash_positions(views.stash, ring_slots, p, pos3[:, rows_t])
 

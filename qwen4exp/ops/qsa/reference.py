@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .layout import key_slots, ring_slots
+
 
 def block_mean(raw_keys: torch.Tensor, r: int) -> torch.Tensor:
     """[n*r, d] -> [n, d]: fp32 mean of each block of r keys, cast back to the keys' dtype."""
@@ -270,14 +272,14 @@ def index_update_decode(
     bs, rr = index_kv.shape[2], ring.shape[2]
     keep = slots >= 0
     s = slots.clamp(min=0)
-    page, row = s // bs, s % bs
+    page = s // bs
     back = (pos.unsqueeze(1) - (r - 1) + torch.arange(r - 1, device=pos.device)).clamp(min=0) % rr
     prev = ring[page.unsqueeze(1), 0, back].to(raw.dtype)  # [B, r - 1, d_i]
     mean = block_mean(torch.cat([prev, raw.unsqueeze(1)], 1).reshape(B * r, di), r)
     keys = apply_rope(grouped_rms_norm(mean, norm_weight, di, eps).unsqueeze(1), cos, sin).squeeze(1)
     completes = ((pos + 1) % r == 0) & valid & keep
-    write_paged(ring, torch.where(keep, page * rr + pos % rr, -1), raw[:, None, : di // 2], raw[:, None, di // 2:])
-    kslots = torch.where(completes, page * (bs // r) + row // r, -1)
+    write_ring(ring, bs, slots, pos, raw)
+    kslots = torch.where(completes, key_slots(s, bs, r), -1)
     key = keys.to(raw.dtype)
     write_paged(key_rows(index_kv, r), kslots, key[:, None, : di // 2], key[:, None, di // 2:])
 
@@ -294,13 +296,14 @@ def decode_cache_writes(kv, index_kv, ring, slots, pos, valid, k, v, raw, norm_w
     index_update_decode(index_kv, ring, slots, pos, valid, raw, norm_weight, eps, cos, sin, r)
 
 
-def write_ring(ring, bs: int, slots, pos, raw, write=None) -> None:
+def write_ring(ring, bs: int, slots, pos, raw, write=None) -> torch.Tensor:
     """Raw index keys ``raw`` [B, d_i] of the tokens at cache ``slots`` and positions ``pos`` into their pages'
-    rings (``layout.ring_slots``; pages of ``bs`` tokens); ``write``: the paged writer (default ``write_paged``)."""
-    from .layout import ring_slots
-
+    rings (``layout.ring_slots``; pages of ``bs`` tokens); ``write``: the paged writer (default ``write_paged``).
+    Returns the ring rows written (-1: padding)."""
     h = raw.shape[1] // 2
-    (write or write_paged)(ring, ring_slots(slots, pos, bs, ring.shape[2]), raw[:, None, :h], raw[:, None, h:])
+    rows = ring_slots(slots, pos, bs, ring.shape[2])
+    (write or write_paged)(ring, rows, raw[:, None, :h], raw[:, None, h:])
+    return rows
 
 
 def key_rows(index_kv: torch.Tensor, r: int) -> torch.Tensor:

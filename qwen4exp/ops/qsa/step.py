@@ -18,7 +18,6 @@ class DecodeInputs(NamedTuple):
     valid: torch.Tensor  # [n] bool: a real token (False: a request padding a captured batch)
     pos: torch.Tensor  # [n] int64 token positions (clamped to 0 on padding)
     slots: torch.Tensor  # [n] int64 cache slots (-1: padding)
-    ring_slots: torch.Tensor  # [n] int64 rows of the ring view (-1: padding)
     block_table: torch.Tensor  # [n, pages] each row's block-table row
     cos: torch.Tensor  # the rotation of the block key each row may complete (at the block's first position)
     sin: torch.Tensor
@@ -45,7 +44,7 @@ def decode_inputs(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_mappin
     else:
         cb, sb = rotary((pos - (r - 1)).clamp(min=0), dtype)
     slots = slot_mapping[:n].long()
-    return DecodeInputs(n, valid, pos, slots, layout.ring_slots(slots, pos, bs, ring_rows), bt, cb, sb)
+    return DecodeInputs(n, valid, pos, slots, bt, cb, sb)
 
 
 def decode_writes(kv: torch.Tensor, views: layout.IndexViews, k: torch.Tensor, v: torch.Tensor,
