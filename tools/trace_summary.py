@@ -157,8 +157,7 @@ def host_waits(xs: list[dict]) -> list[tuple[float, str, list[str]]]:
     """Where the host waited for the GPU: synchronize calls, and copies long enough to be device-to-host reads that
     waited for the queue to drain (``HOST_WAIT_US``): (wait us, call, the host ops around it, innermost first).
     A wait empties the GPU's queue of work the host had prepared ahead, so an eager step then runs as fast as its
-    host can launch (run 32: three a prefill step cost ours 185 ms of idle GPU over three chunks). Long kernel
-    launches are not waits: the host blocks there because it is far ahead."""
+    host can launch. Long kernel launches are not waits: the host blocks there because it is far ahead."""
     calls = [e for e in xs if e.get("cat") in ("cuda_runtime", "cuda_driver")
              and (e.get("name") in SYNC_CALLS or (e.get("name") in COPY_CALLS and float(e["dur"]) >= HOST_WAIT_US))]
     if not calls:

@@ -180,8 +180,7 @@ def test_dispatcher_runs_the_reference():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_dispatcher_on_cuda_never_syncs():
     """On a GPU the dispatcher takes the packed form: a prefill-shaped call (a long chunk beside decodes) makes no
-    device-to-host read, which would stall an eager step's host behind its GPU (run 32: three syncs in every PLE
-    mix), and equals the padded form."""
+    device-to-host read, which would stall an eager step's host behind its GPU, and equals the padded form."""
     torch.manual_seed(2)
     lens, C, K, dil = [3000, 1, 1, 17], 64, 4, 2
     x = torch.randn(sum(lens), C, device="cuda").bfloat16()

@@ -87,9 +87,9 @@ def _act(y, activation):
 
 
 def causal_conv1d_packed(x, weight, cu_seqlens, initial_state=None, dilation=1, activation="silu"):
-    """``causal_conv1d`` (same arguments and results) in the packed form alone: no value is read back to the host (the padded form needs the
-    longest sequence's length, and its masked copies count their rows), so on a GPU it never waits for the device
-    and an eager step's host stays ahead of it."""
+    """``causal_conv1d`` (same arguments and results) in the packed form alone. No value is read back to the host
+    (the padded form needs the longest sequence's length, and its masked copies count their rows), so on a GPU it
+    never waits for the device and an eager step's host stays ahead of it."""
     return _packed_conv(x, weight, cu_seqlens, seq_lens(cu_seqlens), initial_state, dilation, activation)
 
 
