@@ -13,10 +13,6 @@ GROUP = 16  # NVFP4: one scale per 16 inputs
 DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def router_covers(x, weight, top_k) -> bool:
     """``router_topk_triton``: x [M, D] (1 <= M <= MAX_TOKENS, rows contiguous), weight [E, D] contiguous, of one
     dtype (bf16 or fp32), E <= MAX_EXPERTS, 1 <= top_k <= min(E, MAX_TOP_K)."""
@@ -51,7 +47,7 @@ def w2_groups(top_k: int, experts_per_program: int) -> tuple[int, int]:
     """The down projection's split of its reduction (top-k experts x I) over programs: (experts a program, groups).
     One group: each program sums all k experts and stores its rows; more: fp32 atomics and a last-arriver store."""
     g = max(1, min(experts_per_program, top_k))
-    return g, _cdiv(top_k, g)
+    return g, -(-top_k // g)
 
 
 def block_k(K: int, knob: int) -> int:
