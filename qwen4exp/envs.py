@@ -73,6 +73,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("QWEN4EXP_PLE_PREFETCH", "bool", False,
            "vLLM plugin on GPUs: the PLE layer's table gather and key/value projections start on a side CUDA "
            "stream at the top of the forward, overlapping the layers before it"),
+    Switch("QWEN4EXP_PLE_VERIFY", "choice", "batched",
+           "vLLM plugin, MTP verification of the PLE layer's states (n-gram context, conv): batched (every position "
+           "of every request in one call of the one-token kernels) or stepped (one position at a time, each with "
+           "its own state gathers and writes: the former way, for A/B runs)", ("batched", "stepped")),
     Switch("QWEN4EXP_HC_DECODE", "choice", "fused",
            "HC mixer on CUDA at decode sizes: fused (two Triton launches chained by programmatic dependent launch; "
            "at one token each program of the second finishes the down projection itself, from 2 tokens a small "
@@ -160,6 +164,7 @@ if TYPE_CHECKING:  # each switch's type for type checkers and editors (vLLM's en
     QWEN4EXP_VLLM_GDN: str
     QWEN4EXP_PLE_TABLE: str
     QWEN4EXP_PLE_PREFETCH: bool
+    QWEN4EXP_PLE_VERIFY: str
     QWEN4EXP_HC_DECODE: str
     QWEN4EXP_MOE_DECODE: bool
     QWEN4EXP_QSA_PREFILL_SELECT: str

@@ -73,6 +73,18 @@ class NGramEmbedding(nn.Module):
         return emb, _next_context(ids, cu_seqlens, ctx_state)
 
 
+    def verify(self, ids, ctx_state, nq: int, out_dtype):
+        """``forward``'s decode form over ``nq`` consecutive tokens a sequence in one call (an MTP verification):
+        ids [N * nq] (row b * nq + j: token j of sequence b), ctx_state [N, n-1] the ids before the first ->
+        (embeddings [N * nq, ...], the context after each token [N, nq, n-1]). Token j's previous ids are the
+        window j .. j + n-1 of (ctx_state, the sequence's ids), so every token is computed as stepping one at a
+        time would. Fixed shapes, no host sync."""
+        N, c = ctx_state.shape
+        seq = torch.cat([ctx_state.long(), ids.view(N, nq).long()], 1)  # [N, c + nq]
+        emb, nxt = self.forward(ids, None, seq.unfold(1, c, 1)[:, :nq].reshape(N * nq, c), out_dtype)
+        return emb, nxt.view(N, nq, c)
+
+
 def _next_context(ids, cu_seqlens, prev):
     """Last n-1 ids of each sequence's history (prev context followed by the new ids of packed sequences)."""
     c = prev.shape[1]
@@ -147,6 +159,21 @@ class PLE(nn.Module):
         """The gated, convolved injection of the embedded n-grams into the streams -> (PLE(H), new conv state)."""
         return ple_mix(H, k, v, self.norm_query.weight, self.norm_conv.weight, self.conv1d.weight.squeeze(1),
                        cu_seqlens, conv_state, self.n, self.norm_query.eps, self.dilation)
+
+    def mix_verify(self, H, k, v, conv_state, nq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mix``'s decode form over ``nq`` consecutive tokens a sequence (an MTP verification): H, k, v rows
+        b * nq + j (token j of sequence b), conv_state [N, nD, S] the state before the first -> (PLE(H) [N * nq,
+        nD], the conv state after each token [N, nq, nD, S]), each token computed from its own state as stepping
+        one at a time would, in two calls of the one-token form: the first (every token from the first state)
+        yields each token's conv input as its new state's last column, and the state before token j is the
+        window j .. j + S of (conv_state, those inputs). Fixed shapes, no host sync."""
+        N, nD, S = conv_state.shape
+        rows = N * nq
+        _, first = self.mix(H, k, v, None, conv_state.repeat_interleave(nq, 0))
+        x = first[:, :, -1].reshape(N, nq, nD).transpose(1, 2).to(conv_state.dtype)  # [N, nD, nq]
+        before = torch.cat([conv_state, x], 2).unfold(2, S, 1)[:, :, :nq]  # [N, nD, nq, S]
+        out, new = self.mix(H, k, v, None, before.permute(0, 2, 1, 3).reshape(rows, nD, S))
+        return out, new.view(N, nq, nD, S)
 
     def forward(
         self,

@@ -283,7 +283,21 @@ class StateSlots(nn.Module, MambaBase):
             self._store(slots[:, j], new_states)
         return full
 
-    def run(self, fn, T: int, device, fresh_values, uses: tuple[int, ...] | None = None):
+    def _run_spec_verify(self, verify, T: int, md, nd: int, nq: int, nacc: torch.Tensor, uses) -> torch.Tensor:
+        """``_run_spec_decode`` in one call: ``verify(nd, nq, states) -> (out [nd * nq, ...], new states [nd, nq,
+        ...] each, or None)`` computes every position of every request from the states after the last accepted
+        token, and the states after each position go to their slots in one write. Fixed shapes, no host sync."""
+        slots = md.state_indices_tensor_d[:nd, :nq].long()
+        cur = slots.gather(1, (nacc[:nd].long() - 1).clamp(0, nq - 1).unsqueeze(1)).squeeze(1)
+        out, new_states = verify(nd, nq, self._gather(cur, uses))
+        self._store(slots, new_states)
+        if nd * nq == T:
+            return out
+        full = out.new_zeros(T, *out.shape[1:])
+        full[: nd * nq] = out
+        return full
+
+    def run(self, fn, T: int, device, fresh_values, uses: tuple[int, ...] | None = None, verify=None):
         """Gather this step's states, call ``fn(rows, cu_seqlens, states) -> (out, new_states)``, write back (a
         new state of None: that state is left as it was). ``uses``: the states ``fn`` reads (the others reach it
         as None, ungathered); default all.
@@ -295,7 +309,8 @@ class StateSlots(nn.Module, MambaBase):
         Speculative decoding (``num_accepted_tokens`` set): a decode request verifies 1+k tokens and vLLM gives it
         1+k state slots (``state_indices_tensor_d[r, :1+k]``): the state after its j-th token goes to slot j, and
         the next step starts from slot ``num_accepted_tokens[r] - 1`` (the state after the last accepted token), so
-        rejected tokens leave no trace. Decode tokens are therefore stepped one position at a time."""
+        rejected tokens leave no trace. Decode tokens are therefore stepped one position at a time, or, where the
+        owner gives ``verify`` (``_run_spec_verify``), computed in one call when every request verifies as many."""
         from vllm.forward_context import get_forward_context
 
         md = get_forward_context().attn_metadata
@@ -309,6 +324,8 @@ class StateSlots(nn.Module, MambaBase):
         if self.decode_form and nd and not npf and nacc is not None and ndt % nd == 0:
             nq = ndt // nd  # every request verifies nq tokens (MTP): the graph-safe stepped form
             if nq <= md.state_indices_tensor_d.shape[1]:
+                if verify is not None:
+                    return self._run_spec_verify(verify, T, md, nd, nq, nacc, uses)
                 return self._run_spec_decode(fn, T, md, nd, nq, nacc, uses)
         outs: list[tuple[object, torch.Tensor]] = []
         first = 0  # first token row of the packed (plain decode + prefill) call

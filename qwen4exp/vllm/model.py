@@ -235,7 +235,12 @@ def _ple_embed(ple, st: StateSlots, ids: torch.Tensor, dtype: torch.dtype) -> to
         emb, ctx = ple.ple_embedding(ids[rows], cu, states[1].long(), dtype)
         return emb, (None, ctx)
 
-    emb = st.run(fn, T, ids.device, (None, ple.ple_embedding.eos), uses=(1,))
+    def verify(nd, nq, states):  # MTP verification: every position in one call
+        emb, ctx = ple.ple_embedding.verify(ids[: nd * nq], states[1], nq, dtype)
+        return emb, (None, ctx)
+
+    emb = st.run(fn, T, ids.device, (None, ple.ple_embedding.eos), uses=(1,),
+                 verify=verify if ple.context_len > 0 and _ple_verify_batched() else None)
     if emb is None:  # profiling / warm-up: one fresh sequence, no state
         ctx = torch.full((1, ple.context_len), ple.ple_embedding.eos, dtype=torch.long, device=ids.device)
         emb, _ = fn(slice(0, T), torch.tensor([0, T], device=ids.device), (None, ctx))
@@ -252,10 +257,20 @@ def _ple_mix_step(ple, st: StateSlots, embed_step: _PleEmbedStep, H: torch.Tenso
         out, conv = ple.mix(H[rows], kv[rows, :nD], kv[rows, nD:], cu, states[0])
         return out, (conv, None)
 
-    out = st.run(fn, T, H.device, (None, ple.ple_embedding.eos), uses=(0,))
+    def verify(nd, nq, states):  # MTP verification: every position in two calls
+        rows = nd * nq
+        out, conv = ple.mix_verify(H[:rows], kv[:rows, :nD], kv[:rows, nD:], states[0], nq)
+        return out, (conv, None)
+
+    out = st.run(fn, T, H.device, (None, ple.ple_embedding.eos), uses=(0,),
+                 verify=verify if ple.conv_state_len > 0 and _ple_verify_batched() else None)
     if out is None:  # profiling / warm-up: no state
         out, _ = fn(slice(0, T), torch.tensor([0, T], device=H.device), (None, None))
     return out
+
+
+def _ple_verify_batched() -> bool:
+    return envs.QWEN4EXP_PLE_VERIFY == "batched"
 
 
 def _on_gpu() -> bool:

@@ -271,6 +271,60 @@ def test_ple_layer_decode_form_equals_packed_form():
             torch.testing.assert_close(conv, conv_ref_, rtol=0, atol=0)
 
 
+def _step_verification(ple, H, k, v, ids, ctx, conv, nq):
+    """The MTP verification stepped one position at a time (what ``mix_verify`` / ``verify`` must equal): each
+    position's decode-form call from the states the previous one left."""
+    N = ctx.shape[0]
+    embs, ctxs, outs, convs = [], [], [], []
+    for j in range(nq):
+        rows = torch.arange(N) * nq + j
+        e, ctx = ple.ple_embedding(ids[rows.to(ids.device)], None, ctx, H.dtype)
+        o, conv = ple.mix(H[rows], k[rows], v[rows], None, conv)
+        conv = conv.to(H.dtype)
+        embs.append(e), ctxs.append(ctx), outs.append(o), convs.append(conv)
+    inter = lambda xs: torch.stack(xs, 1).flatten(0, 1)  # noqa: E731  (rows b * nq + j)
+    return inter(embs), torch.stack(ctxs, 1), inter(outs), torch.stack(convs, 1)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ple_verification_forms_equal_stepping(device):
+    """``NGramEmbedding.verify`` and ``PLE.mix_verify`` (an MTP verification of nq tokens a sequence in one / two
+    calls, the vLLM plugin's graph-safe path) equal stepping the decode form one position at a time: the same
+    embeddings, outputs and per-position states (CUDA: the bf16 kernels, bit for bit), EOS inside the window."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from qwen4exp import presets
+    from qwen4exp.layers.ple import PLE
+
+    torch.manual_seed(7)
+    cfg = presets.tiny_text()
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    ple = PLE(cfg, 0).eval()
+    for p in ple.parameters():
+        p.data.normal_(0, 0.5)
+    ple = ple.to(device, dt)
+    N, nq, nD, D = 3, 4, cfg.hc_count * cfg.hidden_size, cfg.hidden_size
+    eos = ple.ple_embedding.eos
+    with torch.no_grad():
+        ctx = torch.randint(0, cfg.vocab_size, (N, ple.context_len), device=device)
+        ctx[1, -1] = eos
+        ids = torch.randint(0, cfg.vocab_size, (N * nq,), device=device)
+        ids[2 * nq + 1] = eos
+        H = torch.randn(N * nq, nD, device=device, dtype=dt)
+        emb, ctx_v = ple.ple_embedding.verify(ids, ctx, nq, dt)
+        k, v = ple.project(emb)
+        conv = torch.randn(N, nD, ple.conv_state_len, device=device, dtype=dt)
+        out, conv_v = ple.mix_verify(H, k, v, conv, nq)
+        emb_s, ctx_s, out_s, conv_s = _step_verification(ple, H, k, v, ids, ctx, conv, nq)
+    assert torch.equal(emb, emb_s) and torch.equal(ctx_v, ctx_s.to(ctx_v.dtype))
+    # (the CUDA kernels compute each row alone: exact; the CPU reference's vectorised reductions may round a row
+    # of a 12-row call one fp32 unit apart from the same row in a 3-row call)
+    tol = dict(rtol=0, atol=0) if device == "cuda" else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, out_s, **tol)
+    torch.testing.assert_close(conv_v.to(dt), conv_s, **tol)
+    assert ctx_v.shape == (N, nq, ple.context_len) and conv_v.shape == (N, nq, nD, ple.conv_state_len)
+
+
 # =====================================================================================================================
 # the CUDA path's host-side decisions (CPU: shapes, dtypes, strides; no Triton)
 # =====================================================================================================================
