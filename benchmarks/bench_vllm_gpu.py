@@ -259,6 +259,10 @@ def _pyspy_window(label: str | None) -> None:
             g.write(collapsed_table(f.read(), label))
 
 
+def _pyspy_on() -> bool:
+    return bool(os.environ.get("QWEN4EXP_PYSPY") and os.environ.get("QWEN4EXP_PYSPY_OUT"))
+
+
 def _scheduler(engine):
     """vLLM's scheduler where the engine core runs in this process (LLMEngine -> InprocClient -> EngineCore), else
     None (``--mp``: it lives in the engine core's process)."""
@@ -275,7 +279,8 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
     ``profile_to``: write a torch-profiler table of decode steps 32..39 there (the steps stay out of the timings),
     or with ``profile_prefill`` = k of the first k steps (prefill chunks). ``prefill_steps``: gets the wall time
     of every step before all first tokens. ``llm``: profile through vLLM's profiler (``--mp``). ``sample``:
-    (label, first, last): ``--py-spy`` records from the first-th to the last-th timed decode step. ``counts``: gets
+    (label, first, last): ``--py-spy`` records from the first-th to the last-th step with the batch decoding; those
+    steps stay out of the timings (sampling at 1 kHz from outside slows a host-bound step: run 33). ``counts``: gets
     the tokens the batch gained in each timed step (with MTP: 1 + the accepted drafts, summed over the batch).
     ``facts``: gets ``max_decoding`` (the most requests that gained a token in one step after their first) and
     ``preemptions`` (summed over the requests, read from the scheduler's requests after each step; None under
@@ -294,6 +299,7 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
     sched = _scheduler(engine) if facts is not None else None
     preempted: dict = {}  # request id -> its preemptions so far (kept after it finishes and leaves the scheduler)
     max_decoding = 0
+    decoding = 0  # steps with the whole batch decoding, timed or not (the py-spy window counts them)
     if profile_to and profile_prefill:
         _profile_steps(engine, profile_prefill, profile_to, 45, llm, gpu_only, layers, census_out)
         profiled = True
@@ -306,8 +312,9 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
             # Steps after a profile are not timed there.
             timing = llm is None
             continue
-        if sample and len(steps) in (sample[1], sample[2]):
-            _pyspy_window(sample[0] if len(steps) == sample[1] else None)
+        if sample and decoding in (sample[1], sample[2]):
+            _pyspy_window(sample[0] if decoding == sample[1] else None)
+        sampled = bool(sample) and sample[1] <= decoding < sample[2] and _pyspy_on()
         ts = time.perf_counter()
         outs = engine.step()
         te = time.perf_counter()
@@ -325,9 +332,11 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
         if all_started and t_first is None:
             t_first = te - t0
         elif all_started and outs and max(got.values()) < max_tokens and timing:  # all decoding, none done
-            steps.append(te - ts)
-            if counts is not None:
-                counts.append(sum(got.values()) - before)
+            decoding += 1
+            if not sampled:
+                steps.append(te - ts)
+                if counts is not None:
+                    counts.append(sum(got.values()) - before)
     if sample:
         _pyspy_window(None)
     if not profiled:  # say so where the table would be
@@ -501,12 +510,14 @@ def worker(args) -> None:
     chunks = []
     gained = []
     t_first, t_end, steps, ntok = _drive(engine, prompts(1, args.ctx), args.out_tokens, prefill_steps=chunks,
-                                         sample=("bs1", 4, 1 << 30), counts=gained)
+                                         counts=gained)
     res.update(bs1_ctx=args.ctx, bs1_prefill_s=t_first, bs1_e2e_s=t_end,
                bs1_tpot_ms=1e3 * (t_end - t_first) / max(ntok - 1, 1),
                bs1_step_ms=1e3 * statistics.median(steps) if steps else None, bs1_prefill_steps_s=chunks,
                mtp=args.mtp, bs1_tokens_per_step=sum(gained) / len(gained) if gained else None)
     res["bs1_tok_s_user"] = 1e3 / res["bs1_tpot_ms"] if res["bs1_tpot_ms"] else None
+    if _pyspy_on():  # py-spy's batch-1 window: a request of its own, so the figures above are unsampled
+        _drive(engine, prompts(1, args.ctx), args.out_tokens, sample=("bs1", 4, 1 << 30))
     if args.warm_prefill:  # the same length again: no first-use costs (kernel JIT, allocator growth) left
         chunks = []
         res["bs1_prefill_warm_s"] = _drive(engine, prompts(1, args.ctx), 1, prefill_steps=chunks)[0]
@@ -859,7 +870,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "profiled steps' host runs several times slower, so read its shares, not its absolute times)")
     ap.add_argument("--py-spy", default="", help="path of a py-spy executable (e.g. `pip install --target .whl/pyspy "
                     "py-spy`): record the Python stacks of the bench and its engine core from outside (no GIL bias, "
-                    "no pausing) during batch-1 decode and batch-32 decode steps 4-27: OUT/pyspy-IMPL-LABEL.txt")
+                    "no pausing) during a batch-1 request of its own after the timed one, and batch-8 / batch-32 "
+                    "decode steps 4-27, which the step medians leave out: OUT/pyspy-IMPL-LABEL.txt")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ENV=VALUE",
                     help="NAME=ENV=VALUE[;ENV=VALUE...]: ours with those environment settings, run as NAME when "
                     "--impls names it (repeatable)")

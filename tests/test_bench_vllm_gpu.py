@@ -100,7 +100,8 @@ with open(out, "w") as f:
 
 def test_py_spy_window_records_the_process_tree_and_writes_tables(tmp_path, monkeypatch):
     """``--py-spy``: ``_drive``'s sample window starts py-spy on this process and its children (nonblocking, raw
-    stacks with threads) and stops it with SIGINT at the window's end; its raw output becomes ``host_sampler``'s
+    stacks with threads) and stops it with SIGINT at the window's end, timing none of its steps; its raw output
+    becomes ``host_sampler``'s
     stack tables: per process and thread, functions named file:function (lines dropped) with inclusive / self
     shares."""
     import os
@@ -116,8 +117,9 @@ def test_py_spy_window_records_the_process_tree_and_writes_tables(tmp_path, monk
             __import__("time").sleep(0.04)
             return super().step()
 
-    bench._drive(SlowEngine(prefill_steps=1), [[1]], 30, sample=("bs1", 4, 1 << 30))
+    steps = bench._drive(SlowEngine(prefill_steps=1), [[1]], 30, sample=("bs1", 4, 1 << 30))[2]
     assert "proc" not in bench._PYSPY  # stopped at the end of the window
+    assert len(steps) == 4  # the sampled steps stay out of the timings (py-spy slows a host-bound step)
     table = (tmp_path / "pyspy-ours-bs1.txt").read_text()
     assert "112 samples" in table and "77 EngineCore" in table
     engine = table.split("== bs1: thread pid 77 MainThread: 100 samples")[1].split("-- hottest")[0]
