@@ -455,20 +455,23 @@ def prefill_breakdown(Tq=4096):
     kc, vc = kv[..., :HD], kv[..., HD:]
     timed("attention split + merge", lambda: tk.sparse_attention_slots(q, kc, vc, pos, sel, r, sc, False, bt))
     best = None
-    for sb in (32, 64, 128):
-        for w in (4, 8):
-            for st in (1, 2, 3):
-                launch.LOOP_SLOT_BLOCK, launch.LOOP_WARPS, launch.LOOP_STAGES = sb, w, st
-                try:
-                    timed(f"attention loop SB={sb} warps={w} stages={st}",
-                          lambda: tk.sparse_attention_slots(q, kc, vc, pos, sel, r, sc, False, bt, loop=True))
-                except Exception as e:  # noqa: BLE001  (out of shared memory / registers)
-                    print(f"   SB={sb} warps={w} stages={st}: {type(e).__name__}", flush=True)
-                    continue
-                if best is None or out[-1][3] < best[0]:
-                    best = (out[-1][3], sb, w, st)
-    _, launch.LOOP_SLOT_BLOCK, launch.LOOP_WARPS, launch.LOOP_STAGES = best
-    timed(f"attention loop (best: SB={best[1]} warps={best[2]} stages={best[3]}), same blocks for every query",
+    for pf in (False, True):
+        for sb in (32, 64, 128):
+            for w in (4, 8):
+                for st in (1, 2, 3):
+                    launch.LOOP_SLOT_BLOCK, launch.LOOP_WARPS, launch.LOOP_STAGES, launch.LOOP_PREFETCH = sb, w, st, pf
+                    label = f"SB={sb} warps={w} stages={st}" + (" prefetch" if pf else "")
+                    try:
+                        timed(f"attention loop {label}",
+                              lambda: tk.sparse_attention_slots(q, kc, vc, pos, sel, r, sc, False, bt, loop=True))
+                    except Exception as e:  # noqa: BLE001  (out of shared memory / registers)
+                        print(f"   {label}: {type(e).__name__}", flush=True)
+                        continue
+                    if best is None or out[-1][3] < best[0]:
+                        best = (out[-1][3], sb, w, st, pf)
+    _, launch.LOOP_SLOT_BLOCK, launch.LOOP_WARPS, launch.LOOP_STAGES, launch.LOOP_PREFETCH = best
+    timed(f"attention loop (best: SB={best[1]} warps={best[2]} stages={best[3]}{' prefetch' if best[4] else ''}), "
+          "same blocks for every query",
           lambda: tk.sparse_attention_slots(q, kc, vc, pos, same, r, sc, False, bt, loop=True))
     timed("whole op (best attention)", lambda: tk.qsa_prefill_paged_triton(q, pos, iq, kv, row, ikv, L, r, budget,
                                                                           sc, isc))

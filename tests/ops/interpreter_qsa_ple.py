@@ -201,23 +201,24 @@ def check_qsa_unpaged():
 
 @check("qsa_prefill")
 def check_qsa_prefill():
-    """The paged prefill: split attention / looping attention (128- and 32-slot steps); one query chunk / chunks by
-    the keys' bytes / by the query cap."""
+    """The paged prefill: split attention / looping attention (128- and 32-slot steps, the 32-slot one with the
+    row prefetch); one query chunk / chunks by the keys' bytes / by the query cap."""
     from qwen4exp.ops.qsa import launch, reference as ref, triton_kernel as tk
     r, budget = 4, 32
     lens = [9, 150, 203]
     seqs, (kv, bt, ikv, _) = _paged(lens, 500, True)
-    for loop_min, keys_bytes, max_q, sb in ((1, 1 << 30, 1 << 14, 128), (10 ** 9, 8 * 7 * 50, 1 << 14, 128),
-                                            (5, 1 << 30, 7, 128), (1, 1 << 30, 1 << 14, 32)):
+    for loop_min, keys_bytes, max_q, sb, pf in ((1, 1 << 30, 1 << 14, 128, False),
+                                                (10 ** 9, 8 * 7 * 50, 1 << 14, 128, False),
+                                                (5, 1 << 30, 7, 128, False), (1, 1 << 30, 1 << 14, 32, True)):
         with settings(launch, LOOP_MIN_QUERIES=loop_min, PREFILL_KEYS_BYTES=keys_bytes, PREFILL_MAX_QUERIES=max_q,
-                      LOOP_SLOT_BLOCK=sb):
+                      LOOP_SLOT_BLOCK=sb, LOOP_PREFETCH=pf):
             for b, (L, (q, k, v, iq, bk)) in enumerate(zip(lens, seqs)):
                 for n in (1, min(L, 40)):
                     pos = torch.arange(L - n, L)
                     got = tk.qsa_prefill_paged_triton(q[-n:], pos, iq[-n:], kv, bt[b], ikv, L, r, budget, 0.3, 0.4)
                     want = ref.qsa_prefill_paged(q[-n:], pos, iq[-n:], kv, bt[b], ikv, L, r, budget, 0.3, 0.4)
                     close(got, want, 0.05, f"prefill L={L} n={n} loop_min={loop_min} keys_bytes={keys_bytes} "
-                                           f"slots={sb}")
+                                           f"slots={sb} prefetch={pf}")
 
 
 @check("qsa_score_prefill_logits")

@@ -131,14 +131,15 @@ def _qsa_attn_loop_kernel(Q, K, V, QPOS, IDS, O, r, m, n_chunks, scale_log2,
                           stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t,
                           BT, stride_bt, n_bt, stride_kb, stride_vb, stride_ot, stride_oh,
                           G: tl.constexpr, G_P: tl.constexpr, HD: tl.constexpr, SB: tl.constexpr,
-                          TAIL: tl.constexpr, KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr):
+                          TAIL: tl.constexpr, KEYS: tl.constexpr, PAGED: tl.constexpr, PBS: tl.constexpr,
+                          PREFETCH: tl.constexpr):
     """All slots of one (query, KV head) in one program (prefill: many queries fill the GPU without a split, and no
-    fp32 partials go through memory; rows looked up chunk by chunk, no prefetch)."""
+    fp32 partials go through memory; PREFETCH: the next chunk's rows looked up during this chunk's loads)."""
     g = tl.program_id(0)
     t = tl.program_id(1)
     acc, m_i, l_i = _attn_chunks(Q, K, V, QPOS, IDS, BT, t, g, 0, n_chunks, r, m, scale_log2, stride_qt, stride_qh,
                                  stride_kl, stride_kh, stride_vl, stride_vh, stride_ids_t, stride_bt, n_bt,
-                                 stride_kb, stride_vb, G, G_P, HD, SB, TAIL, KEYS, PAGED, PBS, False)
+                                 stride_kb, stride_vb, G, G_P, HD, SB, TAIL, KEYS, PAGED, PBS, PREFETCH)
     offs_g = tl.arange(0, G_P)
     offs_d = tl.arange(0, HD)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -218,7 +219,7 @@ def sparse_attention_slots(q, k, v, q_pos, sel, r: int, scale: float, keys: bool
             q, k, v, q_pos, sel, out, r, m, triton.cdiv(max(n_slots, 1), SB), scale_log2,
             q.stride(0), q.stride(1), *strides, sel.stride(0), *paged, out.stride(0), out.stride(1),
             G=G, G_P=G_P, HD=HD, SB=SB, TAIL=r - 1, KEYS=keys, PAGED=block_table is not None, PBS=pbs,
-            num_warps=launch.LOOP_WARPS, num_stages=launch.LOOP_STAGES))
+            PREFETCH=launch.LOOP_PREFETCH, num_warps=launch.LOOP_WARPS, num_stages=launch.LOOP_STAGES))
         return out
     many, SB, warps, n_chunks, cpp, n_split = host.attn_split(Tq, Hkv, n_slots)
     op = torch.empty(Tq * Hkv * n_split * G_P * HD, dtype=torch.float32, device=dev)

@@ -68,5 +68,8 @@ LOOP_MIN_QUERIES = 256  # prefill chunks of this many queries on: one looping pr
 LOOP_SLOT_BLOCK = 128
 LOOP_WARPS = 4
 LOOP_STAGES = 2
+# The next chunk's rows (ids -> block table -> row offsets) looked up while this chunk's K/V loads are in flight, as
+# the many-query decode does: an open A/B for the looping prefill (bench_ops.py --tune-prefill sweeps it)
+LOOP_PREFETCH = False
 PREFILL_KEYS_BYTES = 256 << 20  # the int64 sort keys of one query chunk of qsa_prefill_paged_triton stay below this
 PREFILL_MAX_QUERIES = 16384  # and a chunk has at most this many queries
