@@ -56,6 +56,7 @@ from qwen4exp.ops import _registry, moe_decode  # noqa: E402
 from qwen4exp.ops.moe_decode import host as moe_host  # noqa: E402
 from qwen4exp.ops.layout import colocate_rows, stacked_weight  # noqa: E402
 from qwen4exp.ops.qsa import block_mean, layout, qsa_decode_paged, write_paged  # noqa: E402
+from qwen4exp.ops.qsa.reference import write_ring  # noqa: E402
 from qwen4exp.ops.qsa.step import decode_inputs, decode_writes  # noqa: E402
 from qwen4exp.presets import _flash_next_text, tiny_text  # noqa: E402
 
@@ -176,8 +177,7 @@ def qsa_cache(attn, rotary, bt: torch.Tensor, ctx: int, nq: int, bs: int, dtype,
             write_paged(views.keys, ks, keys[:, None, :h], keys[:, None, h:])
         tail = pos[nfull * r:]
         if tail.numel():
-            rs = layout.ring_slots(sl[nfull * r:], tail, bs, rr)
-            write_paged(views.ring, rs, raw[nfull * r:, None, :h], raw[nfull * r:, None, h:])
+            write_ring(views.ring, bs, sl[nfull * r:], tail, raw[nfull * r:], write_paged)
         if keep:
             for name, t in (("k", k), ("v", v), ("raw", raw)):
                 hist.setdefault(name, []).append(t)
@@ -290,7 +290,7 @@ class Case:
         c0 = self.states[0]
         cos, sin = self.rotary(self.positions, self.dtype)
         inp = decode_inputs(c0.seq_lens, c0.block_table, c0.slot_mapping, self.nq, self.layers[0].self_attn.r,
-                            c0.kv.shape[2], c0.views.ring.shape[2], self.rotary, self.dtype)
+                            self.rotary, self.dtype)
         return cos, sin, inp
 
     def step(self) -> torch.Tensor:

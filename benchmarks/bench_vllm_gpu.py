@@ -280,7 +280,7 @@ def _drive(engine, prompts, max_tokens: int, profile_to: str | None = None, pref
     or with ``profile_prefill`` = k of the first k steps (prefill chunks). ``prefill_steps``: gets the wall time
     of every step before all first tokens. ``llm``: profile through vLLM's profiler (``--mp``). ``sample``:
     (label, first, last): ``--py-spy`` records from the first-th to the last-th step with the batch decoding; those
-    steps stay out of the timings (sampling at 1 kHz from outside slows a host-bound step: run 33). ``counts``: gets
+    steps stay out of the timings (sampling at 1 kHz from outside slows a host-bound step). ``counts``: gets
     the tokens the batch gained in each timed step (with MTP: 1 + the accepted drafts, summed over the batch).
     ``facts``: gets ``max_decoding`` (the most requests that gained a token in one step after their first) and
     ``preemptions`` (summed over the requests, read from the scheduler's requests after each step; None under

@@ -72,7 +72,6 @@ class NGramEmbedding(nn.Module):
         emb = lookup_to(ids.device, t.weight, rows, t.weight_scale, out_dtype)
         return emb, _next_context(ids, cu_seqlens, ctx_state)
 
-
     def verify(self, ids, ctx_state, nq: int, out_dtype):
         """``forward``'s decode form over ``nq`` consecutive tokens a sequence in one call (an MTP verification):
         ids [N * nq] (row b * nq + j: token j of sequence b), ctx_state [N, n-1] the ids before the first ->

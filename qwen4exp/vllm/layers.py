@@ -250,6 +250,22 @@ class StateSlots(nn.Module, MambaBase):
             if new is not None:
                 st[idx] = new.to(st.dtype)
 
+    @staticmethod
+    def _padded(out: torch.Tensor, T: int) -> torch.Tensor:
+        """``out``'s rows followed by zero rows up to T (the rows of requests padding a captured batch)."""
+        if out.shape[0] == T:
+            return out
+        full = out.new_zeros(T, *out.shape[1:])
+        full[: out.shape[0]] = out
+        return full
+
+    @staticmethod
+    def _spec_slots(md, nd: int, nq: int, nacc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative decoding with ``nq`` tokens a request: (the per-position state slots [nd, nq], each request's
+        slot after its last accepted token [nd])."""
+        slots = md.state_indices_tensor_d[:nd, :nq].long()
+        return slots, slots.gather(1, (nacc[:nd].long() - 1).clamp(0, nq - 1).unsqueeze(1)).squeeze(1)
+
     def _run_decode(self, fn, T: int, md, nd: int, uses) -> torch.Tensor:
         """A pure single-token decode batch: ``fn(slice(0, nd), None, states)`` (None: one token per request), no
         host sync, fixed shapes, so it can be captured in a FULL CUDA graph. Requests that pad a captured batch
@@ -257,19 +273,14 @@ class StateSlots(nn.Module, MambaBase):
         idx = md.state_indices_tensor_d[:nd, 0].long()
         out, new_states = fn(slice(0, nd), None, self._gather(idx, uses))
         self._store(idx, new_states)
-        if nd == T:
-            return out
-        full = out.new_zeros(T, *out.shape[1:])
-        full[:nd] = out
-        return full
+        return self._padded(out, T)
 
     def _run_spec_decode(self, fn, T: int, md, nd: int, nq: int, nacc: torch.Tensor, uses) -> torch.Tensor:
         """Speculative decoding with every request verifying ``nq`` tokens (rows b * nq + j): from the state after
         the request's last accepted token (slot ``num_accepted_tokens - 1``), token j's state goes to slot j (what
         ``run`` does for uneven batches), one ``fn`` call of one token per request a position; no host sync, fixed
         shapes, so a FULL CUDA graph can capture it. Padding requests carry the null block and 1 accepted token."""
-        slots = md.state_indices_tensor_d[:nd, :nq].long()
-        cur = slots.gather(1, (nacc[:nd].long() - 1).clamp(0, nq - 1).unsqueeze(1)).squeeze(1)
+        slots, cur = self._spec_slots(md, nd, nq, nacc)
         states = self._gather(cur, uses)
         base = torch.arange(nd, device=slots.device) * nq
         full = None
@@ -287,15 +298,10 @@ class StateSlots(nn.Module, MambaBase):
         """``_run_spec_decode`` in one call: ``verify(nd, nq, states) -> (out [nd * nq, ...], new states [nd, nq,
         ...] each, or None)`` computes every position of every request from the states after the last accepted
         token, and the states after each position go to their slots in one write. Fixed shapes, no host sync."""
-        slots = md.state_indices_tensor_d[:nd, :nq].long()
-        cur = slots.gather(1, (nacc[:nd].long() - 1).clamp(0, nq - 1).unsqueeze(1)).squeeze(1)
+        slots, cur = self._spec_slots(md, nd, nq, nacc)
         out, new_states = verify(nd, nq, self._gather(cur, uses))
         self._store(slots, new_states)
-        if nd * nq == T:
-            return out
-        full = out.new_zeros(T, *out.shape[1:])
-        full[: nd * nq] = out
-        return full
+        return self._padded(out, T)
 
     def run(self, fn, T: int, device, fresh_values, uses: tuple[int, ...] | None = None, verify=None):
         """Gather this step's states, call ``fn(rows, cu_seqlens, states) -> (out, new_states)``, write back (a

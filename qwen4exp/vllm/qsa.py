@@ -445,7 +445,7 @@ class QSAMixer(QSAAttention):
         kv = _kv_cache(self.attn)
         views = self.index_views(kv)
         ikv = views.index_kv
-        inp = self._decode_inputs(m, index_k_raw.dtype, positions, nq, ikv.shape[2])
+        inp = self._decode_inputs(m, index_k_raw.dtype, positions, nq)
         n = inp.n
         if out.shape[0] > n:
             out[n:].zero_()
@@ -461,14 +461,14 @@ class QSAMixer(QSAAttention):
         out[:n] = self._attend_decodes(q[:n], index_q[:n], inp.pos, inp.block_table, kv, ikv, n_blocks,
                                        gate=None if gate is None else gate[:n])
 
-    def _decode_inputs(self, m, dtype, positions=None, nq: int = 1, bs: int = 1) -> DecodeInputs:
+    def _decode_inputs(self, m, dtype, positions=None, nq: int = 1) -> DecodeInputs:
         """``ops.qsa.step.decode_inputs`` of the step's metadata: the same for every QSA layer of the step (one
         KV-cache group: one metadata object), so computed once a forward pass (``_once_per_forward``; inside a
         captured graph the first layer's kernels serve the later layers)."""
         return _once_per_forward(
-            "_qwen4exp_decode_inputs", m, (dtype, self.r, nq, bs, self.ring_rows),
-            lambda: decode_inputs(m.seq_lens, m.block_table, m.slot_mapping, nq, self.r, bs, self.ring_rows,
-                                  self.rotary[0], dtype, positions))
+            "_qwen4exp_decode_inputs", m, (dtype, self.r, nq),
+            lambda: decode_inputs(m.seq_lens, m.block_table, m.slot_mapping, nq, self.r, self.rotary[0], dtype,
+                                  positions))
 
     def _decode_batch(self, out, q, index_q, pos1, reqs, qsl, seq_lens, m, kv, ikv) -> None:
         """Every query of the requests ``reqs`` of a mixed step in one batched call, one row per query with its own

@@ -24,8 +24,7 @@ class DecodeInputs(NamedTuple):
 
 
 def decode_inputs(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_mapping: torch.Tensor, nq: int, r: int,
-                  bs: int, ring_rows: int, rotary: Callable, dtype: torch.dtype,
-                  positions: torch.Tensor | None = None) -> DecodeInputs:
+                  rotary: Callable, dtype: torch.dtype, positions: torch.Tensor | None = None) -> DecodeInputs:
     """The rows of a batch of ``nq`` queries per request whose lengths (this step's tokens included) are
     ``seq_lens`` [B]: query j of request b is its token seq_len - nq + j. ``rotary(positions, dtype) -> (cos, sin)``;
     ``positions`` [3, T] (M-RoPE) rotate the block keys at the step's own positions (a decode token is text after
