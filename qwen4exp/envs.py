@@ -77,6 +77,11 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "vLLM plugin, MTP verification of the PLE layer's states (n-gram context, conv): batched (every position "
            "of every request in one call of the one-token kernels) or stepped (one position at a time, each with "
            "its own state gathers and writes: the former way, for A/B runs)", ("batched", "stepped")),
+    Switch("QWEN4EXP_MTP_DRAFT_HEAD", "choice", "bf16",
+           "vLLM plugin, MTP drafts' LM head on GPUs with FP8 (compute capability 8.9+): bf16 (the shared head) or "
+           "fp8 (a per-row FP8 copy of it, built at the first draft step: half the bytes each draft step reads, "
+           "~0.6 GiB more memory at the real vocabulary; drafts only, the target's logits stay bf16, so output is "
+           "unchanged and only the drafts' near-ties may differ)", ("bf16", "fp8")),
     Switch("QWEN4EXP_HC_DECODE", "choice", "fused",
            "HC mixer on CUDA at decode sizes: fused (two Triton launches chained by programmatic dependent launch; "
            "at one token each program of the second finishes the down projection itself, from 2 tokens a small "
@@ -165,6 +170,7 @@ if TYPE_CHECKING:  # each switch's type for type checkers and editors (vLLM's en
     QWEN4EXP_PLE_TABLE: str
     QWEN4EXP_PLE_PREFETCH: bool
     QWEN4EXP_PLE_VERIFY: str
+    QWEN4EXP_MTP_DRAFT_HEAD: str
     QWEN4EXP_HC_DECODE: str
     QWEN4EXP_MOE_DECODE: bool
     QWEN4EXP_QSA_PREFILL_SELECT: str

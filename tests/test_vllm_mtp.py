@@ -137,7 +137,9 @@ def test_mtp_per_expert_checkpoint_drafts_like_fused(setup, runs, tmp_path):
     """The draft loads through the target's loader (``weights.MTP_DRAFT``): the same checkpoint with every expert
     stored per expert (``mtp.layers.0.mlp.experts.{e}.*_proj.weight`` too), the composite ``model.language_model.``
     prefix (the draft's shared embedding included) and the unused ``mtp.hyper_connection_mixer.block_inject_weight``
-    drafts exactly as the fused one: same tokens, same acceptance counters."""
+    drafts exactly as the fused one: same tokens, same acceptance counters. The run also asks for the FP8 draft
+    head (``QWEN4EXP_MTP_DRAFT_HEAD=fp8``), which an fp32 model (or a CPU) cannot take: the plugin says why and
+    drafts with the bf16 head, so the counters still match."""
     from tiny_checkpoint import split_experts
 
     from vllm_offline import run_offline
@@ -150,7 +152,9 @@ def test_mtp_per_expert_checkpoint_drafts_like_fused(setup, runs, tmp_path):
         return {("model.language_model." + k[6:] if k.startswith("model.") else k): v for k, v in sd.items()}
 
     ck = _rewritten_checkpoint(tmp_path / "per_expert", edit)
-    out = run_offline(_spec(ck, setup, **MTP), str(tmp_path / "run"), timeout=240)
+    spec = dict(_spec(ck, setup, **MTP), env={"QWEN4EXP_MTP_DRAFT_HEAD": "fp8"})
+    out = run_offline(spec, str(tmp_path / "run"), timeout=240)
+    assert "QWEN4EXP_MTP_DRAFT_HEAD=fp8 not applied (" in out["log"], out["log"][-3000:]
     assert out["tokens"] == runs["mtp"]["tokens"]
     got, want = ({k: r["metrics"].get(k) for k in _SPEC_COUNTERS} for r in (out, runs["mtp"]))
     assert want["vllm:spec_decode_num_drafts"]
@@ -203,7 +207,8 @@ def test_mtp_full_graphs_bf16_greedy_equals_plain(setup, tmp_path):
     # (the fp32 run is the yardstick of exact values: its GDN is the plugin's default for these 64-wide heads, ours,
     # which the fp32 MTP test above runs on the GPU)
     for name, extra, batches, e in (("plain", {}, None, env), ("alone", {}, [[i] for i in range(n)], env),
-                                    ("mtp", MTP, None, env), ("exact", dict(dtype="float32"), None, {})):
+                                    ("mtp", MTP, None, env), ("exact", dict(dtype="float32"), None, {}),
+                                    ("mtp_fp8", MTP, None, dict(env, QWEN4EXP_MTP_DRAFT_HEAD="fp8"))):
         spec = dict(model=CKPT, prompts=setup["prompts"], sampling=sampling, env=e, engine=dict(engine, **extra),
                     batches=batches)
         out[name] = run_offline(spec, str(tmp_path / name), timeout=420)
@@ -235,4 +240,13 @@ def test_mtp_full_graphs_bf16_greedy_equals_plain(setup, tmp_path):
     bound = max(2 * d_batch, e_plain + e_mtp, floor)
     flips = [(i, f) for i in range(n) if (f := flip_within(*pair("plain", "mtp", i), bound)) is not None]
     assert not flips, flips
-    print("MTP acceptance length", 1 + m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"])
+    acc = 1 + m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"]
+    # the FP8 draft head: drafts only, so the same bar against plain; its drafts may differ from the bf16 head's
+    # only where the draft's top logits nearly tie, so it keeps (nearly) the same acceptance
+    assert "MTP drafts use an FP8 copy of the LM head" in out["mtp_fp8"]["log"], out["mtp_fp8"]["log"][-3000:]
+    flips = [(i, f) for i in range(n) if (f := flip_within(*pair("plain", "mtp_fp8", i), bound)) is not None]
+    assert not flips, flips
+    m8 = out["mtp_fp8"]["metrics"]
+    acc8 = 1 + m8["vllm:spec_decode_num_accepted_tokens"] / m8["vllm:spec_decode_num_drafts"]
+    print(f"MTP acceptance length {acc:.3f}, with the FP8 draft head {acc8:.3f}")
+    assert acc8 >= acc - 0.1, (acc8, acc)

@@ -1,5 +1,6 @@
-"""FP8 E4M3 references: per-tensor (the PLE n-gram table) and 128x128 block scales (the MTP head's routed experts,
-ModelOpt ``FP8_PB_WO``). Scales are multiplicative: ``w = float(weight) * weight_scale``.
+"""FP8 E4M3 references: per-tensor (the PLE n-gram table), per-row (the MTP drafts' LM head copy, derived at load) and
+128x128 block scales (the MTP head's routed experts, ModelOpt ``FP8_PB_WO``). Scales are multiplicative: ``w =
+float(weight) * weight_scale``.
 
 * per tensor: ``weight`` float8_e4m3fn [rows, cols], ``weight_scale`` float32 scalar (``[]`` or ``[1]``) = amax / 448
   (ModelOpt ``get_scaling_factor``: ``amax.float() / maxbound``; ``to_quantized_weight``: ``(w / scale).to(e4m3)``).
@@ -31,6 +32,22 @@ def quantize_fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """``w`` -> ``(weight float8_e4m3fn, weight_scale float32 scalar)``; values are rounded to nearest even."""
     scale = _amax_to_scale(w.abs().amax())
     return (w.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def quantize_fp8_per_row(w: torch.Tensor, chunk_rows: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [rows, cols] -> ``(weight float8_e4m3fn [rows, cols], weight_scale float32 [rows, 1])``, one scale per
+    row (output channel) = row amax / 448. Rows go ``chunk_rows`` at a time, so a 248k-row LM head needs float32
+    room for one chunk, not for the whole matrix."""
+    if w.ndim != 2:
+        raise ValueError(f"per-row FP8 wants a 2-D weight, got shape {tuple(w.shape)}")
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device)
+    for r in range(0, w.shape[0], chunk_rows):
+        rows = w[r:r + chunk_rows].float()
+        s = _amax_to_scale(rows.abs().amax(dim=1, keepdim=True))
+        q[r:r + chunk_rows] = (rows / s).to(torch.float8_e4m3fn)
+        scale[r:r + chunk_rows] = s
+    return q, scale
 
 
 def dequantize_fp8_per_tensor(weight: torch.Tensor, weight_scale: torch.Tensor | float,

@@ -21,10 +21,12 @@ import torch
 from torch import nn
 
 from vllm.config import VllmConfig
+from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.sequence import IntermediateTensors
 
+from .. import envs
 from ..configuration import INDEXED
 from ..layers.hyper_connection import HyperConnection
 from ..layers.mtp import MTPInput
@@ -33,6 +35,8 @@ from .layers import rotary_embedding, vllm_linear
 from .model import decoder_layer
 from .qsa import QSAMixer
 from .weights import MTP_DRAFT, load_qwen4exp_weights
+
+logger = init_logger("vllm.plugins.qwen4exp")
 
 
 def shares_selection(vllm_config: VllmConfig) -> bool:
@@ -92,6 +96,40 @@ class Qwen4ExpMTPModel(MTPInput):
         return layer(H, mix, None)[0]
 
 
+class FP8DraftHead:
+    """The drafts' LM head in FP8 (``QWEN4EXP_MTP_DRAFT_HEAD=fp8``): a per-row FP8 copy of the shared bf16 head
+    (``quant.fp8.quantize_fp8_per_row``) multiplied by per-token FP8 activations in vLLM's CUTLASS scaled GEMM, so a
+    draft step reads half the head's bytes. Stands in for the head in ``LogitsProcessor`` (its ``quant_method.apply``),
+    which keeps the vocabulary gather and trim. Drafts only: the target's logits, hence the output, stay bf16."""
+
+    def __init__(self, weight: torch.Tensor):
+        from ..quant.fp8 import quantize_fp8_per_row
+
+        self.source = (weight.data_ptr(), tuple(weight.shape))
+        w8, scale = quantize_fp8_per_row(weight.detach())
+        self.weight = w8.t()  # [hidden, vocab], column-major: CUTLASS's B
+        self.scale = scale  # [vocab, 1] float32
+        self.quant_method = self
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from vllm import _custom_ops as ops
+
+        a8, a_scale = ops.scaled_fp8_quant(x.reshape(-1, x.shape[-1]).contiguous(), use_per_token_if_dynamic=True)
+        out = ops.cutlass_scaled_mm(a8, self.weight, a_scale, self.scale, x.dtype, bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def fp8_head_unsupported(weight: torch.Tensor) -> str | None:
+    """Why the FP8 draft head cannot run for this head weight (None: it can)."""
+    if weight.device.type != "cuda":
+        return f"the head is on {weight.device.type}, not a CUDA GPU"
+    if weight.dtype not in (torch.bfloat16, torch.float16):
+        return f"the model runs in {str(weight.dtype).removeprefix('torch.')}, not bf16 / fp16"
+    if torch.cuda.get_device_capability(weight.device) < (8, 9):
+        return "FP8 GEMMs need compute capability 8.9 or newer"
+    return None
+
+
 class Qwen4ExpMTP(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -101,9 +139,36 @@ class Qwen4ExpMTP(nn.Module):
         colocate_projections(self.model)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        self._fp8_head: FP8DraftHead | None = None
+        self._fp8_refused = envs.QWEN4EXP_MTP_DRAFT_HEAD != "fp8"
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
+
+    def draft_head(self):
+        """The head the drafts' logits come from: the shared bf16 head, or its FP8 copy. The copy is made from the
+        head in use at the first draft step, which runs eagerly (vLLM's profiling run, before any graph capture:
+        the copy is then counted in the memory the KV cache leaves free), after vLLM has swapped the target's head
+        in; a later swap makes a new one. Never made while a graph is captured: that step keeps the bf16 head."""
+        if self._fp8_refused:
+            return self.lm_head
+        w = self.lm_head.weight
+        fp8 = self._fp8_head
+        if fp8 is None or fp8.source != (w.data_ptr(), tuple(w.shape)):
+            why = fp8_head_unsupported(w)
+            if why is None and self.logits_processor.head_dtype not in (None, w.dtype):
+                why = f"the logits are computed in {self.logits_processor.head_dtype} (head_dtype)"
+            if why is None and torch.cuda.is_current_stream_capturing():
+                why = "its first use came inside a CUDA graph capture"
+            if why is not None:
+                logger.warning("qwen4exp: QWEN4EXP_MTP_DRAFT_HEAD=fp8 not applied (%s): the drafts use the bf16 "
+                               "LM head", why)
+                self._fp8_refused = True
+                return self.lm_head
+            self._fp8_head = fp8 = FP8DraftHead(w)
+            logger.info("qwen4exp: MTP drafts use an FP8 copy of the LM head (%d x %d, %.2f GiB)", w.shape[0],
+                        w.shape[1], w.numel() / 2**30)
+        return fp8
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None,
@@ -112,7 +177,7 @@ class Qwen4ExpMTP(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor | None:
         out, _ = self.model.hyper_connection_mixer(hidden_states)
-        return self.logits_processor(self.lm_head, out)
+        return self.logits_processor(self.draft_head(), out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """``mtp.*`` plus the shared embedding and LM head, through the target's loader (``weights.MTP_DRAFT``)."""

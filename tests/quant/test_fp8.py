@@ -5,7 +5,8 @@ import torch
 
 from qwen4exp.quant import QuantTensorError
 from qwen4exp.quant.fp8 import (dequantize_fp8_block, dequantize_fp8_per_tensor, quantize_fp8_block,
-                                quantize_fp8_per_tensor, validate_fp8_block, validate_fp8_per_tensor)
+                                quantize_fp8_per_row, quantize_fp8_per_tensor, validate_fp8_block,
+                                validate_fp8_per_tensor)
 
 
 def test_per_tensor_hand_computed_bytes():
@@ -35,6 +36,23 @@ def test_per_tensor_dequant_is_vllm_ple_formula():
             assert d[r, c] == q[r, c].float() * s
     rel = ((d - w).abs() / w.abs().clamp_min(1e-30))[w.abs() > float(s) * 2 ** -6]
     assert rel.max() <= 2 ** -4  # normal E4M3: 3 mantissa bits, half an ulp is 1/16 relative
+
+
+def test_per_row_is_per_tensor_of_each_row():
+    """Per-row scales (the MTP drafts' FP8 LM head): each row exactly as the per-tensor quantizer does that row
+    alone, whatever the chunking; an all-zero row gets scale 1."""
+    torch.manual_seed(0)
+    w = (torch.randn(37, 24) * torch.logspace(-3, 1, 37)[:, None]).to(torch.bfloat16)
+    w[5] = 0
+    for chunk in (1, 8, 37, 1000):
+        q, s = quantize_fp8_per_row(w, chunk_rows=chunk)
+        assert q.dtype == torch.float8_e4m3fn and s.shape == (37, 1) and s.dtype == torch.float32
+        for r in range(37):
+            qr, sr = quantize_fp8_per_tensor(w[r])
+            assert torch.equal(q[r].view(torch.uint8), qr.view(torch.uint8)) and float(s[r]) == float(sr), (chunk, r)
+    assert float(s[5]) == 1.0
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_fp8_per_row(w[0])
 
 
 def test_block_hand_computed():
