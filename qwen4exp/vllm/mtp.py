@@ -156,8 +156,9 @@ class Qwen4ExpMTP(nn.Module):
         fp8 = self._fp8_head
         if fp8 is None or fp8.source != (w.data_ptr(), tuple(w.shape)):
             why = fp8_head_unsupported(w)
-            if why is None and self.logits_processor.head_dtype not in (None, w.dtype):
-                why = f"the logits are computed in {self.logits_processor.head_dtype} (head_dtype)"
+            head_dtype = getattr(self.logits_processor, "head_dtype", None)
+            if why is None and head_dtype not in (None, w.dtype):
+                why = f"the logits are computed in {head_dtype} (head_dtype)"
             if why is None and torch.cuda.is_current_stream_capturing():
                 why = "its first use came inside a CUDA graph capture"
             if why is not None:
