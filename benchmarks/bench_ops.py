@@ -455,20 +455,22 @@ def prefill_breakdown(Tq=4096):
     kc, vc = kv[..., :HD], kv[..., HD:]
     timed("attention split + merge", lambda: tk.sparse_attention_slots(q, kc, vc, pos, sel, r, sc, False, bt))
     best = None
+    # (slots a loop step, warps): the tuned 128 x 4 and its neighbours, and few-warp programs (upstream's Hopper
+    # prefill runs 32 slots on one warp: many small programs resident per SM hide the gathered loads' latency)
+    shapes = ((16, 1), (32, 1), (32, 2), (64, 2), (32, 4), (64, 4), (128, 4), (64, 8), (128, 8))
     for pf in (False, True):
-        for sb in (32, 64, 128):
-            for w in (4, 8):
-                for st in (1, 2, 3):
-                    launch.LOOP_SLOT_BLOCK, launch.LOOP_WARPS, launch.LOOP_STAGES, launch.LOOP_PREFETCH = sb, w, st, pf
-                    label = f"SB={sb} warps={w} stages={st}" + (" prefetch" if pf else "")
-                    try:
-                        timed(f"attention loop {label}",
-                              lambda: tk.sparse_attention_slots(q, kc, vc, pos, sel, r, sc, False, bt, loop=True))
-                    except Exception as e:  # noqa: BLE001  (out of shared memory / registers)
-                        print(f"   {label}: {type(e).__name__}", flush=True)
-                        continue
-                    if best is None or out[-1][3] < best[0]:
-                        best = (out[-1][3], sb, w, st, pf)
+        for sb, w in shapes:
+            for st in (1, 2, 3):
+                launch.LOOP_SLOT_BLOCK, launch.LOOP_WARPS, launch.LOOP_STAGES, launch.LOOP_PREFETCH = sb, w, st, pf
+                label = f"SB={sb} warps={w} stages={st}" + (" prefetch" if pf else "")
+                try:
+                    timed(f"attention loop {label}",
+                          lambda: tk.sparse_attention_slots(q, kc, vc, pos, sel, r, sc, False, bt, loop=True))
+                except Exception as e:  # noqa: BLE001  (out of shared memory / registers)
+                    print(f"   {label}: {type(e).__name__}", flush=True)
+                    continue
+                if best is None or out[-1][3] < best[0]:
+                    best = (out[-1][3], sb, w, st, pf)
     _, launch.LOOP_SLOT_BLOCK, launch.LOOP_WARPS, launch.LOOP_STAGES, launch.LOOP_PREFETCH = best
     timed(f"attention loop (best: SB={best[1]} warps={best[2]} stages={best[3]}{' prefetch' if best[4] else ''}), "
           "same blocks for every query",
