@@ -167,3 +167,33 @@ def test_census_from_the_command_line(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), str(p), "--steps", "3", "--layers", "4"],
                          capture_output=True, text=True, check=True).stdout
     assert "GDN layer: " in out and "QSA layer: " in out
+
+
+def test_graph_groups_split_a_step_by_the_graph_that_ran_each_kernel(ts):
+    """Kernels carry the correlation id of the host call that issued them (a graph replay's: its launch's): two
+    steps of a 3-op graph (two of its kernels overlap: busy counts them once) and a 1-op graph, plus an eager
+    kernel a step; and the report's lines for them."""
+    ev, cid = [], 0
+
+    def call(name, t):
+        nonlocal cid
+        cid += 1
+        ev.append(dict(_x("cuda_runtime", name, t, 2), args={"correlation": cid}))
+        return cid
+
+    def kern(name, t, dur, c):
+        ev.append(dict(_x("kernel", name, t, dur), args={"correlation": c}))
+
+    for s in range(2):
+        o = 1000.0 * s
+        g = call("cudaGraphLaunch", o)
+        kern("A", o + 10, 10, g), kern("B", o + 15, 10, g), kern("C", o + 30, 5, g)  # busy 15 + 5, span 25
+        g = call("cudaGraphLaunch", o + 40)
+        kern("D", o + 50, 7, g)
+        kern("E", o + 70, 3, call("cudaLaunchKernel", o + 60))
+    graphs, eager = ts.graph_groups(ev)
+    assert graphs == [(3, 2, 20.0, 25.0), (1, 2, 7.0, 7.0)]
+    assert eager == (2, 6.0)
+    r = ts.summarize(ev, steps=2)
+    text = ts.report(r)
+    assert "     3        2      20.0      25.0" in text and "GPU ops outside graphs: 1.0 a step, busy 3.0 us" in text

@@ -5,7 +5,9 @@ prepare inputs, sample, ...), and the kernels by total time.
 
     python tools/trace_summary.py TRACE.json[.gz] [--steps 8] [--csv kernels.csv]
 
-Prints a report; ``--csv`` also writes the kernel table. ``summarize`` returns the same figures as a dict.
+Prints a report (with the GPU time of each captured graph a step replays: the verification and draft graphs under
+MTP, and of the ops outside graphs); ``--csv`` also writes the kernel table. ``summarize`` returns the same figures
+as a dict.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ def summarize(events: list[dict], steps: int = 0) -> dict:
         if len(launches) > 1:
             ts = sorted(float(e["ts"]) for e in launches)
             res["launch_period_us"] = statistics.median(b - a for a, b in zip(ts, ts[1:]))
+    res["graphs"], res["eager"] = graph_groups(events)
     ann = defaultdict(lambda: [0, 0.0])
     for e in xs:
         if e.get("cat") == "user_annotation":
@@ -151,6 +154,36 @@ def summarize(events: list[dict], steps: int = 0) -> dict:
     res["host_functions"] = python_functions(xs)
     res["host_waits"] = host_waits(xs)
     return res
+
+
+GRAPH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
+
+
+def graph_groups(events: list[dict]) -> tuple[list[tuple[int, int, float, float]], tuple[int, float]]:
+    """The GPU ops grouped by the host call that issued them (the profiler gives a graph replay's kernels the
+    correlation id of its ``cudaGraphLaunch``): per captured graph, taken as the launches with the same number of
+    GPU ops, (ops, launches, median busy us, median span us), in the order first seen; and the ops outside graphs
+    (count, busy us). Busy: the union of the ops' intervals (ops that overlap count once). With MTP a step replays
+    several graphs (the verification, the drafts), so this shows where a step's GPU time goes graph by graph."""
+    xs = _spans(events)
+    calls = {e["args"]["correlation"]: e["name"] for e in xs
+             if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    per_launch: dict = defaultdict(list)
+    eager: list[tuple[float, float]] = []
+    for e in _gpu_ops(xs):
+        iv = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        c = e.get("args", {}).get("correlation")
+        if calls.get(c) in GRAPH_CALLS:
+            per_launch[c].append(iv)
+        else:
+            eager.append(iv)
+    shapes: dict = {}
+    for ivs in sorted(per_launch.values(), key=lambda v: min(s for s, _ in v)):
+        u = _union(ivs)
+        shapes.setdefault(len(ivs), []).append((sum(b - a for a, b in u), u[-1][1] - u[0][0]))
+    graphs = [(k, len(v), statistics.median(b for b, _ in v), statistics.median(sp for _, sp in v))
+              for k, v in shapes.items()]
+    return graphs, (len(eager), sum(b - a for a, b in _union(eager)))
 
 
 def host_waits(xs: list[dict]) -> list[tuple[float, str, list[str]]]:
@@ -222,6 +255,15 @@ def report(res: dict, top: int = 30) -> str:
         lines.append("largest idle gaps (start after the first kernel, length, host annotations during the gap):")
         for t, g, names in res["large_gaps"]:
             lines.append(f"  +{t / 1e3:9.3f} ms  {g:8.1f} us  {', '.join(names) or '-'}")
+    if res.get("graphs"):
+        lines.append("CUDA graphs (GPU ops grouped by the launch that ran them; launches of equal op count taken as "
+                     "one graph; medians over its launches):")
+        lines.append(f"  {'ops':>6s} {'launches':>8s} {'busy us':>9s} {'span us':>9s}")
+        for k, c, b, sp in res["graphs"]:
+            lines.append(f"  {k:6d} {c:8d} {b:9.1f} {sp:9.1f}")
+    if res.get("eager") and res["eager"][0]:
+        k, b = res["eager"]
+        lines.append(f"GPU ops outside graphs: {k / n:.1f} a step, busy {b / n:.1f} us a step")
     waits = res.get("host_waits") or []
     if waits:
         lines.append(f"host waits for the GPU (synchronizes, device-to-host copies >= {HOST_WAIT_US:.0f} us): "
