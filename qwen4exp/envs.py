@@ -93,10 +93,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "the MoE decode kernels (qwen4exp.ops.moe_decode: router GEMV + top-k in one launch, NVFP4 W4A16 expert "
            "GEMVs) on CUDA for <= 4 tokens; 0: that op's torch reference. Not wired into the vLLM model yet, so it "
            "only affects direct calls of the op (tests, benchmarks/bench_ops.py)"),
-    Switch("QWEN4EXP_QSA_PREFILL_SELECT", "choice", "triton",
-           "QSA prefill chunks past the budget on CUDA: triton (our select on int64 sort keys) or vllm (vLLM's "
-           "cooperative / persistent top-k on fp32 scores, as upstream's prefill, where vLLM has loaded them; "
-           "an open A/B: run 30's profile put our select at 5.8 ms a 16k chunk against vLLM's 1.5)",
+    Switch("QWEN4EXP_QSA_PREFILL_SELECT", "choice", "vllm",
+           "QSA prefill chunks past the budget on CUDA: vllm (vLLM's cooperative / persistent top-k on fp32 scores, "
+           "as upstream's prefill, where vLLM has loaded them and the budget is one of its k values; else ours) or "
+           "triton (our select on int64 sort keys; the decode's tie order, lower block id first)",
            ("triton", "vllm")),
     Switch("QWEN4EXP_QSA_HOST_LENGTHS", "choice", "vllm",
            "vLLM plugin on GPUs: where an eager QSA step (prefill, mixed) takes its requests' lengths: vllm (the host "

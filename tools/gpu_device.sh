@@ -221,7 +221,7 @@ case "${1:-}" in
       if [ "$var" != fused ]; then impls=upstream,ours,hc; extra=(--variant "hc=QWEN4EXP_HC_DECODE=$var"); fi
     fi
     # MTP_VARIANTS="NAME=SWITCH=VALUE ...": more implementations of ours, each one switch (e.g.
-    # vsel=QWEN4EXP_QSA_PREFILL_SELECT=vllm)
+    # tsel=QWEN4EXP_QSA_PREFILL_SELECT=triton, fp8head=QWEN4EXP_MTP_DRAFT_HEAD=fp8)
     for v in ${MTP_VARIANTS:-}; do impls+=",${v%%=*}"; extra+=(--variant "$v"); done
     python benchmarks/bench_vllm_gpu.py --preset fn-nvfp4 --layers 24 --impls "$impls" "${extra[@]}" --mtp 3 \
       --bs8-ctx 30000 --bs32-ctx 30000 --bs32-tokens 1200 --mp --profile --warm-prefill --out "$OUT" ${MTP_ARGS:-} \

@@ -473,14 +473,23 @@ def prefill_select_vllm(monkeypatch):
     envs.reset()  # (before monkeypatch restores the environment: the next read parses it afresh)
 
 
-def test_prefill_select_is_ours_by_default(monkeypatch):
+def test_prefill_select_is_vllms_by_default_and_ours_on_request(monkeypatch):
+    """The default prefill select is vLLM's where it is loaded (as upstream's prefill; docs/performance.md,
+    Decisions); ``QWEN4EXP_QSA_PREFILL_SELECT=triton`` asks for ours."""
     from qwen4exp import envs
 
     monkeypatch.setattr(host, "vllm_topk_loaded", lambda: True)
     monkeypatch.setattr(host, "vllm_persistent_topk_loaded", lambda: True)
-    assert envs.SWITCHES["QWEN4EXP_QSA_PREFILL_SELECT"].default == "triton"
-    if "QWEN4EXP_QSA_PREFILL_SELECT" not in os.environ:
+    assert envs.SWITCHES["QWEN4EXP_QSA_PREFILL_SELECT"].default == "vllm"
+    monkeypatch.delenv("QWEN4EXP_QSA_PREFILL_SELECT", raising=False)
+    envs.reset()
+    try:
+        assert host.prefill_select(512) == "vllm"
+        monkeypatch.setenv("QWEN4EXP_QSA_PREFILL_SELECT", "triton")
+        envs.reset()
         assert host.prefill_select(512) == "triton"
+    finally:
+        envs.reset()
 
 
 def test_prefill_select_is_vllms_where_both_its_selects_are_loaded(monkeypatch, prefill_select_vllm):

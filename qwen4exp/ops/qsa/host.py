@@ -155,10 +155,10 @@ def vllm_topk_covers(rows: int, m: int) -> bool:
 
 
 def prefill_select(m: int) -> str:
-    """Which select a paged prefill chunk past the budget runs: "vllm" (``QWEN4EXP_QSA_PREFILL_SELECT=vllm``: its
-    cooperative select up to 64 rows, its persistent one past them; fp32 scores; the profiles behind it:
-    docs/performance.md, run 30) or "triton" (ours, on int64 sort keys: the default, and where vLLM is not loaded
-    or for other top-k sizes)."""
+    """Which select a paged prefill chunk past the budget runs: "vllm" (``QWEN4EXP_QSA_PREFILL_SELECT=vllm``, the
+    default: its cooperative select up to 64 rows, its persistent one past them; fp32 scores; the timings behind
+    it: docs/performance.md, Decisions) or "triton" (ours, on int64 sort keys: with ``=triton``, and where vLLM is
+    not loaded or for other top-k sizes)."""
     if (envs.QWEN4EXP_QSA_PREFILL_SELECT == "vllm" and VLLM_TOPK and m in VLLM_TOPK_KS and vllm_topk_loaded()
             and vllm_persistent_topk_loaded()):
         return "vllm"
