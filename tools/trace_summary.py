@@ -24,6 +24,7 @@ HOST_GAP_US = 20.0  # gaps from this length on are listed with the host annotati
 HOST_WAIT_US = 100.0  # a device-to-host copy from this length on counts as the host waiting for the GPU
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
               "cuCtxSynchronize", "cuEventSynchronize")
+GRAPH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
 COPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoH_v2")
 
 
@@ -103,8 +104,7 @@ def summarize(events: list[dict], steps: int = 0) -> dict:
     annotations. ``steps``: divide per-step figures by this (0: by the number of CUDA graph launches, else 1)."""
     xs = _spans(events)
     gpu = _gpu_ops(xs)
-    launches = [e for e in xs if e.get("cat") == "cuda_runtime" and e.get("name") in ("cudaGraphLaunch",
-                                                                                       "cuGraphLaunch")]
+    launches = [e for e in xs if e.get("cat") == "cuda_runtime" and e.get("name") in GRAPH_CALLS]
     n = steps or len(launches) or 1
     res: dict = dict(steps=n, graph_launches=len(launches), kernels=len(gpu))
     by = defaultdict(lambda: [0, 0.0])
@@ -144,7 +144,7 @@ def summarize(events: list[dict], steps: int = 0) -> dict:
         if len(launches) > 1:
             ts = sorted(float(e["ts"]) for e in launches)
             res["launch_period_us"] = statistics.median(b - a for a, b in zip(ts, ts[1:]))
-    res["graphs"], res["eager"] = graph_groups(events)
+    res["graphs"], res["eager"] = graph_groups(xs)
     ann = defaultdict(lambda: [0, 0.0])
     for e in xs:
         if e.get("cat") == "user_annotation":
@@ -154,9 +154,6 @@ def summarize(events: list[dict], steps: int = 0) -> dict:
     res["host_functions"] = python_functions(xs)
     res["host_waits"] = host_waits(xs)
     return res
-
-
-GRAPH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
 
 
 def graph_groups(events: list[dict]) -> tuple[list[tuple[int, int, float, float]], tuple[int, float]]:

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from vllm.config import VllmConfig
-from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.sequence import IntermediateTensors
@@ -32,11 +31,9 @@ from ..layers.hyper_connection import HyperConnection
 from ..layers.mtp import MTPInput
 from ..modeling import colocate_projections
 from .layers import rotary_embedding, vllm_linear
-from .model import decoder_layer
+from .model import decoder_layer, logger
 from .qsa import QSAMixer
 from .weights import MTP_DRAFT, load_qwen4exp_weights
-
-logger = init_logger("vllm.plugins.qwen4exp")
 
 
 def shares_selection(vllm_config: VllmConfig) -> bool:
@@ -149,7 +146,7 @@ class Qwen4ExpMTP(nn.Module):
         """The head the drafts' logits come from: the shared bf16 head, or its FP8 copy. The copy is made from the
         head in use at the first draft step, which runs eagerly (vLLM's profiling run, before any graph capture:
         the copy is then counted in the memory the KV cache leaves free), after vLLM has swapped the target's head
-        in; a later swap makes a new one. Never made while a graph is captured: that step keeps the bf16 head."""
+        in; a later swap makes a new one. Never made while a graph is captured: the drafts then keep the bf16 head."""
         if self._fp8_refused:
             return self.lm_head
         w = self.lm_head.weight
