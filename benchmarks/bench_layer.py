@@ -20,7 +20,8 @@ own weights, states and caches, so the replays read them from HBM as a model ste
   slices of up to 4 tokens; ``--moe reference``: the torch reference); random NVFP4 codes and scales (timing does
   not depend on the values); the shared expert's gate and up projections as one GEMM. The served model's routed
   experts are vLLM's NVFP4 MoE (HUMMING on Hopper), which this harness does not have.
-* ``--queries N``: N queries a request (MTP verification: 1 + drafts); GDN steps them one position at a time.
+* ``--queries N``: N queries a request (MTP verification: 1 + drafts); GDN runs each request's N tokens as one
+  sequence (the packed conv, then fla's recurrent kernel over them).
 
 Per case: the median time of a graph replay (CUDA events) over the copies; kernels a layer and the costliest ones
 (a profile of a few replays); the bytes a layer must move (weights, the selected experts, states, the QSA reads) and
@@ -262,11 +263,16 @@ class Case:
             st.ssm.copy_(ssm)
             return y
 
-        def mix(x):
+        cu = torch.arange(0, B * nq + 1, nq, device=self.device, dtype=torch.int32)
+
+        def mix(x):  # nq > 1: each request's nq tokens as one sequence (packed conv + fla's recurrent kernel over
+            # them: one launch each, as the served model's speculative GDN; it keeps only the last state)
             if nq == 1:
                 return one(x)
-            xs = x.view(B, nq, -1)  # one position at a time, as the plugin's speculative decode
-            return torch.stack([one(xs[:, j]) for j in range(nq)], 1).view(B * nq, -1)
+            y, conv, ssm = layer.linear_attn(x, cu, st.conv, st.ssm)
+            st.conv.copy_(conv)
+            st.ssm.copy_(ssm)
+            return y
         return mix
 
     def qsa_mix(self, layer, cache: QSACache, shared):

@@ -65,16 +65,19 @@ def test_qsa_step_matches_contiguous_reference(B, nq, ctx):
 
 @pytest.mark.parametrize("nq", [1, 3])
 def test_gdn_steps_match_packed_form(nq):
-    """The harness's GDN mixer (``GatedDeltaNet``'s decode form, one position at a time for nq > 1, states stored
-    in place) == the packed form over each request's nq tokens (``cu_seqlens``), outputs and final states."""
+    """The harness's GDN mixer (states stored in place; nq > 1: each request's tokens packed as one sequence) ==
+    ``GatedDeltaNet``'s decode form one position at a time, outputs and final states."""
     B = 2
     case = tiny_case("gdn", B, nq, 8)
     layer, st = case.layers[0], case.states[0]
     conv0, ssm0 = st.conv.clone(), st.ssm.clone()
     x = torch.randn(B * nq, case.config.hidden_size, generator=torch.Generator().manual_seed(7))
     got = case.gdn_mix(layer, st)(x)
-    cu = torch.arange(0, B * nq + 1, nq)
-    want, conv, ssm = layer.linear_attn(x, cu, conv0, ssm0)
+    conv, ssm, ys = conv0, ssm0, []
+    for j in range(nq):
+        y, conv, ssm = layer.linear_attn(x.view(B, nq, -1)[:, j], None, conv, ssm)
+        ys.append(y)
+    want = torch.stack(ys, 1).reshape(B * nq, -1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(st.conv, conv.to(st.conv.dtype), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(st.ssm, ssm, rtol=1e-5, atol=1e-5)

@@ -173,9 +173,10 @@ def test_fla_covers(q, k, v, want):
 
 
 def test_dispatcher_picks_the_form_and_runs_the_reference_on_cpu():
-    """``gated_delta_rule``: the recurrent form when every sequence brings one token, the chunked one otherwise; on
-    the CPU both are the references."""
-    for lens, form in (([1, 1, 1], "recurrent_gated_delta_rule"), ([3, 1, 2], "chunk_gated_delta_rule")):
+    """``gated_delta_rule``: the recurrent form while the sequences bring at most 4 tokens on average (decode, MTP
+    verification), the chunked one otherwise; on the CPU both are the references."""
+    for lens, form in (([1, 1, 1], "recurrent_gated_delta_rule"), ([3, 1, 2], "recurrent_gated_delta_rule"),
+                       ([4, 4, 4], "recurrent_gated_delta_rule"), ([9, 1, 3], "chunk_gated_delta_rule")):
         q, k, v, g, beta, st = gdr_inputs(lens, 2, 4, 8, 8, seed=1)
         with pytest.raises(AssertionError, match="reference ran"):
             with expect_kernel(form):

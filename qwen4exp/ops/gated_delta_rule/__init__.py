@@ -22,8 +22,10 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state=None,
 
 
 def gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, use_qk_l2norm=True):
-    """Recurrent form when every sequence brings one token (decode), chunked form otherwise."""
-    if q.shape[0] == cu_seqlens.numel() - 1:
+    """Recurrent form when the sequences bring at most 4 tokens on average (decode, speculative verification: the
+    chunked form's 64-token chunks would be mostly padding there, and take several launches), chunked form otherwise.
+    Decided from shapes alone (no host sync)."""
+    if q.shape[0] <= 4 * (cu_seqlens.numel() - 1):
         return recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
     return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
 
