@@ -89,6 +89,12 @@ for group, eps in tomllib.load(open(sys.argv[1], "rb"))["project"]["entry-points
 PY
   echo "$ROOT" > "$sp/qwen4exp-dev.pth"
   python -c "import qwen4exp, vllm, torch; print('qwen4exp from', qwen4exp.__file__, '| vllm', vllm.__version__, '| torch', torch.__version__)"
+  # vLLM's model-class inspections (target and draft, upstream's and ours: ~26 s each, one after another in each
+  # engine's first start) all at once, once a machine
+  if [ ! -f /tmp/modelinfo.log ]; then
+    timeout 180 python "$ROOT/tools/warm_modelinfo.py" > /tmp/modelinfo.log 2>&1
+    grep -E "cached|inspected|failed|skipped" /tmp/modelinfo.log | cut -c1-200
+  fi
 }
 
 pack() {  # DIR ARCHIVE [TAR ARGS]: DIR's files as one .tgz, without checkpoints and caches
