@@ -437,11 +437,20 @@ def prefill_breakdown(Tq=4096):
         out.append(("qsa_prefill_paged", f"Tq={Tq}", stage, t))
         print(f"   {stage}: {t:.1f} us ({mode})", flush=True)
 
-    for bm, bn, w in ((64, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8)):
-        launch.SCORE_BLOCK_M, launch.SCORE_BLOCK_N, launch.SCORE_WARPS = bm, bn, w
-        timed(f"scores BLOCK_M={bm} BLOCK_N={bn} warps={w}",
-              lambda: tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc))
-    launch.SCORE_BLOCK_M, launch.SCORE_BLOCK_N, launch.SCORE_WARPS = 64, 64, 4
+    saved_score = launch.SCORE_BLOCK_M, launch.SCORE_BLOCK_N, launch.SCORE_WARPS, launch.SCORE_STACK_HEADS
+    # sort keys (our select) and fp32 logits (vLLM's, the default), each head's product or the heads stacked
+    for logits in (False, True):
+        for stack in (False, True):
+            for bm, bn, w in ((64, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8), (32, 64, 4)):
+                launch.SCORE_BLOCK_M, launch.SCORE_BLOCK_N, launch.SCORE_WARPS = bm, bn, w
+                launch.SCORE_STACK_HEADS = stack
+                label = f"scores{' logits' if logits else ''} BLOCK_M={bm} BLOCK_N={bn} warps={w}" + (
+                    " stacked heads" if stack else "")
+                try:
+                    timed(label, lambda: tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc, logits=logits))
+                except Exception as e:  # noqa: BLE001  (out of shared memory / registers)
+                    print(f"   {label}: {type(e).__name__}", flush=True)
+    launch.SCORE_BLOCK_M, launch.SCORE_BLOCK_N, launch.SCORE_WARPS, launch.SCORE_STACK_HEADS = saved_score
     keys = tk.prefill_score_keys(pos, iq, ikv, row, nb, r, isc)
     saved = launch.TOPK_SMALL_BITS, launch.TOPK_SMALL_MAX
     for way, bits, small_max in (("in-register select, 1 bit a step", 0, saved[1]),

@@ -224,24 +224,37 @@ def check_qsa_prefill():
 @check("qsa_score_prefill_logits")
 def check_qsa_score_prefill_logits():
     """The prefill scores as fp32 logits (vLLM's select, where it is loaded) are the sort keys' scores over each
-    query's visible blocks, and the visible counts are min(n_complete, n_blocks)."""
-    from qwen4exp.ops.qsa import triton_kernel as tk
+    query's visible blocks, and the visible counts are min(n_complete, n_blocks); also with small tiles, where
+    tiles past every query's end skip their work (a prefill's first queries), and with the heads stacked into one
+    product (``launch.SCORE_STACK_HEADS``): the same sort keys, bit for bit."""
+    from qwen4exp.ops.qsa import launch, triton_kernel as tk
     r = 4
     lens = [203]
     seqs, (kv, bt, ikv, _) = _paged(lens, 502, True)
     q, iq = seqs[0][0], seqs[0][3]
     L, n = 203, 70  # two query tiles, a partial one
-    pos = torch.arange(L - n, L)
-    for nb in (L // r, 40):
-        keys = tk.prefill_score_keys(pos, iq[-n:], ikv, bt[0], nb, r, 0.4)
-        lg, vis = tk.prefill_score_keys(pos, iq[-n:], ikv, bt[0], nb, r, 0.4, logits=True)
-        assert lg.stride(0) % 4 == 0 and lg.dtype == torch.float32
-        want_vis = torch.clamp((pos + 1) // r, max=nb).to(torch.int32)
-        assert torch.equal(vis, want_vis), (nb, vis, want_vis)
-        seen = torch.arange(nb)[None] < want_vis[:, None].long()
-        bits = lg.contiguous().view(torch.int32).long()
-        order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        assert torch.equal(torch.where(seen, order, 0), torch.where(seen, keys >> 32, 0)), f"logits vs keys, nb={nb}"
+    saved = launch.SCORE_BLOCK_M, launch.SCORE_BLOCK_N, launch.SCORE_STACK_HEADS
+    base = {}
+    try:
+        for bm, bn, stack in ((64, 64, False), (16, 16, False), (16, 16, True), (64, 64, True)):
+            launch.SCORE_BLOCK_M, launch.SCORE_BLOCK_N, launch.SCORE_STACK_HEADS = bm, bn, stack
+            for first in (False, True):  # the last n queries of the sequence, or its first n
+                pos = torch.arange(0, n) if first else torch.arange(L - n, L)
+                qi = iq[:n] if first else iq[-n:]
+                for nb in (L // r, 40):
+                    keys = tk.prefill_score_keys(pos, qi, ikv, bt[0], nb, r, 0.4)
+                    assert torch.equal(base.setdefault((first, nb), keys), keys), (bm, bn, stack, first, nb)
+                    lg, vis = tk.prefill_score_keys(pos, qi, ikv, bt[0], nb, r, 0.4, logits=True)
+                    assert lg.stride(0) % 4 == 0 and lg.dtype == torch.float32
+                    want_vis = torch.clamp((pos + 1) // r, max=nb).to(torch.int32)
+                    assert torch.equal(vis, want_vis), (nb, vis, want_vis)
+                    seen = torch.arange(nb)[None] < want_vis[:, None].long()
+                    bits = lg.contiguous().view(torch.int32).long()
+                    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                    assert torch.equal(torch.where(seen, order, 0), torch.where(seen, keys >> 32, 0)), \
+                        f"logits vs keys, nb={nb}, tiles {bm}x{bn}, stack={stack}, first={first}"
+    finally:
+        launch.SCORE_BLOCK_M, launch.SCORE_BLOCK_N, launch.SCORE_STACK_HEADS = saved
 
 
 @check("qsa_prefill_warmup")

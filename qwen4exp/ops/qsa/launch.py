@@ -22,6 +22,7 @@ SCORE_PAGED_WARPS = 8
 SCORE_BLOCK_M = 64  # queries x block keys per program of the prefill score kernel
 SCORE_BLOCK_N = 64
 SCORE_WARPS = 4
+SCORE_STACK_HEADS = False  # the prefill scores' heads as rows of one product (bench_ops --tune-prefill times both)
 
 # --- the top-m select (``select``) ---------------------------------------------------------------------------------
 VLLM_TOPK_WORKSPACE_BYTES = 1 << 20  # vLLM's select's scratch (the size vLLM's callers give it)

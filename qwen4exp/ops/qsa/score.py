@@ -93,28 +93,45 @@ def _qsa_score_paged_kernel(IQ, IKV, IBT, QPOS, KEYS, VIS, Nb, r, scale, n_bt,
 def _qsa_score_prefill_kernel(IQ, IKV, IBT, QPOS, KEYS, Tq, Nb, r, scale, n_bt,
                               stride_qt, stride_qh, stride_kvb, stride_kvl, stride_keys_t,
                               HI: tl.constexpr, DI: tl.constexpr, IBS: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, LOGITS: tl.constexpr = False):
+                              BLOCK_N: tl.constexpr, LOGITS: tl.constexpr = False, STACK: tl.constexpr = False):
     """Sort keys of BLOCK_M queries of ONE sequence x BLOCK_N of its block keys (read through its block-table row
     IBT from the paged index cache, as ``_qsa_score_paged_kernel``): one load of the block keys serves BLOCK_M
-    queries (prefill), and each head's scores are a [BLOCK_M, DI] x [DI, BLOCK_N] product. LOGITS: the fp32 scores
-    themselves (what vLLM's select reads; a query's blocks past its end hold values it does not read)."""
+    queries (prefill), and each head's scores are a [BLOCK_M, DI] x [DI, BLOCK_N] product (STACK: the HI heads'
+    queries as the rows of one [BLOCK_M * HI, DI] x [DI, BLOCK_N] product; HI a power of two; the heads' ReLU
+    terms still summed in head order, so the same bits). LOGITS: the fp32 scores themselves (what vLLM's select
+    reads; a query's blocks past its end hold values it does not read, so tiles past every query's end store
+    nothing)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = offs_m < Tq
     n_complete = (tl.load(QPOS + offs_m, mask=mmask, other=0).to(tl.int64) + 1) // r
+    n_seen = tl.max(n_complete, axis=0)
+    if LOGITS:
+        if pid_n * BLOCK_N >= n_seen:  # (the causal triangle's far side: a prefill's first chunks)
+            return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    vis = (offs_n < Nb) & (offs_n < tl.max(n_complete, axis=0))  # blocks no query of the tile sees: not loaded
+    vis = (offs_n < Nb) & (offs_n < n_seen)  # blocks no query of the tile sees: not loaded
     offs_d = tl.arange(0, DI)
     tok = offs_n.to(tl.int64) * r + r - 1
     phys = tl.load(IBT + tl.minimum(tok // IBS, n_bt - 1), mask=vis, other=0).to(tl.int64)
     row = phys * stride_kvb + (tok % IBS) * stride_kvl + DI
     k = tl.load(IKV + row[:, None] + offs_d[None, :], mask=vis[:, None], other=0.0).to(tl.bfloat16)  # FP8: exact
     s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for h in tl.static_range(HI):
-        qh = tl.load(IQ + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mmask[:, None],
-                     other=0.0)
-        s += tl.maximum(_dot(qh, tl.trans(k)), 0.0)
+    if STACK:
+        offs_i = tl.arange(0, BLOCK_M * HI)  # row i: query i // HI, head i % HI
+        t_i = pid_m * BLOCK_M + offs_i // HI
+        qa = tl.load(IQ + t_i[:, None] * stride_qt + (offs_i % HI)[:, None] * stride_qh + offs_d[None, :],
+                     mask=(t_i < Tq)[:, None], other=0.0)
+        sa = tl.reshape(tl.maximum(_dot(qa, tl.trans(k)), 0.0), (BLOCK_M, HI, BLOCK_N))
+        heads = tl.arange(0, HI)[None, :, None]
+        for h in tl.static_range(HI):  # head h's terms alone (the others masked to +0.0: exact), in head order
+            s += tl.sum(tl.where(heads == h, sa, 0.0), axis=1)
+    else:
+        for h in tl.static_range(HI):
+            qh = tl.load(IQ + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mmask[:, None],
+                         other=0.0)
+            s += tl.maximum(_dot(qh, tl.trans(k)), 0.0)
     if LOGITS:
         out = s * scale + 0.0  # (-0.0 -> +0.0, as the sort keys)
     else:
@@ -173,7 +190,7 @@ def prefill_score_keys(q_pos, index_q, index_kv, block_row, n_blocks: int, r: in
         index_q, index_kv, block_row, q_pos, keys, Tq, n_blocks, r, float(index_scale), block_row.shape[0],
         index_q.stride(0), index_q.stride(1), index_kv.stride(0), index_kv.stride(2), keys.stride(0),
         HI=HI, DI=DI, IBS=index_kv.shape[2], BLOCK_M=launch.SCORE_BLOCK_M, BLOCK_N=launch.SCORE_BLOCK_N,
-        LOGITS=logits, num_warps=launch.SCORE_WARPS))
+        LOGITS=logits, STACK=launch.SCORE_STACK_HEADS and HI & (HI - 1) == 0, num_warps=launch.SCORE_WARPS))
     if logits:
         vis = torch.clamp(torch.div(q_pos + 1, r, rounding_mode="floor"), max=n_blocks).to(torch.int32)
         return keys, vis
