@@ -47,6 +47,7 @@
 #                                                   # BG_LAYER=1: the layer harness first, as `layer`);
 #                                                   # results in /tmp/bg, /tmp/bg/done when it ends
 #   bash tools/gpu_device.sh bgresult             # what `bg` has written so far, copied to OUT/bg and summarised
+#   bash tools/gpu_device.sh bgwait [SECS]        # the same once `bg` has ended (or SECS, default 540, have passed)
 #   bash tools/gpu_device.sh modelopt             # ModelOpt's own fake-quant figure beside ours: recipes/quantize_nvfp4.py
 #                                                   # --modelopt-eval on the tiny-coder (CUDA), modelopt from the wheels
 #                                                   # in MO_WHEELS (default .whl/mo-img, carried), installed --no-deps
@@ -333,8 +334,16 @@ case "${1:-}" in
       [ -f "$f" ] && { echo "== ${f#$q/out/}"; head -c 4000 "$f"; }
     done
     pack "$q/out" "$OUT/results.tgz" --exclude='*.pt'; echo "archive: $(du -h "$OUT/results.tgz" | cut -f1)" ;;
-  bgresult)
-    mkdir -p "$OUT/bg"; cp -r /tmp/bg/. "$OUT/bg/" 2>/dev/null
+  bgresult|bgwait)
+    # bgwait [SECS]: first hold the call until `bg` ends (or SECS pass, default 540: the machine goes back ~30 s after
+    # the last call ends); then both copy what `bg` wrote (not its private copy of the tree) to OUT/bg
+    if [ "$1" = bgwait ]; then
+      end=$(( $(date +%s) + ${2:-540} ))
+      while [ ! -f /tmp/bg/done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+      [ -f /tmp/bg/done ] && echo "(bg ended)" || echo "(bg still running)"
+    fi
+    mkdir -p "$OUT/bg"
+    (cd /tmp/bg 2>/dev/null && find . -path ./tree -prune -o -type f -size -20M -exec cp --parents {} "$OUT/bg/" \;)
     for f in kernels bench_ops layer/layer-q1 layer/layer-q4; do echo "== $f"; tail -25 "/tmp/bg/$f.log" 2>/dev/null; done ;;
   tp2)
     register
