@@ -82,6 +82,15 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "fp8 (a per-row FP8 copy of it, built at the first draft step: half the bytes each draft step reads, "
            "~0.6 GiB more memory at the real vocabulary; drafts only, the target's logits stay bf16, so output is "
            "unchanged and only the drafts' near-ties may differ)", ("bf16", "fp8")),
+    Switch("QWEN4EXP_MTP_DRAFT_VOCAB", "int", 0,
+           "vLLM plugin, MTP drafts score only this many of the most frequent tokens (plus the tokenizer's special "
+           "and added ones) instead of the whole vocabulary, e.g. 32768: each draft step reads that many rows of the "
+           "LM head; the target scores every token, so output is unchanged, only acceptance may change; 0: all "
+           "(qwen4exp.vllm.draft_vocab)"),
+    Switch("QWEN4EXP_MTP_DRAFT_VOCAB_FILE", "path", "",
+           "vLLM plugin, the token ranking QWEN4EXP_MTP_DRAFT_VOCAB takes its tokens from: a JSON list of token ids "
+           "most frequent first (tools/draft_vocab.py writes one from a corpus); empty: the lowest ids (byte-level "
+           "BPE numbers tokens in merge order, frequent first)"),
     Switch("QWEN4EXP_HC_DECODE", "choice", "fused",
            "HC mixer on CUDA at decode sizes: fused (two Triton launches chained by programmatic dependent launch; "
            "at one token each program of the second finishes the down projection itself, from 2 tokens a small "
@@ -171,6 +180,8 @@ if TYPE_CHECKING:  # each switch's type for type checkers and editors (vLLM's en
     QWEN4EXP_PLE_PREFETCH: bool
     QWEN4EXP_PLE_VERIFY: str
     QWEN4EXP_MTP_DRAFT_HEAD: str
+    QWEN4EXP_MTP_DRAFT_VOCAB: int
+    QWEN4EXP_MTP_DRAFT_VOCAB_FILE: str
     QWEN4EXP_HC_DECODE: str
     QWEN4EXP_MOE_DECODE: bool
     QWEN4EXP_QSA_PREFILL_SELECT: str

@@ -34,7 +34,7 @@ def test_switches_declared():
                                   "QWEN4EXP_HC_DECODE", "QWEN4EXP_CONTINUATION_CHUNK", "QWEN4EXP_PAUSE_CHUNK",
                                   "QWEN4EXP_TOKENIZE_CACHE_TOKENS", "QWEN4EXP_MOE_DECODE",
                                   "QWEN4EXP_QSA_PREFILL_SELECT", "QWEN4EXP_QSA_HOST_LENGTHS", "QWEN4EXP_PLE_VERIFY",
-                                  "QWEN4EXP_MTP_DRAFT_HEAD"}
+                                  "QWEN4EXP_MTP_DRAFT_HEAD", "QWEN4EXP_MTP_DRAFT_VOCAB", "QWEN4EXP_MTP_DRAFT_VOCAB_FILE"}
     for name, s in envs.SWITCHES.items():
         assert s.name == name and s.doc and s.kind in ("bool", "choice", "path", "float", "int")
         assert (s.kind == "choice") == bool(s.choices)

@@ -10,6 +10,7 @@ all agree), which is not what this test is about; fp32 makes the comparison exac
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -159,6 +160,31 @@ def test_mtp_per_expert_checkpoint_drafts_like_fused(setup, runs, tmp_path):
     got, want = ({k: r["metrics"].get(k) for k in _SPEC_COUNTERS} for r in (out, runs["mtp"]))
     assert want["vllm:spec_decode_num_drafts"]
     assert got == want
+
+
+def test_mtp_draft_vocabulary_keeps_output(setup, runs, tmp_path):
+    """``QWEN4EXP_MTP_DRAFT_VOCAB``: the drafts score only the 1024 lowest ids of tiny-coder's 2048 (plus its
+    special tokens), so their head reads half the rows; the target still scores every token, so greedy tokens stay
+    the plain run's, and drafts are still made and accepted. Asked beside the FP8 head, which the CPU refuses (its
+    line), the vocabulary still applies."""
+    from vllm_offline import run_offline
+
+    env = {"QWEN4EXP_MTP_DRAFT_VOCAB": "1024", "QWEN4EXP_MTP_DRAFT_HEAD": "fp8"}
+    out = run_offline(dict(_spec(CKPT, setup, **MTP), env=env), str(tmp_path), timeout=240)
+    assert out["tokens"] == runs["plain"]["tokens"]
+    assert "QWEN4EXP_MTP_DRAFT_HEAD=fp8 not applied (" in out["log"], out["log"][-3000:]
+    line = re.search(r"MTP drafts use a copy of the LM head's rows for (\d+) of (\d+) tokens \(the lowest ids, "
+                     r"(\d+) special", out["log"])
+    assert line, out["log"][-3000:]
+    n, vocab, special = map(int, line.groups())
+    assert vocab == 2048 and 1024 <= n <= 1024 + special and special >= 1
+    m, base = out["metrics"], runs["mtp"]["metrics"]
+    drafts = m.get("vllm:spec_decode_num_drafts")
+    assert drafts and m["vllm:spec_decode_num_draft_tokens"] == K * drafts
+    acc = 1 + m["vllm:spec_decode_num_accepted_tokens"] / drafts
+    full = 1 + base["vllm:spec_decode_num_accepted_tokens"] / base["vllm:spec_decode_num_drafts"]
+    print(f"MTP acceptance length with the drafts' {n}-token vocabulary {acc:.3f} (whole vocabulary {full:.3f})")
+    assert acc >= 1.5
 
 
 def test_misshaped_mtp_tensor_fails_with_its_name(tmp_path):

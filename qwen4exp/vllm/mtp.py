@@ -93,26 +93,49 @@ class Qwen4ExpMTPModel(MTPInput):
         return layer(H, mix, None)[0]
 
 
-class FP8DraftHead:
-    """The drafts' LM head in FP8 (``QWEN4EXP_MTP_DRAFT_HEAD=fp8``): a per-row FP8 copy of the shared bf16 head
-    (``quant.fp8.quantize_fp8_per_row``) multiplied by per-token FP8 activations in vLLM's CUTLASS scaled GEMM, so a
-    draft step reads half the head's bytes. Stands in for the head in ``LogitsProcessor`` (its ``quant_method.apply``),
-    which keeps the vocabulary gather and trim. Drafts only: the target's logits, hence the output, stay bf16."""
+class DraftHead:
+    """The drafts' LM head where it is not the shared bf16 head: a copy of its rows for the drafts' vocabulary
+    (``QWEN4EXP_MTP_DRAFT_VOCAB``: the hot tokens, ``draft_vocab``) and/or in FP8 (``QWEN4EXP_MTP_DRAFT_HEAD=fp8``: a
+    per-row FP8 copy, ``quant.fp8.quantize_fp8_per_row``, multiplied by per-token FP8 activations in vLLM's CUTLASS
+    scaled GEMM), so a draft step reads fewer bytes. It stands in for the head in ``LogitsProcessor`` (its
+    ``quant_method.apply`` and ``tp_size``), which keeps the vocabulary gather and trim; with a vocabulary the logits
+    come back full width, -inf outside it, so the proposer's arg-max (or its sampling) sees only those tokens. Drafts
+    only: the target's logits, hence the output, are the shared head's."""
 
-    def __init__(self, weight: torch.Tensor):
-        from ..quant.fp8 import quantize_fp8_per_row
-
+    def __init__(self, weight: torch.Tensor, ids: torch.Tensor | None = None, fp8: bool = False, tp_size: int = 1):
         self.source = (weight.data_ptr(), tuple(weight.shape))
-        w8, scale = quantize_fp8_per_row(weight.detach())
-        self.weight = w8.t()  # [hidden, vocab], column-major: CUTLASS's B
-        self.scale = scale  # [vocab, 1] float32
+        self.rows, self.ids, self.fp8, self.tp_size = weight.shape[0], ids, fp8, tp_size
+        w = weight.detach() if ids is None else weight.detach().index_select(0, ids)
+        self.n = w.shape[0]
+        if fp8:
+            from ..quant.fp8 import quantize_fp8_per_row
+
+            pad = -self.n % 16  # (CUTLASS wants the output width a multiple of 16: zero rows, sliced off)
+            if pad:
+                w = torch.cat([w, w.new_zeros(pad, w.shape[1])])
+            w8, scale = quantize_fp8_per_row(w)
+            self.weight = w8.t()  # [hidden, rows], column-major: CUTLASS's B
+            self.scale = scale  # [rows, 1] float32
+        else:
+            self.weight = w.contiguous()
         self.quant_method = self
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from vllm import _custom_ops as ops
+        x2 = x.reshape(-1, x.shape[-1])
+        if bias is not None and self.ids is not None:
+            bias = bias.index_select(0, self.ids)
+        if self.fp8:
+            from vllm import _custom_ops as ops
 
-        a8, a_scale = ops.scaled_fp8_quant(x.reshape(-1, x.shape[-1]).contiguous(), use_per_token_if_dynamic=True)
-        out = ops.cutlass_scaled_mm(a8, self.weight, a_scale, self.scale, x.dtype, bias)
+            a8, a_scale = ops.scaled_fp8_quant(x2.contiguous(), use_per_token_if_dynamic=True)
+            if bias is not None and bias.shape[0] != self.scale.shape[0]:
+                bias = torch.cat([bias, bias.new_zeros(self.scale.shape[0] - bias.shape[0])])
+            out = ops.cutlass_scaled_mm(a8, self.weight, a_scale, self.scale, x.dtype, bias)[:, :self.n]
+        else:
+            out = torch.nn.functional.linear(x2, self.weight, bias)
+        if self.ids is not None:
+            full = out.new_full((out.shape[0], self.rows), float("-inf"))
+            out = full.index_copy_(1, self.ids, out)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -136,37 +159,75 @@ class Qwen4ExpMTP(nn.Module):
         colocate_projections(self.model)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
-        self._fp8_head: FP8DraftHead | None = None
-        self._fp8_refused = envs.QWEN4EXP_MTP_DRAFT_HEAD != "fp8"
+        self._head: DraftHead | None = None
+        self._fp8 = envs.QWEN4EXP_MTP_DRAFT_HEAD == "fp8"
+        self._vocab_n = envs.QWEN4EXP_MTP_DRAFT_VOCAB or 0
+        mc = vllm_config.model_config
+        self._model_dir = mc.tokenizer if isinstance(mc.tokenizer, str) and mc.tokenizer else mc.model
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
     def draft_head(self):
-        """The head the drafts' logits come from: the shared bf16 head, or its FP8 copy. The copy is made from the
-        head in use at the first draft step, which runs eagerly (vLLM's profiling run, before any graph capture:
-        the copy is then counted in the memory the KV cache leaves free), after vLLM has swapped the target's head
-        in; a later swap makes a new one. Never made while a graph is captured: the drafts then keep the bf16 head."""
-        if self._fp8_refused:
+        """The head the drafts' logits come from: the shared bf16 head, or a ``DraftHead`` (the hot vocabulary and /
+        or FP8). That copy is made from the head in use at the first draft step, which runs eagerly (vLLM's
+        profiling run, before any graph capture: the copy is then counted in the memory the KV cache leaves free),
+        after vLLM has swapped the target's head in; a later swap makes a new one. Never made while a graph is
+        captured: the drafts then keep the shared head for the process (a graph may hold it)."""
+        if not (self._fp8 or self._vocab_n):
             return self.lm_head
         w = self.lm_head.weight
-        fp8 = self._fp8_head
-        if fp8 is None or fp8.source != (w.data_ptr(), tuple(w.shape)):
-            why = fp8_head_unsupported(w)
-            head_dtype = getattr(self.logits_processor, "head_dtype", None)
-            if why is None and head_dtype not in (None, w.dtype):
-                why = f"the logits are computed in {head_dtype} (head_dtype)"
-            if why is None and torch.cuda.is_current_stream_capturing():
-                why = "its first use came inside a CUDA graph capture"
-            if why is not None:
-                logger.warning("qwen4exp: QWEN4EXP_MTP_DRAFT_HEAD=fp8 not applied (%s): the drafts use the bf16 "
-                               "LM head", why)
-                self._fp8_refused = True
-                return self.lm_head
-            self._fp8_head = fp8 = FP8DraftHead(w)
-            logger.info("qwen4exp: MTP drafts use an FP8 copy of the LM head (%d x %d, %.2f GiB)", w.shape[0],
-                        w.shape[1], w.numel() / 2**30)
-        return fp8
+        h = self._head
+        if h is not None and h.source == (w.data_ptr(), tuple(w.shape)):
+            return h
+        asked = " and ".join(x for x, on in (("QWEN4EXP_MTP_DRAFT_HEAD=fp8", self._fp8),
+                                             (f"QWEN4EXP_MTP_DRAFT_VOCAB={self._vocab_n}", self._vocab_n)) if on)
+        head_dtype = getattr(self.logits_processor, "head_dtype", None)
+        why = None
+        if head_dtype not in (None, w.dtype):
+            why = f"the logits are computed in {head_dtype} (head_dtype)"
+        elif w.is_cuda and torch.cuda.is_current_stream_capturing():
+            why = "its first use came inside a CUDA graph capture"
+        if why is not None:
+            logger.warning("qwen4exp: %s not applied (%s): the drafts use the bf16 LM head", asked, why)
+            self._fp8 = self._vocab_n = 0
+            return self.lm_head
+        if self._fp8 and (why := fp8_head_unsupported(w)) is not None:
+            logger.warning("qwen4exp: QWEN4EXP_MTP_DRAFT_HEAD=fp8 not applied (%s): the drafts use the bf16 LM head",
+                           why)
+            self._fp8 = False
+        ids, where = None, ""
+        tp = getattr(self.lm_head, "tp_size", 1)
+        if self._vocab_n:
+            from .draft_vocab import hot_token_ids, read_ranked_ids, special_token_ids
+
+            vocab = min(self.config.vocab_size, w.shape[0])
+            file = envs.QWEN4EXP_MTP_DRAFT_VOCAB_FILE
+            why = None
+            if tp > 1:
+                why = f"tensor parallel ({tp} ranks): each rank holds a slice of the head"
+            elif self._vocab_n >= vocab:
+                why = f"it is not below the vocabulary's {vocab} tokens"
+            if why is None:
+                special = special_token_ids(self._model_dir)
+                hot = hot_token_ids(self._vocab_n, vocab, read_ranked_ids(file) if file else None, special)
+                ids = torch.tensor(hot, dtype=torch.long, device=w.device)
+                where = (f"the most frequent of {file}" if file else "the lowest ids") + f", {len(special)} special"
+            else:
+                logger.warning("qwen4exp: QWEN4EXP_MTP_DRAFT_VOCAB=%d not applied (%s): the drafts score the whole "
+                               "vocabulary", self._vocab_n, why)
+                self._vocab_n = 0
+        if not (self._fp8 or self._vocab_n):
+            return self.lm_head
+        self._head = h = DraftHead(w, ids, self._fp8, tp)
+        what = "an FP8 copy of the LM head" if self._fp8 else "a copy of the LM head's rows"
+        size = h.n * w.shape[1] * (1 if self._fp8 else w.element_size())
+        if ids is not None:
+            logger.info("qwen4exp: MTP drafts use %s for %d of %d tokens (%s; %.2f GiB)", what, h.n, w.shape[0],
+                        where, size / 2**30)
+        else:
+            logger.info("qwen4exp: MTP drafts use %s (%d x %d, %.2f GiB)", what, w.shape[0], w.shape[1], size / 2**30)
+        return h
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None,
