@@ -292,15 +292,17 @@ def test_patch_contract(name, minor):
 
 @pytest.mark.parametrize("minor", patches.SUPPORTED_VLLM_MINORS)
 def test_fp8_draft_head_contract(minor):
-    """Not a patch, calls: the MTP drafts' FP8 LM head (``qwen4exp.vllm.mtp.FP8DraftHead``) quantizes its
-    activations per token and multiplies in vLLM's CUTLASS scaled GEMM, and stands in for the head in
-    ``LogitsProcessor`` through ``quant_method.apply(layer, x, bias=...)``."""
+    """Not a patch, calls: the MTP drafts' own LM head (``qwen4exp.vllm.mtp.DraftHead``: FP8 and / or the hot
+    vocabulary) quantizes its activations per token and multiplies in vLLM's CUTLASS scaled GEMM, and stands in for
+    the head in ``LogitsProcessor``, which reaches it through ``quant_method.apply(layer, x, bias=...)`` and reads
+    its ``tp_size``."""
     s = source(minor)
     ops = "_custom_ops.py"
     assert s.params(ops, "scaled_fp8_quant")[:1] == ["input"] and "use_per_token_if_dynamic" in s.params(
         ops, "scaled_fp8_quant")
     assert s.params(ops, "cutlass_scaled_mm")[:6] == ["a", "b", "scale_a", "scale_b", "out_dtype", "bias"]
-    s.contains("model_executor/layers/logits_processor.py", "LogitsProcessor", "lm_head.quant_method.apply(")
+    s.contains("model_executor/layers/logits_processor.py", "LogitsProcessor", "lm_head.quant_method.apply(",
+               "lm_head.tp_size")
 
 
 @pytest.mark.parametrize("minor", patches.SUPPORTED_VLLM_MINORS)

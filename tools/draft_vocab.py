@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from qwen4exp.vllm.draft_vocab import rank_by_count  # noqa: E402
 
-SIZES = (1024, 4096, 8192, 16384, 32768, 65536)
+SIZES = (256, 512, 1024, 4096, 8192, 16384, 32768, 65536)
 
 
 def main(argv=None) -> dict:
@@ -30,6 +30,7 @@ def main(argv=None) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
+    tok.model_max_length = 1 << 40  # (whole files: no length warning)
     lists = []
     for f in args.files:
         try:
