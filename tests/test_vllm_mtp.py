@@ -234,7 +234,9 @@ def test_mtp_full_graphs_bf16_greedy_equals_plain(setup, tmp_path):
     # which the fp32 MTP test above runs on the GPU)
     for name, extra, batches, e in (("plain", {}, None, env), ("alone", {}, [[i] for i in range(n)], env),
                                     ("mtp", MTP, None, env), ("exact", dict(dtype="float32"), None, {}),
-                                    ("mtp_fp8", MTP, None, dict(env, QWEN4EXP_MTP_DRAFT_HEAD="fp8"))):
+                                    ("mtp_fp8", MTP, None, dict(env, QWEN4EXP_MTP_DRAFT_HEAD="fp8")),
+                                    ("mtp_vocab", MTP, None, dict(env, QWEN4EXP_MTP_DRAFT_HEAD="fp8",
+                                                                  QWEN4EXP_MTP_DRAFT_VOCAB="1536"))):
         spec = dict(model=CKPT, prompts=setup["prompts"], sampling=sampling, env=e, engine=dict(engine, **extra),
                     batches=batches)
         out[name] = run_offline(spec, str(tmp_path / name), timeout=420)
@@ -276,3 +278,12 @@ def test_mtp_full_graphs_bf16_greedy_equals_plain(setup, tmp_path):
     acc8 = 1 + m8["vllm:spec_decode_num_accepted_tokens"] / m8["vllm:spec_decode_num_drafts"]
     print(f"MTP acceptance length {acc:.3f}, with the FP8 draft head {acc8:.3f}")
     assert acc8 >= acc - 0.1, (acc8, acc)
+    # the drafts' vocabulary (1536 of 2048 rows, in FP8), inside the captured draft graphs: drafts only, the same bar
+    lv = out["mtp_vocab"]["log"]
+    assert re.search(r"MTP drafts use an FP8 copy of the LM head for \d+ of 2048 tokens", lv), lv[-3000:]
+    flips = [(i, f) for i in range(n) if (f := flip_within(*pair("plain", "mtp_vocab", i), bound)) is not None]
+    assert not flips, flips
+    mv = out["mtp_vocab"]["metrics"]
+    accv = 1 + mv["vllm:spec_decode_num_accepted_tokens"] / mv["vllm:spec_decode_num_drafts"]
+    print(f"with the drafts' 1536-token vocabulary in FP8 {accv:.3f}")
+    assert accv >= 1.5, accv
