@@ -166,12 +166,18 @@ def test_mtp_draft_vocabulary_keeps_output(setup, runs, tmp_path):
     """``QWEN4EXP_MTP_DRAFT_VOCAB``: the drafts score only the 1024 lowest ids of tiny-coder's 2048 (plus its
     special tokens), so their head reads half the rows; the target still scores every token, so greedy tokens stay
     the plain run's, and drafts are still made and accepted. Asked beside the FP8 head, which the CPU refuses (its
-    line), the vocabulary still applies."""
+    line), the vocabulary still applies. Under vLLM's ``use_local_argmax_reduction`` the proposer asks the draft
+    for its tokens (``get_top_tokens``: the arg-max of those rows, no full-width logits): the same drafts, so the
+    same counters."""
     from vllm_offline import run_offline
 
     env = {"QWEN4EXP_MTP_DRAFT_VOCAB": "1024", "QWEN4EXP_MTP_DRAFT_HEAD": "fp8"}
-    out = run_offline(dict(_spec(CKPT, setup, **MTP), env=env), str(tmp_path), timeout=240)
-    assert out["tokens"] == runs["plain"]["tokens"]
+    out = run_offline(dict(_spec(CKPT, setup, **MTP), env=env), str(tmp_path / "logits"), timeout=240)
+    local = dict(speculative_config=dict(MTP["speculative_config"], use_local_argmax_reduction=True))
+    top = run_offline(dict(_spec(CKPT, setup, **local), env=env), str(tmp_path / "top"), timeout=240)
+    assert out["tokens"] == runs["plain"]["tokens"] == top["tokens"]
+    got, want = ({k: r["metrics"].get(k) for k in _SPEC_COUNTERS} for r in (top, out))
+    assert want["vllm:spec_decode_num_drafts"] and got == want
     assert "QWEN4EXP_MTP_DRAFT_HEAD=fp8 not applied (" in out["log"], out["log"][-3000:]
     line = re.search(r"MTP drafts use a copy of the LM head's rows for (\d+) of (\d+) tokens \(the lowest ids, "
                      r"(\d+) special", out["log"])

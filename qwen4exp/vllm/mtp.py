@@ -102,9 +102,11 @@ class DraftHead:
     come back full width, -inf outside it, so the proposer's arg-max (or its sampling) sees only those tokens. Drafts
     only: the target's logits, hence the output, are the shared head's."""
 
-    def __init__(self, weight: torch.Tensor, ids: torch.Tensor | None = None, fp8: bool = False, tp_size: int = 1):
+    def __init__(self, weight: torch.Tensor, ids: torch.Tensor | None = None, fp8: bool = False, tp_size: int = 1,
+                 shard_indices=None):
         self.source = (weight.data_ptr(), tuple(weight.shape))
         self.rows, self.ids, self.fp8, self.tp_size = weight.shape[0], ids, fp8, tp_size
+        self.shard_indices = shard_indices  # (the shared head's: LogitsProcessor.get_top_tokens reads them)
         w = weight.detach() if ids is None else weight.detach().index_select(0, ids)
         self.n = w.shape[0]
         if fp8:
@@ -121,6 +123,14 @@ class DraftHead:
         self.quant_method = self
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.row_logits(x, bias)
+        if self.ids is not None:
+            full = out.new_full((out.shape[0], self.rows), float("-inf"))
+            out = full.index_copy_(1, self.ids, out)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def row_logits(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """[tokens, n] logits of the head's own rows (``ids``' tokens, in their order)."""
         x2 = x.reshape(-1, x.shape[-1])
         if bias is not None and self.ids is not None:
             bias = bias.index_select(0, self.ids)
@@ -133,10 +143,7 @@ class DraftHead:
             out = ops.cutlass_scaled_mm(a8, self.weight, a_scale, self.scale, x.dtype, bias)[:, :self.n]
         else:
             out = torch.nn.functional.linear(x2, self.weight, bias)
-        if self.ids is not None:
-            full = out.new_full((out.shape[0], self.rows), float("-inf"))
-            out = full.index_copy_(1, self.ids, out)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out
 
 
 def fp8_head_unsupported(weight: torch.Tensor) -> str | None:
@@ -219,7 +226,7 @@ class Qwen4ExpMTP(nn.Module):
                 self._vocab_n = 0
         if not (self._fp8 or self._vocab_n):
             return self.lm_head
-        self._head = h = DraftHead(w, ids, self._fp8, tp)
+        self._head = h = DraftHead(w, ids, self._fp8, tp, getattr(self.lm_head, "shard_indices", None))
         what = "an FP8 copy of the LM head" if self._fp8 else "a copy of the LM head's rows"
         size = h.n * w.shape[1] * (1 if self._fp8 else w.element_size())
         if ids is not None:
@@ -237,6 +244,16 @@ class Qwen4ExpMTP(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor | None:
         out, _ = self.model.hyper_connection_mixer(hidden_states)
         return self.logits_processor(self.draft_head(), out)
+
+    def get_top_tokens(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        """The draft tokens without full-width logits (vLLM's proposer under ``use_local_argmax_reduction``): the
+        arg-max of the drafts' vocabulary rows mapped to their ids, else vLLM's vocab-parallel arg-max of the head.
+        (Soft-capping and a positive scale keep the order, so the rows' plain logits pick the same token.)"""
+        out, _ = self.model.hyper_connection_mixer(hidden_states)
+        h = self.draft_head()
+        if isinstance(h, DraftHead) and h.ids is not None:
+            return h.ids[h.row_logits(out).argmax(-1)]
+        return self.logits_processor.get_top_tokens(h, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """``mtp.*`` plus the shared embedding and LM head, through the target's loader (``weights.MTP_DRAFT``)."""
