@@ -9,6 +9,9 @@ pytestmark = pytest.mark.vllm
 
 
 def test_finds_upstream_and_our_target_and_draft_classes():
+    import qwen4exp.vllm as plugin
+
+    plugin.register()  # as any earlier test in the process may have: upstream's must still be found
     wm = load_script("warm_modelinfo")
     found = wm.entries()
     mods = {label: f"{e.module_name}:{e.class_name}" for label, e in found.items()}

@@ -23,9 +23,17 @@ ARCHS = ("Qwen4ExpForConditionalGeneration", "Qwen4ExpMTP")
 def entries() -> dict:
     """{label: registry entry}: upstream's in-tree classes, then ours (the plugin's register() replaces them)."""
     from vllm import ModelRegistry
+    from vllm.model_executor.models import registry
 
     models = ModelRegistry.models
-    found = {f"upstream {a}": models[a] for a in ARCHS if a in models}
+    # upstream's from vLLM's own table, not the live registry: where the plugin has registered already (earlier in
+    # this process), the live entries are ours
+    found = {}
+    for a in ARCHS:
+        if a in registry._VLLM_MODELS:
+            mod, cls = registry._VLLM_MODELS[a]
+            found[f"upstream {a}"] = registry._LazyRegisteredModel(
+                module_name=mod if mod.startswith("vllm.") else f"vllm.model_executor.models.{mod}", class_name=cls)
     import qwen4exp.vllm as plugin
 
     plugin.register()
